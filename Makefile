@@ -1,0 +1,35 @@
+# spechead: `make demo` runs the pipeline on the embedded default; `make test` runs the test suite.
+# Both create/reuse .venv and install the pinned requirements (torch first: the CPU wheel).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.spechead-installed
+
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install bench clean-runs
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=23"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed; expected the 2.13.0 CPU wheel'"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m scripts.pipeline $(ARGS)
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/train_step.py --quick
+
+clean-runs:
+	rm -rf runs

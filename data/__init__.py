@@ -1,0 +1,2 @@
+"""Conversation sources, chat templating and loss masks, offline assets, the feature store and the
+precompute stage."""

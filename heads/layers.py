@@ -1,0 +1,211 @@
+"""Llama-family building blocks: args from an HF config, RMSNorm, RoPE, GQA attention with an
+optional contiguous KV cache, SwiGLU MLP and the decoder layer.
+
+One definition serves the target model of the engine (inference_eval/model.py) and every draft head,
+so training, validation and serving run the same numerics. Tensor names follow HF transformers
+(`q_proj`, `input_layernorm`, ...) so checkpoints load without a renaming table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Hyper-parameters of a Llama-family model, read from its HF `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2/2.5: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any] | Any) -> "LlamaArgs":
+        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"model_type {model_type!r} is not a Llama-family architecture this engine implements")
+        # transformers 5 moved rope settings into `rope_parameters`; older configs keep them top-level.
+        rope = dict(d.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
+        scaling = rope if rope.get("rope_type", "default") != "default" else d.get("rope_scaling")
+        n_heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling or None,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as HF does, then cast back before the weight multiply.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies of RoPE, with the target's theta and (llama3) scaling."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        return torch.where(is_mid, mid, scaled).float()
+    raise NotImplementedError(f"rope scaling type {kind!r} is not implemented")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables looked up by absolute position (positions may differ per row)."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, n, T, d]; cos/sin: [B, T, d]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class KVCache:
+    """A contiguous per-layer key/value cache: `[B, n_kv, max_len, d]` per layer.
+
+    The caller tracks how many slots are valid; cropping after a rejected draft is just writing the
+    next step at a smaller start (stale slots beyond it are never read).
+    """
+
+    def __init__(self, num_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (batch, n_kv, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, in_features: int | None = None) -> None:
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        in_features = in_features or h
+        self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
+        self.q_proj = nn.Linear(in_features, self.n_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(in_features, self.n_kv * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(in_features, self.n_kv * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, nH, T, d]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, nKV, T, d]
+        if kv is not None:
+            k_cache, v_cache = kv
+            k_cache[:, :, start:start + t] = k
+            v_cache[:, :, start:start + t] = v
+            k, v = k_cache[:, :, :start + t], v_cache[:, :, :start + t]
+        if attn_mask is None and t > 1 and start > 0:
+            # New queries sit at absolute slots start..start+t-1 and see every key up to themselves.
+            attn_mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and t > 1,
+            enable_gqa=self.n_kv != self.n_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama decoder layer. `input_norm=False` gives EAGLE-1's layer without input norm."""
+
+    def __init__(self, args: LlamaArgs, input_norm: bool = True) -> None:
+        super().__init__()
+        if input_norm:
+            self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        x = x + self.self_attn(h, cos, sin, kv, start, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

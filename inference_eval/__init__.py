@@ -1,0 +1,1 @@
+"""The inference engine (target model, KV cache, speculative decoding loops) and acceptance evaluation."""

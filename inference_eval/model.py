@@ -1,0 +1,150 @@
+"""The engine's target model: a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) loaded from
+an HF checkpoint by its own tensor names.
+
+The forward returns the last decoder layer's output before the final norm (H_i, DESIGN.md §2) and,
+on demand, logits and the inputs of chosen layers (EAGLE-3's "input of layer i" convention). The
+same code computes the features of the precompute stage and runs validation and evaluation, so
+train/serve numerics are one path. Built from the blocks in heads/layers.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from heads.layers import DecoderLayer, KVCache, LlamaArgs, RMSNorm, Rotary
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [B, T, H] last layer output, pre-norm (H_i)
+    logits: torch.Tensor | None  # [B, T or 1, V] or None
+    aux: list[torch.Tensor]  # inputs of the requested layers, each [B, T, H]
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = Rotary(args)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Target model. Module names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` loads as is."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaBackbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LlamaForCausalLM":
+        path = Path(path)
+        args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(args)
+        state = load_safetensors_dir(path)
+        if args.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
+        unexpected = set(state) - set(model.state_dict())
+        if missing or unexpected:
+            raise ValueError(f"{path}: checkpoint does not match a {args.model_type} model: "
+                             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.model.rotary_emb = Rotary(args)  # buffers were on meta
+        return model.to(device).eval().requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, batch, a.num_key_value_heads, max_len, a.head_dim,
+                       self.dtype, self.model.embed_tokens.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, start: int = 0,
+                logits: Literal["all", "last", "none"] = "all",
+                capture_layers: tuple[int, ...] = ()) -> TargetOutput:
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in capture_layers:
+                aux.append(x)
+            x = layer(x, cos, sin, cache.layer(i) if cache is not None else None, start)
+        out = None
+        if logits != "none":
+            last = x[:, -1:] if logits == "last" else x
+            out = self.lm_head(self.model.norm(last))
+        return TargetOutput(hidden=x, logits=out, aux=aux)
+
+
+def load_safetensors_dir(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Read the tensors of an HF checkpoint directory (one file or an index of shards)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors file (is this an HF checkpoint directory?)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for key in fh.keys():
+                if names is None or key in names:
+                    state[key] = fh.get_tensor(key)
+    return state
+
+
+@dataclass
+class FrozenTargetParts:
+    """The target weights a draft head shares: embedding E, final norm N_f and lm_head W_lm."""
+
+    embed: torch.Tensor  # [V, H]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    first_input_norm: torch.Tensor  # [H], layer 0's input_layernorm (norm init for the embedding)
+
+
+def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32) -> FrozenTargetParts:
+    """Read only the shared tensors from a target checkpoint (no full model load)."""
+    path = Path(path)
+    args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+             "model.layers.0.input_layernorm.weight"}
+    s = load_safetensors_dir(path, names)
+    lm = s["model.embed_tokens.weight"] if args.tie_word_embeddings or "lm_head.weight" not in s else s["lm_head.weight"]
+    return FrozenTargetParts(embed=s["model.embed_tokens.weight"].to(dtype), norm=s["model.norm.weight"].to(dtype),
+                             lm_head=lm.to(dtype), first_input_norm=s["model.layers.0.input_layernorm.weight"].to(dtype))
+
+
+def target_args(path: str | Path) -> LlamaArgs:
+    return LlamaArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+
+def tied_target(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The frozen target tensors a head shares, as the head's TiedTarget module, plus the target args
+    and the raw parts (for initialising a new head)."""
+    from heads.mtp import TiedTarget
+
+    args = target_args(path)
+    parts = load_frozen_parts(path, dtype)
+    return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps), args, parts

@@ -1,0 +1,1 @@
+"""Thin hydra entry points: precompute, train, evaluate, export, pipeline (the demo)."""

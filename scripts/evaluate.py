@@ -1,0 +1,18 @@
+"""Evaluate head checkpoints (`evaluate.heads`) through the engine: τ and α_d, JSON report."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from inference_eval.evaluate import run_evaluation
+
+    report = run_evaluation(cfg)
+    for label, r in report["results"].items():
+        print(f"evaluate {label} tau={r['tau']:.3f} alpha={[round(a, 3) for a in r['alpha']]} k={r['k']}")
+    print(f"evaluate report={cfg.evaluate.report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Precompute: run the target over conversations and write the feature store (`store_dir`)."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from data.precompute import run_precompute
+
+    store, stats = run_precompute(cfg)
+    print(f"precompute store={store} samples={stats.samples} tokens={stats.tokens} "
+          f"tok_per_s={stats.tokens_per_s:.0f} rejected={dict(stats.rejected)}")
+
+
+if __name__ == "__main__":
+    main()

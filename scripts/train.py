@@ -1,0 +1,17 @@
+"""Train the configured head on the feature store; writes the native checkpoint to `head_dir`."""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from train.run import run_training
+
+    head_dir, metrics = run_training(cfg)
+    shown = " ".join(f"{k.replace('/', '_')}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("val/"))
+    print(f"train head={head_dir} {shown}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The MTP head: shapes, frozen shared tensors, cached decode == full forward, native round trip."""
+
+import pytest
+import torch
+
+from heads.checkpoint import build_head, load_native
+from heads.export import export_native, probe_logits
+from inference_eval.model import tied_target
+
+
+@pytest.fixture
+def head(tiny_target):
+    tied, args, parts = tied_target(tiny_target)
+    h = build_head({"type": "mtp", "num_modules": 1, "init": "copy"}, args, tied)
+    h.reset_parameters(0, parts.first_input_norm)
+    return h
+
+
+def test_shapes_and_frozen_parts(head, tiny_target):
+    args = head.args
+    hidden = torch.randn(2, 9, args.hidden_size)
+    tokens = torch.randint(0, args.vocab_size, (2, 9))
+    out = head(hidden, tokens, torch.arange(9).expand(2, 9))
+    assert out.shape == (2, 9, args.hidden_size)
+    assert head.logits(out).shape == (2, 9, args.vocab_size)
+    names = [n for n, _ in head.named_parameters()]
+    assert not any("tied" in n or "embed" in n or "lm_head" in n for n in names)
+    assert not any(k.startswith("tied") for k in head.state_dict())
+    assert {"layers.0.enorm.weight", "layers.0.hnorm.weight", "layers.0.eh_proj.weight",
+            "layers.0.layer.input_layernorm.weight", "layers.0.shared_head.norm.weight"} <= set(head.state_dict())
+    # hnorm and the final norm start from the target's N_f; eh_proj's hidden half is the identity
+    assert torch.equal(head.layers[0].hnorm.weight, head.tied.norm_weight)
+    assert torch.equal(head.layers[0].eh_proj.weight[:, args.hidden_size:], torch.eye(args.hidden_size))
+    loss = head.logits(out).logsumexp(-1).sum()
+    loss.backward()
+    assert head.tied.embed.grad is None and head.tied.lm_head.grad is None
+    assert head.layers[0].eh_proj.weight.grad is not None
+
+
+def test_cached_steps_equal_full_forward(head):
+    args = head.args
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(1, 12, args.hidden_size, generator=g)
+    tokens = torch.randint(0, args.vocab_size, (1, 12), generator=g)
+    full = head(hidden, tokens, torch.arange(12).expand(1, 12))
+    cache = head.new_cache(1, 16)
+    got = [head(hidden[:, :5], tokens[:, :5], torch.arange(5).expand(1, 5), cache, 0)]
+    got += [head(hidden[:, i:i + 1], tokens[:, i:i + 1], torch.tensor([[i]]), cache, i) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_native_round_trip(head, tmp_path, tiny_target):
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = export_native(head, tmp_path / "native", {"name": "tiny"})
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    tied, args, _ = tied_target(tiny_target)
+    again = load_native(out, tied, args)
+    assert torch.equal(probe_logits(again), probe_logits(head))
+    other = build_head({"type": "mtp"}, args, tied)
+    other.reset_parameters(1)
+    assert not torch.equal(probe_logits(other), probe_logits(head))
+
+
+def test_unknown_head_type(tiny_target):
+    tied, args, _ = tied_target(tiny_target)
+    with pytest.raises(ValueError, match="unknown head type 'nope'"):
+        build_head({"type": "nope"}, args, tied)

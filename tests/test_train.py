@@ -1,0 +1,64 @@
+"""Training: the loss falls on a fixed batch, the hydra config composes and trains end to end."""
+
+import torch
+
+from data.precompute import run_precompute
+from heads.checkpoint import load_native
+from heads.export import probe_logits
+from inference_eval.model import tied_target
+from tests.conftest import compose_config
+from train.data import TokenBudgetBatches, collate
+from train.module import DraftHeadModule
+from train.run import init_head, run_training
+
+
+def test_loss_decreases_on_fixed_batch(tiny_overrides, tiny_target):
+    cfg = compose_config(tiny_overrides)
+    store_dir, _ = run_precompute(cfg)
+    from data.store import FeatureStore
+    store = FeatureStore(store_dir)
+    batch = collate([store[i] for i in range(4)])
+    module = DraftHeadModule(init_head(cfg, tiny_target), kl_chunk_size=16)
+    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        out = module.compute_loss(batch)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(float(out["loss"].detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    final = module.compute_loss(batch)
+    assert float(final["acc_d1"]) > 0.5
+    assert int(final["n_tokens"]) == int(batch["loss_mask"][:, 2:].sum())
+
+
+def test_token_budget_batches_cover_all_within_budget():
+    lengths = [5, 90, 33, 12, 64, 64, 7, 100, 3]
+    sampler = TokenBudgetBatches(lengths, batch_tokens=128, shuffle=True, seed=0)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 128 or len(b) == 1 for b in batches)
+    sampler.set_epoch(1)
+    assert list(sampler) != batches or len(batches) == 1
+
+
+def test_config_composes_with_each_group():
+    cfg = compose_config([])
+    assert cfg.head.type == "mtp" and cfg.trainer._target_ == "lightning.Trainer"
+    assert cfg.logger._target_.endswith("WandbLogger") and cfg.logger.offline is True
+    assert cfg.target.source == "smollm2_gguf" and cfg.store_dir == "runs/demo/features"
+    smoke = compose_config(["experiment=smoke"])
+    assert smoke.run_name == "smoke" and smoke.data.max_samples == 24 and smoke.store_dir == "runs/smoke/features"
+
+
+def test_train_entry_trains_and_saves(tiny_overrides, tiny_target):
+    cfg = compose_config(tiny_overrides)
+    run_precompute(cfg)
+    head_dir, metrics = run_training(cfg)
+    assert metrics["val/acc_d1"] >= 0 and metrics["train/loss"] > 0
+    tied, args, _ = tied_target(tiny_target)
+    trained = load_native(head_dir, tied, args)
+    untrained = load_native(cfg.train.untrained_dir, tied, args)
+    assert not torch.equal(probe_logits(trained), probe_logits(untrained))
+    assert torch.equal(probe_logits(untrained), probe_logits(init_head(cfg, tiny_target)))

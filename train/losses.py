@@ -1,0 +1,83 @@
+"""Losses of DESIGN.md §4: hidden-state regression and the KL to the target's distribution.
+
+    KL(p_t || p_s) = Σ_v p_t(v) (log p_t(v) − log p_s(v)),   p_t = softmax(W_lm F_t),  p_s = softmax(W_lm F_s)
+
+with F_t = N_f(H_{i+1}) the target's post-norm feature and F_s = N_o(Ĥ_i) the head's. The vocabulary
+projection dominates time and memory (tokens × vocab floats per logit tensor), so `fused_linear_kl`
+works in chunks of rows and computes each chunk's gradient in the forward pass (the loss is a sum,
+so d loss / d F_s = (softmax(s) − p_t) W_lm is known then): no [N, V] tensor is ever kept for
+backward, nothing is recomputed, and peak memory is a few × chunk × V floats whatever N is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def hidden_regression(pred: torch.Tensor, target: torch.Tensor, normed: bool = True) -> torch.Tensor:
+    """Sum over rows of the mean SmoothL1 for [N, H]. `normed` compares RMS-normalised vectors: the
+    pre-norm residual stream has a few huge channels that would otherwise dominate the loss."""
+    if normed:
+        pred, target = rms_normalize(pred.float()), rms_normalize(target.float())
+    return F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1).sum()
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class _FusedLinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, chunk_size: int,
+                mm_dtype: torch.dtype):
+        w = weight.to(mm_dtype)
+        grad = torch.empty_like(student, dtype=torch.float32) if student.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        agree = torch.zeros((), dtype=torch.long, device=student.device)
+        for a in range(0, student.shape[0], chunk_size):
+            s = F.linear(student[a:a + chunk_size].to(mm_dtype), w).float()  # [c, V]
+            t = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).float()  # [c, V]
+            agree += (s.argmax(-1) == t.argmax(-1)).sum()
+            diff = t - s
+            m_t, m_s = t.amax(-1, keepdim=True), s.amax(-1, keepdim=True)
+            e_t, e_s = t.sub_(m_t).exp_(), s.sub_(m_s).exp_()  # in place: t, s are now exp(· − max)
+            z_t, z_s = e_t.sum(-1, keepdim=True), e_s.sum(-1, keepdim=True)
+            # Σ p_t (t − s) − lse(t) + lse(s), with lse = log z + max
+            kl = (e_t * diff).sum(-1, keepdim=True) / z_t - z_t.log() - m_t + z_s.log() + m_s
+            total += kl.sum()
+            if grad is not None:
+                g_logits = e_s.div_(z_s).sub_(e_t.div_(z_t))  # softmax(s) − p_t
+                grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ w).float()
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
+        ctx.student_dtype = student.dtype
+        ctx.mark_non_differentiable(agree)
+        return total, agree
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_agree):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_total).to(ctx.student_dtype), None, None, None, None
+
+
+def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
+                    chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over rows of KL(softmax(W teacher) || softmax(W student)) and the count of top-1
+    agreements, for post-norm features [N, H] and a frozen projection W [V, H]. Matmuls run in the
+    autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
+    return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), chunk_size, _matmul_dtype(student))
+
+
+def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,
+             teacher_logits_fn: Callable) -> torch.Tensor:
+    """Reference: full [N, V] logits at once, autograd through everything (what the fused loss must equal)."""
+    s = student_logits_fn(student).float()
+    t = teacher_logits_fn(teacher).float()
+    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum")

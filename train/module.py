@@ -1,0 +1,89 @@
+"""The LightningModule: loss, metrics and optimizer for a draft head (DESIGN.md §4).
+
+It owns no data loading and no target model: the head arrives built, with the target's frozen
+embedding / final norm / lm_head attached as non-persistent buffers, and batches arrive from the
+feature store. Depth 1: position i consumes (H_i, t_{i+1}) and is trained against H_{i+1} and the
+teacher distribution softmax(W_lm N_f(H_{i+1})), which predicts t_{i+2}; the loss mask is that of
+t_{i+2}.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import lightning as L
+import torch
+
+from train.losses import fused_linear_kl, hidden_regression
+
+
+class DraftHeadModule(L.LightningModule):
+    def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
+                 w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
+                 kl_chunk_size: int = 512, grad_clip: float | None = None) -> None:
+        super().__init__()
+        self.head = head
+        self.save_hyperparameters(ignore=["head"])
+        self._t_last: float | None = None
+
+    # ---- the loss ---------------------------------------------------------------------------------
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hp = self.hparams
+        hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
+        ids, valid = batch["input_ids"], batch["valid"]
+        b, t, _ = hidden.shape
+        positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)
+        pred = self.head(hidden[:, :-1], ids[:, 1:], positions)  # [B, T-1, H] ≈ H_{i+1}
+        mask = torch.zeros(b, t - 1, dtype=torch.bool, device=ids.device)
+        mask[:, :-1] = batch["loss_mask"][:, 2:] & valid[:, 2:]  # the token predicted is t_{i+2}
+        n = mask.sum().clamp(min=1)
+        sel_pred, sel_tgt = pred[mask], hidden[:, 1:][mask]  # [N, H]
+        reg = hidden_regression(sel_pred, sel_tgt, hp.normed_regression)
+        kl, agree = fused_linear_kl(self.head.features(sel_pred), self.head.tied.final_norm(sel_tgt),
+                                    self.head.tied.lm_head, hp.kl_chunk_size)
+        loss = (hp.w_hidden * reg + hp.w_kl * kl) / n
+        acc = agree.float() / n
+        return {"loss": loss, "reg_d1": reg / n, "kl_d1": kl / n, "acc_d1": acc,
+                "sim_tau": 1 + acc, "n_tokens": mask.sum(), "tokens": valid.sum()}
+
+    def training_step(self, batch, batch_idx):
+        out = self.compute_loss(batch)
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self.log("train/tokens_per_s", out["tokens"].float() / (now - self._t_last), on_step=True)
+        self._t_last = now
+        self.log("train/peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, on_step=True)
+        bs = int(batch["input_ids"].shape[0])
+        for key in ("loss", "reg_d1", "kl_d1", "acc_d1", "sim_tau"):
+            self.log(f"train/{key}", out[key], on_step=True, prog_bar=key in ("loss", "acc_d1"), batch_size=bs)
+        return out["loss"]
+
+    def validation_step(self, batch, batch_idx):
+        out = self.compute_loss(batch)
+        n = int(out["n_tokens"])
+        for key in ("loss", "reg_d1", "kl_d1", "acc_d1", "sim_tau"):
+            # weight by loss tokens so the epoch value is a per-token mean
+            self.log(f"val/{key}", out[key], on_epoch=True, batch_size=max(n, 1), prog_bar=key == "acc_d1")
+
+    # ---- optimisation -----------------------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warm = min(hp.warmup_steps, total // 2)
+
+        def schedule(step: int) -> float:  # linear warmup, cosine decay to min_lr_ratio
+            if step < warm:
+                return (step + 1) / warm
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
