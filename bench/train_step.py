@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from heads.layers import LlamaArgs  # noqa: E402
-from heads.mtp import MTPConfig, MTPHead, TiedTarget  # noqa: E402
+from heads.base import TiedTarget  # noqa: E402
+from heads.mtp import MTPConfig, MTPHead  # noqa: E402
 from train.losses import fused_linear_kl, hidden_regression, naive_kl  # noqa: E402
 
 SMOLLM2 = LlamaArgs(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -1,7 +1,22 @@
 """The precompute stage: run the target over tokenized conversations and store H_i per token.
 
-Uses the engine's model (inference_eval/model.py), one sample per forward (no padding), in the
-configured compute dtype. Resumable: samples already in finished shards are skipped.
+Uses the engine's model (inference_eval/model.py) in the configured compute dtype, with
+`logits="none"`: the store needs H_i only, and the vocabulary projection would be about a fifth of
+SmolLM2-135M's FLOPs plus a [T, V] tensor per sample.
+
+Batching without an attention mask: samples are right-padded into [B, T_max] batches. Attention is
+causal, so a real token never attends to the padding after it, and the states of a sample's real
+tokens are those of its own forward (up to the rounding of a batched matmul); the states at padded
+positions are dropped. Samples are taken in windows of consecutive samples (`WINDOW_BATCHES` batches' worth of
+tokens); inside a window they are sorted by length and cut into batches of at most `batch_tokens`
+padded tokens, which keeps padding small (ShareGPT samples truncated to `max_length` share one
+length: no padding at all), and they are written in input order.
+
+Resumable and deterministic: windows and batches are a function of the full sample list and
+`batch_tokens` only. A resumed run skips every batch whose samples are all in finished shards and
+recomputes a batch straddling the last finished shard whole (writing only its new samples), so every
+sample is computed in the same batch as in an uninterrupted run and the shards come out
+byte-identical.
 """
 
 from __future__ import annotations
@@ -9,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,26 +70,95 @@ def tokenize_all(tokenizer, conversations: list[tuple[str, list[dict]]], max_len
     return out
 
 
-@torch.inference_mode()
+WINDOW_BATCHES = 8  # a window holds about this many batches' worth of tokens
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) -> list[list[list[int]]]:
+    """Windows of consecutive sample indices, each a list of batches (longest first) whose padded
+    size rows × longest row is at most `batch_tokens` (a longer sample gets a batch of its own).
+    A window too small to fill `min_batches` batches (the last one, or a small dataset) is cut into
+    about `min_batches` smaller ones (rows split evenly), so that every worker gets one."""
+    windows, window, window_tokens = [], [], 0
+    for i, n in enumerate(lengths):
+        window.append(i)
+        window_tokens += n
+        if window_tokens >= WINDOW_BATCHES * batch_tokens or i == len(lengths) - 1:
+            windows.append(window)
+            window, window_tokens = [], 0
+    planned = []
+    for window in windows:
+        order = sorted(window, key=lambda i: (-lengths[i], i))
+        budget = min(batch_tokens, lengths[order[0]] * -(-len(window) // min_batches))
+        batches: list[list[int]] = []
+        for i in order:
+            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        planned.append(batches)
+    return planned
+
+
+def resolve_workers(workers: int | None, device: torch.device) -> int:
+    """Batches in flight at once: 1 on an accelerator; on CPU by default one per intra-op thread,
+    at most 4 (each worker then gets num_threads // workers threads)."""
+    if workers is not None:
+        return max(1, int(workers))
+    return 1 if device.type != "cpu" else max(1, min(4, torch.get_num_threads()))
+
+
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
-               progress: bool = True) -> PrecomputeStats:
+               batch_tokens: int = 8192, workers: int | None = None, progress: bool = True) -> PrecomputeStats:
+    """Compute and store H_i for every sample not yet in a finished shard of `writer`'s store.
+
+    On CPU, `workers` batches run concurrently on threads with num_threads // workers intra-op
+    threads each, instead of one batch on all of them: the layers' small-matrix and elementwise
+    ops then need no cross-thread barrier, and a core taken by another process slows one batch
+    instead of every op (the setting is restored on return). Each batch runs alone on its worker,
+    so its numerics do not depend on what else is in flight.
+    """
     done = writer.done_ids
-    todo = [s for s in samples if s[0] not in done]
-    total_tokens = sum(len(s[1]) for s in todo)
+    lengths = [len(ids) for _, ids, _ in samples]
+    todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
+    device = model.model.embed_tokens.weight.device
+    workers = resolve_workers(workers, device)
+
+    def forward(batch: list[int]) -> torch.Tensor:
+        input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
+        for row, i in enumerate(batch):
+            input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
+        with torch.inference_mode():  # thread-local: entered in the worker
+            return model(input_ids.to(device), logits="none").hidden.cpu()  # [B, T_max, H], pre-norm
+
     t0 = time.perf_counter()
-    tokens = loss_tokens = 0
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="precompute", disable=not progress)
-    for sid, ids, mask in todo:
-        input_ids = torch.tensor([ids])
-        hidden = model(input_ids, logits="none").hidden[0]  # [T, H], pre-norm last layer
-        writer.add(Sample(sid, input_ids[0], torch.tensor(mask), hidden))
-        tokens += len(ids)
-        loss_tokens += sum(mask)
-        bar.update(len(ids))
-    bar.close()
+    count = tokens = loss_tokens = 0
+    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="precompute", disable=not progress)
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="precompute") if workers > 1 else None
+    if pool is not None and device.type == "cpu":
+        torch.set_num_threads(max(1, threads // workers))
+    try:
+        for window in plan_batches(lengths, batch_tokens, min_batches=workers):
+            batches = [b for b in window if not all(samples[i][0] in done for i in b)]
+            hidden: dict[int, torch.Tensor] = {}
+            for batch, out in zip(batches, pool.map(forward, batches) if pool else map(forward, batches)):
+                for row, i in enumerate(batch):
+                    hidden[i] = out[row, :lengths[i]]
+            for i in sorted(hidden):  # input order
+                sid, ids, mask = samples[i]
+                if sid in done:  # computed only because its batch straddles the last finished shard
+                    continue
+                writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), hidden[i]))
+                count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
+                bar.update(len(ids))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+            torch.set_num_threads(threads)
+        bar.close()
     writer.close()
-    return PrecomputeStats(samples=len(todo), tokens=tokens, loss_tokens=loss_tokens,
-                           skipped_done=len(samples) - len(todo), rejected=Counter(),
+    return PrecomputeStats(samples=count, tokens=tokens, loss_tokens=loss_tokens,
+                           skipped_done=len(samples) - count, rejected=Counter(),
                            seconds=time.perf_counter() - t0)
 
 
@@ -99,7 +184,8 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
     writer = StoreWriter(cfg.store_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source)
-    stats = precompute(model, samples, writer, progress=cfg.get("progress", True))
+    stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
+                       workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
     stats.rejected = rejected
     log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s); rejected %s; store %s",
              stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),

@@ -4,25 +4,47 @@ A shard concatenates many samples: `input_ids` [T] int32, `loss_mask` [T] uint8,
 (H_i, the last decoder layer's output before the final norm) in the storage dtype, `offsets` [n+1]
 int64; sample ids are in the safetensors metadata. The manifest holds the schema version, the
 target fingerprint, the captured layers, the data source and, per shard, sample and token counts and
-the sha256. Every file is written to a temp name, fsynced and renamed; the manifest is rewritten
-after each shard, so a killed run keeps every finished shard and resumes after the last one.
+the sha256.
+
+Storage dtypes: bfloat16 (default), float16, float32, and fp8 (`float8_e4m3fn`, config alias `fp8`)
+with a per-token fp32 scale `hidden_scale` [T] = amax(|H_t|) / 448 (1 for an all-zero row), the
+per-row absmax scaling of FP8 formats (Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
+e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 per element whose magnitude is at least
+amax / (448·2^6) of its row; smaller ones are subnormal, with an absolute error ≤ scale·2^-10. The reader dequantizes
+transparently into the target's compute dtype from the fingerprint (bfloat16 for the real target,
+float32 when it is not a float dtype we know), so an fp8 store reads like a store written in that
+dtype. Bytes per token on disk: 2·H + 5 for bf16, H + 9 for fp8 (ids 4, mask 1, scale 4), plus the
+header and offsets amortised over the shard.
+
+Writes: every file is written to a dot-prefixed temp name, fsynced, renamed, and the directory is
+fsynced; the manifest is rewritten the same way after each shard. A kill at any point leaves the
+manifest listing only finished shards: a shard renamed into place but not yet in the manifest is
+rewritten (identically) by the resumed run, and leftover temp files are removed when a writer opens
+the directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+log = logging.getLogger(__name__)
+
 SCHEMA_VERSION = 1
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = "float8_e4m3fn"
+STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
+STORAGE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": FP8, "fp8_e4m3": FP8}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class StoreError(RuntimeError):
@@ -37,13 +59,49 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
+    directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
+    prefix."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
+    write(tmp)
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def storage_dtype(name: str) -> str:
+    """Canonical storage dtype name (`fp8` -> `float8_e4m3fn`, `bf16` -> `bfloat16`)."""
+    canon = STORAGE_ALIASES.get(name, name)
+    if canon not in STORAGE_DTYPES:
+        raise StoreError(f"storage dtype {name!r} not supported; choose from "
+                         f"{sorted(STORAGE_DTYPES)} (or the aliases {sorted(STORAGE_ALIASES)})")
+    return canon
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token absmax scaling to float8_e4m3fn: `hidden` [T, H] -> (q [T, H] fp8, scale [T] fp32),
+    hidden ≈ q.float() * scale[:, None]."""
+    x = hidden.float()
+    amax = x.abs().amax(dim=-1)  # [T]
+    if not torch.isfinite(amax).all():
+        raise StoreError("non-finite hidden state: cannot be stored in fp8 (nor trained on)")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # zero rows: any scale works
+    q = (x / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
 
 
 @dataclass
@@ -64,8 +122,7 @@ class StoreWriter:
     def __init__(self, root: str | Path, fingerprint: dict[str, Any], hidden_size: int,
                  dtype: str = "bfloat16", shard_tokens: int = 1 << 18, source: dict[str, Any] | None = None,
                  captured: dict[str, Any] | None = None) -> None:
-        if dtype not in DTYPES:
-            raise StoreError(f"storage dtype {dtype!r} not supported; choose from {sorted(DTYPES)}")
+        dtype = storage_dtype(dtype)
         self.root = Path(root)
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
@@ -80,18 +137,35 @@ class StoreWriter:
             "shards": [],
             "complete": False,
         }
+        if dtype == FP8:
+            self.manifest["hidden_scale"] = "float32 per token: amax(|H_t|) / 448"
+            self.manifest["dequantized_dtype"] = dequantized_dtype_name(fingerprint)
         existing = self.root / "manifest.json"
         if existing.exists():
-            old = json.loads(existing.read_text())
-            same = all(old.get(k) == self.manifest[k] for k in
-                       ("schema_version", "target_fingerprint", "hidden_size", "dtype", "captured", "source"))
-            if not same:
-                raise StoreError(f"{existing}: an existing store with other settings (target, dtype or source); "
+            try:
+                old = json.loads(existing.read_text())
+            except json.JSONDecodeError as e:
+                raise StoreError(f"{existing}: unreadable manifest ({e}); not a store this writer made") from e
+            keys = ("schema_version", "target_fingerprint", "hidden_size", "dtype", "captured", "source")
+            diffs = [k for k in keys if old.get(k) != self.manifest[k]]
+            if diffs:
+                detail = "; ".join(f"{k}: stored {old.get(k)!r}, now {self.manifest[k]!r}" for k in diffs
+                                   if k in ("dtype", "hidden_size", "schema_version"))
+                raise StoreError(f"{existing}: an existing store with other settings (differs in {', '.join(diffs)}"
+                                 f"{'; ' + detail if detail else ''}); resuming would mix them in one store: "
                                  "choose a new directory or delete it")
             self.manifest["shards"] = old["shards"]
             self.manifest["complete"] = old.get("complete", False)
+        self._remove_stale_temps()
         self._pending: list[Sample] = []
         self._pending_tokens = 0
+
+    def _remove_stale_temps(self) -> None:
+        # A kill during a write leaves `.<name>.tmp`; it is never read, but remove it so the
+        # directory holds only the manifest and the shards.
+        for tmp in [*self.root.glob(".*.tmp"), *(self.root / "shards").glob(".*.tmp")]:
+            log.info("removing %s left by an interrupted write", tmp)
+            tmp.unlink(missing_ok=True)
 
     @property
     def done_ids(self) -> set[str]:
@@ -118,19 +192,20 @@ class StoreWriter:
         tensors = {
             "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in self._pending]),
             "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in self._pending]),
-            "hidden": torch.cat([s.hidden.to(DTYPES[self.dtype]) for s in self._pending]).contiguous(),
             "offsets": offsets,
         }
+        if self.dtype == FP8:
+            tensors["hidden"], tensors["hidden_scale"] = quantize_fp8(torch.cat([s.hidden for s in self._pending]))
+        else:
+            tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in self._pending])
         ids = [s.sample_id for s in self._pending]
         path = self.root / name
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # save_file streams the tensors to disk (no second in-memory copy of a multi-GB shard)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)}))
         self.manifest["shards"].append({
             "file": name, "num_samples": len(ids), "num_tokens": int(offsets[-1]),
-            "num_loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path), "sample_ids": ids,
+            "num_loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path),
+            "sample_ids": ids,
         })
         self._write_manifest()
         self._pending, self._pending_tokens = [], 0
@@ -145,12 +220,26 @@ class StoreWriter:
         self._write_manifest()
 
 
+def dequantized_dtype_name(fingerprint: dict[str, Any]) -> str:
+    """What an fp8 store reads back as: the target's compute dtype, or float32 if that is unknown."""
+    name = fingerprint.get("compute_dtype")
+    return name if name in DTYPES else "float32"
+
+
 class FeatureStore:
-    """Read side: memory-mapped shards, per-sample access, fingerprint check and sha256 verify."""
+    """Read side: memory-mapped shards, per-sample access, fingerprint check and sha256 verify.
+
+    `hidden` comes back in the storage dtype, except for fp8 stores, which are dequantized into the
+    manifest's `dequantized_dtype` (the target's compute dtype). With `verify_on_open=True` each
+    shard's sha256 is checked the first time one of its samples (or its offsets) is read, and a
+    mismatch raises StoreError naming the shard file; off by default because it reads every shard
+    once in full.
+    """
 
     def __init__(self, root: str | Path, expected_fingerprint: dict[str, Any] | None = None,
-                 require_complete: bool = True) -> None:
+                 require_complete: bool = True, verify_on_open: bool = False) -> None:
         self.root = Path(root)
+        self.verify_on_open = verify_on_open
         mpath = self.root / "manifest.json"
         if not mpath.exists():
             raise StoreError(f"{self.root}: no manifest.json — not a feature store (run precompute first)")
@@ -169,6 +258,10 @@ class FeatureStore:
             self._index.extend((si, j) for j in range(shard["num_samples"]))
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
+        self._verified: set[int] = set()
+        self.storage_dtype = storage_dtype(self.manifest.get("dtype", "bfloat16"))
+        self.hidden_dtype = (DTYPES[self.manifest.get("dequantized_dtype", "float32")] if self.storage_dtype == FP8
+                             else STORAGE_DTYPES[self.storage_dtype])
 
     @property
     def hidden_size(self) -> int:
@@ -186,11 +279,19 @@ class FeatureStore:
 
     def _open(self, si: int):
         if si not in self._handles:
-            path = self.root / self.manifest["shards"][si]["file"]
+            shard = self.manifest["shards"][si]
+            path = self.root / shard["file"]
+            if self.verify_on_open and si not in self._verified:
+                if not path.exists():
+                    raise StoreError(f"{path}: shard missing; the store is damaged, precompute it again")
+                if sha256_file(path) != shard["sha256"]:
+                    raise StoreError(f"{path}: sha256 does not match the manifest (corrupt shard); "
+                                     "delete the store and precompute it again")
+                self._verified.add(si)
             try:
                 self._handles[si] = safe_open(path, framework="pt")
             except Exception as e:
-                raise StoreError(f"{path}: cannot open shard ({e}); run `spechead-verify` on the store") from e
+                raise StoreError(f"{path}: cannot open shard ({e}); run `spechead verify {self.root}`") from e
         return self._handles[si]
 
     def _shard_offsets(self, si: int) -> list[int]:
@@ -203,10 +304,13 @@ class FeatureStore:
         fh = self._open(si)
         offs = self._shard_offsets(si)
         a, b = offs[j], offs[j + 1]
+        hidden = fh.get_slice("hidden")[a:b]
+        if self.storage_dtype == FP8:
+            hidden = dequantize_fp8(hidden, fh.get_slice("hidden_scale")[a:b], self.hidden_dtype)
         return {
             "input_ids": fh.get_slice("input_ids")[a:b].long(),
             "loss_mask": fh.get_slice("loss_mask")[a:b].bool(),
-            "hidden": fh.get_slice("hidden")[a:b],
+            "hidden": hidden,
         }
 
     def verify(self) -> list[str]:

@@ -16,14 +16,16 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.layers import LlamaArgs
-from heads.mtp import MTPConfig, MTPHead, TiedTarget
+from heads.base import DraftHead, TiedTarget
+from heads.mtp import MTPConfig, MTPHead
 
-HEAD_TYPES = {"mtp": (MTPConfig, MTPHead)}
+HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head)}
 FORMAT_VERSION = 1
 
 
-def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> MTPHead:
+def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> DraftHead:
     cfg = dict(head_cfg)
     kind = cfg.pop("type", "mtp")
     cfg.pop("_target_", None)
@@ -33,7 +35,7 @@ def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> M
     return head_cls(args, config_cls(**cfg), tied)
 
 
-def save_native(head: MTPHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
+def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (temp dir, then rename)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,7 @@ def save_native(head: MTPHead, out_dir: str | Path, fingerprint: dict[str, Any] 
     return out_dir
 
 
-def load_native(path: str | Path, tied: TiedTarget, args: LlamaArgs | None = None) -> MTPHead:
+def load_native(path: str | Path, tied: TiedTarget, args: LlamaArgs | None = None) -> DraftHead:
     """Rebuild a head from a native checkpoint and attach the target's frozen tensors."""
     path = Path(path)
     cfg_file = path / "config.json"

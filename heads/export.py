@@ -1,22 +1,48 @@
-"""Export of a trained head. Native format now (config.json + model.safetensors, no frozen target
-weights); engine formats (vLLM / SGLang) build on it — see ../shared/reference/export_formats.md.
+"""Export of a trained head: the native checkpoint and the engine formats of
+../shared/reference/export_formats.md (DESIGN.md §8).
 
-Every export is reloaded and compared with the live head on fixed inputs before it is reported.
+| format           | head   | layout                                                                      |
+| ---------------- | ------ | --------------------------------------------------------------------------- |
+| `native`         | any    | config.json + model.safetensors, frozen target weights excluded              |
+| `eagle1-vllm`    | eagle1 | §9.1: arch `LlamaForCausalLM`, `fc` without bias, no embed_tokens            |
+| `eagle1-sglang`  | eagle1 | §9.2: arch `LlamaForCausalLMEagle`, `fc.bias` shipped (zeros if none)        |
+| `mtp-stitched`   | mtp    | §9.5: copy of the target + `model.layers.{N+k}.*`, `num_nextn_predict_layers` |
+| `mtp-standalone` | mtp    | §4.3: SGLang's NextN layout, `model.layers.0.*`, `num_hidden_layers: 1`       |
+
+Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
+the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. docs/export.md says
+which engine loads what.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from heads.checkpoint import load_native, save_native
-from heads.mtp import MTPHead
+from heads.eagle1 import Eagle1Config, Eagle1Head
+from heads.layers import LlamaArgs
+from heads.base import TiedTarget
+from heads.mtp import MTPConfig, MTPHead
+from heads.validate import EAGLE1_ARCH, INDEX_FILE, check_export, read_json, scan_tensors
+
+Head = MTPHead | Eagle1Head
+ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone"), "eagle1": ("eagle1-vllm", "eagle1-sglang")}
 
 
 @torch.no_grad()
-def probe_logits(head: MTPHead, seed: int = 0, length: int = 8) -> torch.Tensor:
+def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
     """Head logits on a fixed random (state, token) sequence — a fingerprint of the function."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, length, head.args.hidden_size, generator=gen).to(head.dtype)
@@ -25,7 +51,7 @@ def probe_logits(head: MTPHead, seed: int = 0, length: int = 8) -> torch.Tensor:
     return head.logits(out)
 
 
-def export_native(head: MTPHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
+def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
     """Write the native checkpoint and prove the round trip: the reloaded head's logits must equal
     the live head's bit for bit."""
     out = save_native(head, out_dir, fingerprint)
@@ -33,3 +59,223 @@ def export_native(head: MTPHead, out_dir: str | Path, fingerprint: dict[str, Any
     if not torch.equal(probe_logits(head), probe_logits(reloaded)):
         raise RuntimeError(f"{out}: reloaded head gives different logits than the exported one")
     return out
+
+
+def default_formats(head: Head) -> list[str]:
+    """`native` plus every engine format the head maps to without loss: eagle1-vllm only when fc has no
+    non-zero bias, mtp-standalone only for a single module (SGLang's NextN requires one)."""
+    formats = ["native"]
+    for fmt in ENGINE_FORMATS.get(head.kind, ()):
+        if fmt == "eagle1-vllm" and _nonzero_bias(head):
+            continue
+        if fmt == "mtp-standalone" and len(head.layers) != 1:
+            continue
+        formats.append(fmt)
+    return formats
+
+
+def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | Path,
+                fingerprint: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write each format to its directory (`{format: dir}`), validate it against the target, read it back
+    and compare logits with the live head. Returns `{format: dir}`."""
+    target_dir = Path(target_dir)
+    for fmt in out_dirs:
+        if fmt != "native" and fmt not in ENGINE_FORMATS.get(head.kind, ()):
+            known = ", ".join(["native", *ENGINE_FORMATS.get(head.kind, ())])
+            raise ValueError(f"format {fmt!r} does not apply to a {head.kind!r} head; it exports to: {known}")
+    written: dict[str, Path] = {}
+    for fmt, out_dir in out_dirs.items():
+        if fmt == "native":
+            written[fmt] = export_native(head, out_dir, fingerprint)
+        else:
+            with _atomic_dir(Path(out_dir)) as tmp:
+                WRITERS[fmt](head, tmp, target_dir)
+            written[fmt] = Path(out_dir)
+        check_export(written[fmt], fmt, target_dir)
+        reloaded = load_export(written[fmt], fmt, head.tied, head.args)
+        if not torch.equal(probe_logits(head), probe_logits(reloaded)):
+            raise RuntimeError(f"{written[fmt]}: the {fmt} export read back gives different logits than the live head")
+    return written
+
+
+# ---- EAGLE-1 ---------------------------------------------------------------------------------------
+def _nonzero_bias(head: Head) -> bool:
+    bias = getattr(getattr(head, "fc", None), "bias", None)
+    return bias is not None and bool(bias.ne(0).any())
+
+
+def eagle1_config(head: Eagle1Head, target_cfg: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """§9.1 / §9.2: a one-layer Llama config sized like the head, RoPE and positions equal to the target's."""
+    a = head.args
+    dtype = str(head.dtype).removeprefix("torch.")
+    cfg = {
+        "architectures": [EAGLE1_ARCH[fmt]],
+        "model_type": "llama",
+        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": a.rms_norm_eps,
+        "vocab_size": a.vocab_size,
+        "max_position_embeddings": max(a.max_position_embeddings, target_cfg.get("max_position_embeddings", 0)),
+        "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
+        "attention_bias": a.attention_bias, "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype, "dtype": dtype,  # transformers < 5 reads the first, >= 5 the second
+        "bias": fmt == "eagle1-sglang",  # EAGLE's own ea_model.py reads it (default true when missing)
+    }
+    if "rope_parameters" in target_cfg:  # transformers >= 5 configs keep theta/scaling here
+        cfg["rope_parameters"] = target_cfg["rope_parameters"]
+    return cfg
+
+
+def write_eagle1(head: Eagle1Head, out: Path, target_dir: Path, fmt: str) -> None:
+    if head.args.qk_norm:
+        raise ValueError("EAGLE-1 export: the engines' Llama EAGLE-1 layer has no q/k norm (Qwen3 target)")
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if fmt == "eagle1-vllm":
+        if _nonzero_bias(head):
+            b = head.fc.bias.detach()
+            raise ValueError(f"eagle1-vllm export refused: the head has a trained non-zero fc.bias (max |b| = "
+                             f"{float(b.abs().max()):.3g}). vLLM's EAGLE-1 has no fc.bias and silently drops it "
+                             "(export_formats.md §14), so it would serve a different function. Train with "
+                             "head.bias=false for vLLM, or export eagle1-sglang.")
+        state.pop("fc.bias", None)
+    elif "fc.bias" not in state:  # SGLang's fc always has a bias: ship zeros, or it stays random (§4.1)
+        state["fc.bias"] = torch.zeros(head.args.hidden_size, dtype=head.dtype)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = eagle1_config(head, read_json(target_dir / "config.json"), fmt)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+# ---- DeepSeek-style MTP ----------------------------------------------------------------------------
+def mtp_to_deepseek(name: str, base: int) -> str:
+    """`layers.k.<own>` / `layers.k.layer.<llama>` → `model.layers.{base+k}.<own or llama name>` (§8)."""
+    k, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
+    return f"model.layers.{base + int(k)}.{rest.removeprefix('layer.')}"
+
+
+def deepseek_to_mtp(name: str, base: int, n: int) -> str | None:
+    """Inverse of `mtp_to_deepseek` for the MTP layers; None for other tensors and the frozen copies."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m is None or not base <= int(m.group(1)) < base + n:
+        return None
+    k, rest = int(m.group(1)) - base, m.group(2)
+    if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+        return None
+    own = rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+    return f"layers.{k}.{rest if own else 'layer.' + rest}"
+
+
+def _target_tensors(target_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, info in scan_tensors(target_dir).items():
+        if name in names:
+            with safe_open(info.file, framework="pt") as fh:
+                out[name] = fh.get_tensor(name)
+    return out
+
+
+def _copy_aux_files(target_dir: Path, out: Path, skip_weights: bool) -> None:
+    """Tokenizer, generation config, ... (and the weight files unless skipped); never config.json."""
+    for f in target_dir.iterdir():
+        weights = f.suffix == ".safetensors" or f.name == INDEX_FILE
+        if f.is_file() and f.name != "config.json" and not (skip_weights and weights):
+            shutil.copy2(f, out / f.name)
+
+
+def write_mtp_stitched(head: MTPHead, out: Path, target_dir: Path) -> None:
+    """§9.5: a copy of the target checkpoint plus `model.layers.{N+k}.*` in an extra shard
+    (`model-mtp.safetensors`), with embed_tokens and shared_head.head copied bit for bit from the target,
+    an index over all shards, and the target config with `num_nextn_predict_layers`."""
+    tcfg = read_json(target_dir / "config.json")
+    n_layers, n = tcfg["num_hidden_layers"], len(head.layers)
+    _copy_aux_files(target_dir, out, skip_weights=False)
+    tied = tcfg.get("tie_word_embeddings", False)
+    frozen = _target_tensors(target_dir, {"model.embed_tokens.weight", "lm_head.weight"})
+    embed = frozen["model.embed_tokens.weight"]
+    lm_head = embed if tied or "lm_head.weight" not in frozen else frozen["lm_head.weight"]
+    state = {mtp_to_deepseek(k, n_layers): v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    for k in range(n):
+        state[f"model.layers.{n_layers + k}.embed_tokens.weight"] = embed.clone()
+        state[f"model.layers.{n_layers + k}.shared_head.head.weight"] = lm_head.clone()
+    save_file(state, out / "model-mtp.safetensors", metadata={"format": "pt"})
+    weight_map = {name: info.file.name for name, info in scan_tensors(out).items()}
+    total = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps({**tcfg, "num_nextn_predict_layers": n}, indent=2))
+
+
+def write_mtp_standalone(head: MTPHead, out: Path, target_dir: Path) -> None:
+    """§4.3 (SGLang's export_deepseek_nextn.py applied to our head): target config with
+    `num_hidden_layers: 1` and a `...NextN` architecture, keys `model.layers.0.*`, no frozen copies.
+    No engine implements a Llama NextN class: see docs/export.md."""
+    if len(head.layers) != 1:
+        raise ValueError(f"mtp-standalone holds one NextN layer (SGLang requires num_nextn_predict_layers == 1); "
+                         f"this head has {len(head.layers)} modules: export mtp-stitched instead")
+    tcfg = read_json(target_dir / "config.json")
+    _copy_aux_files(target_dir, out, skip_weights=True)
+    state = {mtp_to_deepseek(k, 0): v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    archs = [f"{a}NextN" for a in tcfg.get("architectures") or ["LlamaForCausalLM"]]
+    cfg = {**tcfg, "architectures": archs, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+WRITERS = {
+    "eagle1-vllm": lambda h, out, t: write_eagle1(h, out, t, "eagle1-vllm"),
+    "eagle1-sglang": lambda h, out, t: write_eagle1(h, out, t, "eagle1-sglang"),
+    "mtp-stitched": write_mtp_stitched,
+    "mtp-standalone": write_mtp_standalone,
+}
+
+
+# ---- reading exports back ---------------------------------------------------------------------------
+def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs) -> Head:
+    """Rebuild a spechead head from an export directory (`args`: the target's), frozen tensors attached."""
+    path = Path(path)
+    if fmt == "native":
+        return load_native(path, tied, args)
+    cfg = read_json(path / "config.json")
+    infos = scan_tensors(path)
+    if fmt.startswith("eagle1"):
+        names = {k for k in infos if k != "embed_tokens.weight"}  # equal to the target's: validated
+        head: Head = Eagle1Head(args, Eagle1Config(bias="fc.bias" in names), tied)
+        state = {k: _read(infos[k].file, k) for k in names}
+    elif fmt in ("mtp-stitched", "mtp-standalone"):
+        base = cfg["num_hidden_layers"] if fmt == "mtp-stitched" else 0
+        n = cfg["num_nextn_predict_layers"]
+        head = MTPHead(args, MTPConfig(num_modules=n), tied)
+        state = {}
+        for k, info in infos.items():
+            name = deepseek_to_mtp(k, base, n)
+            if name is not None:
+                state[name] = _read(info.file, k)
+    else:
+        raise ValueError(f"unknown export format {fmt!r}")
+    head.load_state_dict(state, strict=True)
+    return head.to(tied.embed.dtype)
+
+
+def _read(file: Path, name: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
+@contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Write into a temp dir next to `out_dir`, fsync, then swap it in: a killed export leaves the old
+    directory (or nothing), never half of one."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

@@ -155,17 +155,22 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, nH, T, d], k and v [B, nKV, T, d], RoPE applied."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, nH, T, d]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, nKV, T, d]
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if kv is not None:
             k_cache, v_cache = kv
             k_cache[:, :, start:start + t] = k
@@ -179,6 +184,33 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv != self.n_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_unrolled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         base: tuple[torch.Tensor, torch.Tensor] | None,
+                         extras: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Attention of the training-time test (DESIGN.md §4). Row i of depth d attends the depth-1
+        keys of positions ≤ i (`base`, causal) and the keys that depths 2..d-1 produced *at row i*
+        (`extras`, one per depth, diagonal) plus its own — the draft KV cache of the engine at draft
+        step d. With `base=None` (depth 1) this is plain causal attention. Returns the output and
+        this call's (k, v) for the deeper depths."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        if base is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+        rep = self.n_heads // self.n_kv
+        k_base, v_base = (z.repeat_interleave(rep, dim=1) for z in base)  # [B, nH, T, d]
+        diag = [(ke.repeat_interleave(rep, dim=1), ve.repeat_interleave(rep, dim=1)) for ke, ve in [*extras, (k, v)]]
+        scale = self.head_dim ** -0.5
+        scores = (q @ k_base.transpose(-1, -2)) * scale  # [B, nH, T, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag_scores = torch.stack([(q * ke).sum(-1) * scale for ke, _ in diag], dim=-1)  # [B, nH, T, n]
+        probs = torch.cat([scores, diag_scores], dim=-1).float().softmax(-1).to(q.dtype)
+        out = probs[..., :t] @ v_base  # [B, nH, T, d]
+        out = out + sum(probs[..., t + j, None] * ve for j, (_, ve) in enumerate(diag))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -209,3 +241,13 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         x = x + self.self_attn(h, cos, sin, kv, start, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_unrolled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         base: tuple[torch.Tensor, torch.Tensor] | None,
+                         extras: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One depth of the training-time test; see Attention.forward_unrolled."""
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        a, kv = self.self_attn.forward_unrolled(h, cos, sin, base, extras)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv

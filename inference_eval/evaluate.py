@@ -55,19 +55,30 @@ def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: in
     return n / (time.perf_counter() - t0)
 
 
-def mtbench_prompts(tokenizer, num_prompts: int | None) -> list[dict[str, Any]]:
-    """First turns of MT-Bench, taken round-robin over the 8 categories so a subset stays balanced."""
+def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=None, max_new_tokens: int = 64,
+                    stop_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
+    """MT-Bench prompts, taken round-robin over the 8 categories so a subset stays balanced.
+    Turn 2 follows MT-Bench: the model's own (greedy) turn-1 answer, then the second question."""
     from data.assets import load_mtbench
     from data.conversations import tokenize_prompt
 
-    questions = load_mtbench()
     cats: dict[str, list[dict]] = {}
-    for q in questions:
+    for q in load_mtbench():
         cats.setdefault(q["category"], []).append(q)
     ordered = [q for group in zip(*cats.values()) for q in group]
     ordered = ordered[:num_prompts] if num_prompts else ordered
-    return [{"ids": tokenize_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}]),
-             "category": q["category"], "id": q["question_id"]} for q in ordered]
+    out = []
+    for q in ordered:
+        messages = [{"role": "user", "content": q["turns"][0]}]
+        if turn == 2:
+            if target is None:
+                raise ValueError("MT-Bench turn 2 needs the target to answer turn 1")
+            answer = generate_plain(target, tokenize_prompt(tokenizer, messages), max_new_tokens, stop_ids)
+            messages += [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
+                         {"role": "user", "content": q["turns"][1]}]
+        out.append({"ids": tokenize_prompt(tokenizer, messages), "category": q["category"], "id": q["question_id"],
+                    "turn": turn})
+    return out
 
 
 def stop_token_ids(tokenizer) -> set[int]:
@@ -97,10 +108,12 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     tied, _, _ = tied_target(target_dir, head_dtype)
     if ecfg.dataset != "mtbench":
         raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: only 'mtbench' is wired in this version")
-    prompts = mtbench_prompts(tokenizer, ecfg.get("num_prompts"))
     stops = stop_token_ids(tokenizer)
+    turns = [int(t) for t in ecfg.get("turns", [1])]
+    prompts = [p for t in turns for p in mtbench_prompts(tokenizer, ecfg.get("num_prompts"), t, target,
+                                                         int(ecfg.max_new_tokens), stops)]
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": ecfg.head_dtype,
-                              "dataset": ecfg.dataset, "turn": 1, "prompts": len(prompts), "k": int(ecfg.k),
+                              "dataset": ecfg.dataset, "turn": "+".join(map(str, turns)), "prompts": len(prompts), "k": int(ecfg.k),
                               "max_new_tokens": int(ecfg.max_new_tokens), "temperature": 0.0, "batch_size": 1,
                               "results": {}}
     for label, path in ecfg.heads.items():
@@ -113,7 +126,58 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         report["results"][label] = {**asdict(res), "checkpoint": str(path)}
     if ecfg.get("plain_baseline"):
         report["plain_tokens_per_s"] = plain_tokens_per_s(target, prompts, int(ecfg.max_new_tokens), stops)
-    out = Path(ecfg.report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(report, Path(ecfg.report))
     return report
+
+
+def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
+    """The JSON report plus a Markdown table (`.md`) and two PNG plots beside it: α_d per draft
+    position and τ per category, one series per head."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2))
+    results = report["results"]
+    k = report["k"]
+    lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
+             f"target {report['target']} ({report['target_dtype']}), greedy, k={k}, batch {report['batch_size']}, "
+             f"{report['max_new_tokens']} new tokens", "",
+             "| head | τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s |",
+             "| --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- |"]
+    for label, r in results.items():
+        lines.append(f"| {label} | {r['tau']:.3f} | " + " | ".join(f"{a:.3f}" for a in r["alpha"])
+                     + f" | {r['tokens_per_s']:.1f} |")
+    cats = sorted({c for r in results.values() for c in r["per_category_tau"]})
+    lines += ["", "τ per category:", "", "| head | " + " | ".join(cats) + " |",
+              "| --- | " + " | ".join("---" for _ in cats) + " |"]
+    for label, r in results.items():
+        lines.append(f"| {label} | " + " | ".join(f"{r['per_category_tau'].get(c, float('nan')):.3f}" for c in cats) + " |")
+    md = json_path.with_suffix(".md")
+    md.write_text("\n".join(lines) + "\n")
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for label, r in results.items():
+        ax.plot(range(1, k + 1), r["alpha"], marker="o", label=f"{label} (τ={r['tau']:.2f})")
+    ax.set(xlabel="draft position d", ylabel="α_d (given d-1 accepted)", ylim=(0, 1), xticks=range(1, k + 1))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    alpha_png = json_path.with_name(json_path.stem + "_alpha.png")
+    fig.savefig(alpha_png, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / max(len(results), 1)
+    for j, (label, r) in enumerate(results.items()):
+        ax.bar([i + j * width for i in range(len(cats))], [r["per_category_tau"].get(c, 0) for c in cats], width,
+               label=label)
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(cats))], cats, rotation=30, fontsize=8)
+    ax.set(ylabel="τ", ylim=(1, None))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    cat_png = json_path.with_name(json_path.stem + "_tau_by_category.png")
+    fig.savefig(cat_png, dpi=100)
+    plt.close(fig)
+    return [json_path, md, alpha_png, cat_png]

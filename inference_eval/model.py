@@ -143,7 +143,7 @@ def target_args(path: str | Path) -> LlamaArgs:
 def tied_target(path: str | Path, dtype: torch.dtype = torch.float32):
     """The frozen target tensors a head shares, as the head's TiedTarget module, plus the target args
     and the raw parts (for initialising a new head)."""
-    from heads.mtp import TiedTarget
+    from heads.base import TiedTarget
 
     args = target_args(path)
     parts = load_frozen_parts(path, dtype)

@@ -1,4 +1,6 @@
-"""Export a head checkpoint (`export.source`) to `export.dir`, with a reload check."""
+"""Export a head checkpoint (`export.source`) to the native format (`export.dir`) and the engine
+formats `export.formats` (default: every format of the head type) under `export.root`; each one is
+validated against the target and read back before it is reported (heads/export.py, docs/export.md)."""
 
 from pathlib import Path
 
@@ -6,20 +8,25 @@ import hydra
 from omegaconf import DictConfig
 
 
-def run_export(cfg: DictConfig) -> Path:
+def run_export(cfg: DictConfig) -> dict[str, Path]:
+    """Returns {format: directory}; "native" is always among them."""
     from data.sources import resolve_target_dir
     from heads.checkpoint import load_native, read_config
-    from heads.export import export_native
+    from heads.export import default_formats, export_head
     from inference_eval.model import tied_target
 
-    tied, args, _ = tied_target(resolve_target_dir(cfg.target))
+    target_dir = resolve_target_dir(cfg.target)
+    tied, args, _ = tied_target(target_dir)
     head = load_native(cfg.export.source, tied, args)
-    return export_native(head, cfg.export.dir, read_config(cfg.export.source).get("target_fingerprint"))
+    formats = list(cfg.export.get("formats") or default_formats(head))
+    dirs = {fmt: Path(cfg.export.dir) if fmt == "native" else Path(cfg.export.root) / fmt
+            for fmt in dict.fromkeys(["native", *formats])}
+    return export_head(head, dirs, target_dir, read_config(cfg.export.source).get("target_fingerprint"))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    print(f"export native={run_export(cfg)}")
+    print("export " + " ".join(f"{fmt}={path}" for fmt, path in run_export(cfg).items()))
 
 
 if __name__ == "__main__":

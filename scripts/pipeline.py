@@ -28,8 +28,9 @@ def main(cfg: DictConfig) -> None:
     for label, r in report["results"].items():
         alpha = " ".join(f"α{d + 1}={a:.3f}" for d, a in enumerate(r["alpha"]))
         print(f"      {label:>9}: τ={r['tau']:.3f}  {alpha}  ({r['tokens_per_s']:.1f} tok/s)")
-    native = run_export(cfg)
-    print(f"[4/4] export: native checkpoint → {native}")
+    exports = run_export(cfg)
+    native = exports["native"]
+    print("[4/4] export (validated, read back): " + ", ".join(f"{fmt} → {p}" for fmt, p in exports.items()))
     print(f"artifacts: store={store} head={head_dir} report={cfg.evaluate.report} export={native}")
     res = report["results"]
     print(f"demo tau_trained={res['trained']['tau']:.3f} tau_untrained={res['untrained']['tau']:.3f} "

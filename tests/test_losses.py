@@ -9,21 +9,23 @@ from train.losses import fused_linear_kl, hidden_regression, naive_kl
 
 @pytest.mark.parametrize("chunk", [8, 37, 1000])
 def test_fused_kl_matches_naive_values_and_grads(chunk):
+    """In float64, so the comparison is about the maths, not about summation order."""
     g = torch.Generator().manual_seed(0)
     n, h, v = 37, 16, 300
-    w = torch.randn(v, h, generator=g)
-    proj = torch.nn.Linear(h, h)
-    x = torch.randn(n, h, generator=g, requires_grad=True)
-    teacher = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64)
+    proj = torch.nn.Linear(h, h, dtype=torch.float64)
+    x = torch.randn(n, h, generator=g, requires_grad=True, dtype=torch.float64)
+    teacher = torch.randn(n, h, generator=g, dtype=torch.float64)
     fn = lambda z: F.linear(z, w)  # noqa: E731
 
     ref = naive_kl(proj(x), teacher, fn, fn)
     gx_ref, gw_ref = torch.autograd.grad(ref, [x, proj.weight])
     got, agree = fused_linear_kl(proj(x), teacher, w, chunk_size=chunk)
     gx, gw = torch.autograd.grad(2.0 * got, [x, proj.weight])  # a non-unit upstream gradient
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(gx, 2.0 * gx_ref, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(gw, 2.0 * gw_ref, rtol=1e-4, atol=1e-6)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-9)
+    torch.testing.assert_close(gx, 2.0 * gx_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gw, 2.0 * gw_ref, rtol=1e-9, atol=1e-12)
     with torch.no_grad():
         expected_agree = (fn(proj(x)).argmax(-1) == fn(teacher).argmax(-1)).sum()
     assert int(agree) == int(expected_agree)

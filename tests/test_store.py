@@ -90,3 +90,140 @@ def test_incomplete_store_refused_then_resumed(tmp_path):
     assert [store[i]["input_ids"].tolist() for i in range(len(store))] == [s.input_ids.tolist() for s in samples]
     with pytest.raises(StoreError, match="other settings"):
         StoreWriter(tmp_path, {**FP, "weights_sha256": "x"}, hidden_size=8, dtype="float32")
+
+
+# ------------------------------------------------------------------------------------------- fp8
+
+
+def _write(root, samples, dtype, fp=FP, shard_tokens=1 << 18, h=8):
+    w = StoreWriter(root, fp, hidden_size=h, dtype=dtype, shard_tokens=shard_tokens)
+    for s in samples:
+        w.add(s)
+    w.close()
+    return FeatureStore(root)
+
+
+def test_fp8_round_trip_within_e4m3_precision(tmp_path):
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(1)
+    h = 64
+    # rows spanning magnitudes (pre-norm states have a few large channels), plus an all-zero row
+    hidden = torch.randn(40, h, generator=g) * torch.logspace(-3, 2, 40)[:, None]
+    hidden[:, 3] *= 50
+    hidden[7] = 0
+    sample = Sample("a", torch.arange(40), torch.ones(40, dtype=torch.long), hidden)
+    store = _write(tmp_path, [sample], "fp8", h=h)
+    assert store.manifest["dtype"] == "float8_e4m3fn" and "hidden_scale" in store.manifest
+    with safe_open(tmp_path / store.manifest["shards"][0]["file"], framework="pt") as f:
+        assert f.get_tensor("hidden").dtype == torch.float8_e4m3fn
+        scale = f.get_tensor("hidden_scale")
+    assert scale.dtype == torch.float32 and scale.shape == (40,) and scale[7] == 1.0
+    torch.testing.assert_close(scale[:7], hidden[:7].abs().amax(-1) / 448)
+    got = store[0]["hidden"]
+    assert got.dtype == torch.float32 and got.shape == hidden.shape  # no compute_dtype in FP: float32
+    assert torch.equal(got[7], torch.zeros(h))
+    err = (got - hidden).abs()
+    normal = hidden.abs() >= (hidden.abs().amax(-1, keepdim=True) / (448 * 2**6))
+    assert (err[normal] <= hidden.abs()[normal] / 16).all()  # 3 mantissa bits: half an ulp ≤ 2^-4
+    assert (err[~normal] <= (scale[:, None] * 2**-10).expand_as(err)[~normal]).all()
+    assert err[normal].max() > 0  # it was quantized, not stored exactly
+    rel = err.norm() / hidden.norm()
+    assert 1e-3 < rel < 0.04
+
+
+def test_fp8_reads_back_in_compute_dtype(tmp_path):
+    s = _samples(1, h=16)[0]
+    store = _write(tmp_path, [s], "fp8", fp={**FP, "compute_dtype": "bfloat16"}, h=16)
+    assert store.manifest["dequantized_dtype"] == "bfloat16"
+    got = store[0]["hidden"]
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - s.hidden).abs() <= s.hidden.abs() / 16 + 2 ** -7 * s.hidden.abs().amax(-1, keepdim=True)).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_bytes_per_token(tmp_path, dtype):
+    """input_ids int32 (4) + loss_mask uint8 (1) (+ fp8 scale fp32 (4)) + header and offsets amortised."""
+    h = 64
+    g = torch.Generator().manual_seed(2)
+    samples = [Sample(f"sample-{i}", torch.randint(0, 50000, (n,), generator=g), torch.ones(n, dtype=torch.long),
+                      torch.randn(n, h, generator=g)) for i, n in enumerate(torch.randint(50, 400, (40,), generator=g))]
+    store = _write(tmp_path, samples, dtype, shard_tokens=4096, h=h)
+    tokens = sum(s["num_tokens"] for s in store.manifest["shards"])
+    size = sum((tmp_path / s["file"]).stat().st_size for s in store.manifest["shards"])
+    assert len(store.manifest["shards"]) > 1
+    bound = 2 * h + 16 if dtype == "bfloat16" else h + 24
+    assert size / tokens <= bound, f"{dtype}: {size / tokens:.2f} bytes/token"
+
+
+@pytest.mark.parametrize("first,second", [("bfloat16", "fp8"), ("fp8", "bfloat16"), ("fp8", "float32")])
+def test_resume_refuses_other_dtype(tmp_path, first, second):
+    w = StoreWriter(tmp_path, FP, hidden_size=8, dtype=first, shard_tokens=20)
+    for s in _samples():
+        w.add(s)  # killed before close()
+    assert w.done_ids
+    with pytest.raises(StoreError, match="differs in dtype"):
+        StoreWriter(tmp_path, FP, hidden_size=8, dtype=second, shard_tokens=20)
+    StoreWriter(tmp_path, FP, hidden_size=8, dtype={"bfloat16": "bf16", "fp8": "float8_e4m3fn"}[first])  # aliases
+    with pytest.raises(StoreError, match="not supported"):
+        StoreWriter(tmp_path / "other", FP, hidden_size=8, dtype="int8")
+
+
+# -------------------------------------------------------------------------------- robustness
+
+
+def test_stale_temp_files_do_not_break_resume(tmp_path):
+    samples = _samples()
+    w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
+    for s in samples[:4]:
+        w.add(s)
+    # a kill mid-write leaves temp files, half-written
+    (tmp_path / ".manifest.json.tmp").write_text('{"schema_vers')
+    nxt = len(w.manifest["shards"])
+    (tmp_path / "shards" / f".shard-{nxt:05d}.safetensors.tmp").write_bytes(b"\x00" * 10)
+    w2 = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
+    assert not list(tmp_path.rglob(".*.tmp"))
+    for s in samples:
+        if s.sample_id not in w2.done_ids:
+            w2.add(s)
+    w2.close()
+    assert not list(tmp_path.rglob(".*.tmp"))
+    store = FeatureStore(tmp_path)
+    assert store.verify() == [] and len(store) == len(samples)
+
+
+def _corrupt_second_shard(tmp_path):
+    w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
+    for s in _samples():
+        w.add(s)
+    w.close()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    shard = tmp_path / manifest["shards"][1]["file"]
+    data = bytearray(shard.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # after the safetensors header
+    data[(start + len(data)) // 2] ^= 0x01  # one bit, in the tensor data
+    shard.write_bytes(bytes(data))
+    return shard, manifest["shards"][0]["num_samples"]
+
+
+def test_verify_on_open_names_the_shard(tmp_path):
+    shard, first = _corrupt_second_shard(tmp_path)
+    store = FeatureStore(tmp_path, verify_on_open=True)
+    assert store.verify() == [str(shard)]
+    assert store[0]["input_ids"].numel() > 0  # an intact shard reads; shards are checked lazily
+    with pytest.raises(StoreError, match=f"{shard}: sha256 does not match"):
+        store[first]
+    FeatureStore(tmp_path)[first]  # opt-in: without it the bytes are read unchecked
+
+
+def test_cli_verify_exits_1_and_names_the_shard(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    shard, _ = _corrupt_second_shard(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", "verify", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"CORRUPT {shard}" in proc.stdout and "1 corrupt shard" in proc.stdout

@@ -1,5 +1,10 @@
 """The data module over the feature store: a held-out split by sample, token-budget batches of
-length-sorted samples (little padding), right padding with a `valid` mask."""
+length-sorted samples (little padding), right padding with a `valid` mask.
+
+Batching is ours, not Lightning's: the train batches are sharded over data-parallel ranks here
+(Lightning cannot inject a DistributedSampler under a custom batch_sampler, so the trainer runs with
+`use_distributed_sampler=False`), and the data module's state_dict holds the train loader's place in
+its epoch, so a mid-epoch resume continues with the next unseen batch instead of replaying the epoch."""
 
 from __future__ import annotations
 
@@ -26,16 +31,36 @@ class _Subset(Dataset):
 
 class TokenBudgetBatches:
     """Batches whose padded size (rows × longest row) stays within `batch_tokens`. Samples are
-    shuffled per epoch, sorted by length inside windows of 64 batches' worth, and batches shuffled."""
+    shuffled per epoch, sorted by length inside windows of 64 batches' worth, and batches shuffled.
 
-    def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int) -> None:
+    Data-parallel: every rank builds the same epoch's batch list (same seed and epoch) and takes
+    every `num_replicas`-th batch from `rank` on. The list is first cut to a multiple of
+    `num_replicas`, so all ranks step equally often (DDP hangs otherwise) and no sample is seen twice
+    in an epoch; the < num_replicas cut batches are a different random set each epoch.
+
+    `start` batches of the current epoch are skipped by the next pass only (set on resume)."""
+
+    def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int,
+                 num_replicas: int = 1, rank: int = 0) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
+        self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
         self.epoch = epoch
 
-    def _batches(self) -> list[list[int]]:
+    @property
+    def sampler(self) -> "TokenBudgetBatches":
+        # Lightning calls set_epoch on `loader.batch_sampler.sampler` (PyTorch's BatchSampler layout),
+        # never on the batch sampler itself: without this every epoch would repeat epoch 0's order
+        return self
+
+    def _all_batches(self) -> list[list[int]]:
         order = list(range(len(self.lengths)))
         rng = random.Random(self.seed + self.epoch)
         if self.shuffle:
@@ -59,11 +84,31 @@ class TokenBudgetBatches:
             rng.shuffle(batches)
         return batches
 
+    def _batches(self) -> list[list[int]]:
+        batches = self._all_batches()
+        usable = len(batches) - len(batches) % self.num_replicas
+        return batches[:usable][self.rank::self.num_replicas]
+
     def __iter__(self):
-        return iter(self._batches())
+        # a generator, so the epoch's batches are drawn at the first next(), after Lightning's
+        # set_epoch (it creates the iterator before set_epoch on a fresh or resumed fit)
+        start, self.start = self.start, 0
+        yield from self._batches()[start:]
 
     def __len__(self) -> int:
-        return len(self._batches())
+        return len(self._batches())  # the whole epoch, also while resuming (Lightning counts the skipped part)
+
+
+class PositionedLoader(DataLoader):
+    """A DataLoader over TokenBudgetBatches that knows its place: (epoch, batches of it delivered),
+    counted as batches leave the loader, not as workers prefetch them."""
+
+    def __iter__(self):
+        sampler: TokenBudgetBatches = self.batch_sampler
+        self.position = (sampler.epoch, sampler.start)  # read at the first next(), after set_epoch / resume
+        for batch in super().__iter__():
+            self.position = (self.position[0], self.position[1] + 1)
+            yield batch
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -100,13 +145,41 @@ class FeatureDataModule(L.LightningDataModule):
         self.val_idx, self.train_idx = sorted(order[:n_val]), sorted(order[n_val:])
         self.lengths = self.store.lengths()
 
-    def _loader(self, idx: list[int], shuffle: bool) -> DataLoader:
+    def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0) -> PositionedLoader:
         lengths = [self.lengths[i] for i in idx]
-        return DataLoader(_Subset(self.store, idx), collate_fn=collate, num_workers=self.num_workers,
-                          batch_sampler=TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed))
+        batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank)
+        return PositionedLoader(_Subset(self.store, idx), collate_fn=collate, num_workers=self.num_workers,
+                                batch_sampler=batches)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_idx, shuffle=True)
+    def train_dataloader(self) -> PositionedLoader:
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        self._train_loader = self._loader(self.train_idx, shuffle=True, num_replicas=replicas, rank=rank)
+        self._resume_train_loader()
+        return self._train_loader
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> PositionedLoader:
+        # not sharded: every rank scores the whole split, so the (unsynced) logged val metrics are exact
         return self._loader(self.val_idx, shuffle=False)
+
+    # ---- resume: Lightning saves this in its checkpoints and restores it on `fit(ckpt_path=...)` ----
+    # (not the loader's own state_dict: Lightning builds the train loader for
+    # `estimated_stepping_batches` before it restores loop states, and then skips restoring the
+    # loader; the data module is restored before that with DDP, after it with DeepSpeed — both work)
+    def state_dict(self) -> dict[str, int]:
+        loader = getattr(self, "_train_loader", None)
+        if loader is None:
+            return {}
+        sampler = loader.batch_sampler
+        epoch, delivered = getattr(loader, "position", (sampler.epoch, sampler.start))
+        return {"epoch": epoch, "delivered": delivered}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
+        self._resume_train_loader()
+
+    def _resume_train_loader(self) -> None:
+        state, loader = getattr(self, "_resume", None), getattr(self, "_train_loader", None)
+        if state and loader is not None:
+            sampler = loader.batch_sampler
+            sampler.epoch, sampler.start = int(state["epoch"]), int(state["delivered"])

@@ -39,12 +39,13 @@ class _FusedLinearKL(torch.autograd.Function):
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, chunk_size: int,
                 mm_dtype: torch.dtype):
         w = weight.to(mm_dtype)
-        grad = torch.empty_like(student, dtype=torch.float32) if student.requires_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        acc = torch.promote_types(student.dtype, torch.float32)  # softmax arithmetic: fp32 at least
+        grad = torch.empty_like(student, dtype=acc) if student.requires_grad else None
+        total = torch.zeros((), dtype=acc, device=student.device)
         agree = torch.zeros((), dtype=torch.long, device=student.device)
         for a in range(0, student.shape[0], chunk_size):
-            s = F.linear(student[a:a + chunk_size].to(mm_dtype), w).float()  # [c, V]
-            t = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).float()  # [c, V]
+            s = F.linear(student[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
+            t = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
             agree += (s.argmax(-1) == t.argmax(-1)).sum()
             diff = t - s
             m_t, m_s = t.amax(-1, keepdim=True), s.amax(-1, keepdim=True)
@@ -55,7 +56,7 @@ class _FusedLinearKL(torch.autograd.Function):
             total += kl.sum()
             if grad is not None:
                 g_logits = e_s.div_(z_s).sub_(e_t.div_(z_t))  # softmax(s) − p_t
-                grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ w).float()
+                grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ w).to(acc)
         ctx.save_for_backward(grad if grad is not None else torch.empty(0))
         ctx.student_dtype = student.dtype
         ctx.mark_non_differentiable(agree)
@@ -78,6 +79,8 @@ def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.
 def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,
              teacher_logits_fn: Callable) -> torch.Tensor:
     """Reference: full [N, V] logits at once, autograd through everything (what the fused loss must equal)."""
-    s = student_logits_fn(student).float()
-    t = teacher_logits_fn(teacher).float()
+    s = student_logits_fn(student)
+    t = teacher_logits_fn(teacher)
+    acc = torch.promote_types(s.dtype, torch.float32)
+    s, t = s.to(acc), t.to(acc)
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum")

@@ -4,7 +4,8 @@ It owns no data loading and no target model: the head arrives built, with the ta
 embedding / final norm / lm_head attached as non-persistent buffers, and batches arrive from the
 feature store. Depth 1: position i consumes (H_i, t_{i+1}) and is trained against H_{i+1} and the
 teacher distribution softmax(W_lm N_f(H_{i+1})), which predicts t_{i+2}; the loss mask is that of
-t_{i+2}.
+t_{i+2}. `depth: D > 1` unrolls the training-time test (heads/unroll.py): depth d consumes the
+head's own depth d-1 state, exactly as the engine's draft loop does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import lightning as L
 import torch
 
+from heads.unroll import unroll
 from train.losses import fused_linear_kl, hidden_regression
 
 
@@ -23,7 +25,7 @@ class DraftHeadModule(L.LightningModule):
     def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
-                 kl_chunk_size: int = 512, grad_clip: float | None = None) -> None:
+                 kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8) -> None:
         super().__init__()
         self.head = head
         self.save_hyperparameters(ignore=["head"])
@@ -31,23 +33,40 @@ class DraftHeadModule(L.LightningModule):
 
     # ---- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Σ_d γ^(d-1) · (w_hidden · SmoothL1 + w_kl · KL) / n_d over the unrolled depths d = 1..D.
+
+        Row i of depth d estimates H_{i+d}; its teacher is softmax(W_lm N_f(H_{i+d})), which
+        predicts t_{i+d+1}, so its loss mask is that of t_{i+d+1}."""
         hp = self.hparams
         hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
-        ids, valid = batch["input_ids"], batch["valid"]
-        b, t, _ = hidden.shape
-        positions = torch.arange(t - 1, device=ids.device).expand(b, t - 1)
-        pred = self.head(hidden[:, :-1], ids[:, 1:], positions)  # [B, T-1, H] ≈ H_{i+1}
-        mask = torch.zeros(b, t - 1, dtype=torch.bool, device=ids.device)
-        mask[:, :-1] = batch["loss_mask"][:, 2:] & valid[:, 2:]  # the token predicted is t_{i+2}
-        n = mask.sum().clamp(min=1)
-        sel_pred, sel_tgt = pred[mask], hidden[:, 1:][mask]  # [N, H]
-        reg = hidden_regression(sel_pred, sel_tgt, hp.normed_regression)
-        kl, agree = fused_linear_kl(self.head.features(sel_pred), self.head.tied.final_norm(sel_tgt),
-                                    self.head.tied.lm_head, hp.kl_chunk_size)
-        loss = (hp.w_hidden * reg + hp.w_kl * kl) / n
-        acc = agree.float() / n
-        return {"loss": loss, "reg_d1": reg / n, "kl_d1": kl / n, "acc_d1": acc,
-                "sim_tau": 1 + acc, "n_tokens": mask.sum(), "tokens": valid.sum()}
+        ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
+        t = hidden.shape[1]
+        outs = unroll(self.head, hidden, ids, hp.depth)  # D × [B, T-1, H]
+        out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
+        total = hidden.new_zeros((), dtype=torch.float32)
+        sim_tau, survive = 1.0, 1.0
+        for d, pred in enumerate(outs, start=1):
+            rows = max(t - d - 1, 0)
+            mask = loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
+            n = mask.sum()
+            sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
+            reg = hidden_regression(sel_pred, self.head.regression_target(sel_tgt), hp.normed_regression)
+            kl, agree = fused_linear_kl(self.head.features(sel_pred, d), self.head.tied.final_norm(sel_tgt),
+                                        self.head.tied.lm_head, hp.kl_chunk_size)
+            n_safe = n.clamp(min=1)
+            total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
+            acc = agree.float() / n_safe
+            survive = survive * acc
+            sim_tau = sim_tau + survive  # 1 + Σ_d Π_{j≤d} α_j
+            out.update({f"reg_d{d}": reg / n_safe, f"kl_d{d}": kl / n_safe, f"acc_d{d}": acc})
+            if d == 1:
+                out["n_tokens"] = n
+        out["loss"] = total
+        out["sim_tau"] = sim_tau if torch.is_tensor(sim_tau) else torch.tensor(sim_tau)
+        return out
+
+    def _metric_keys(self, out: dict[str, torch.Tensor]) -> list[str]:
+        return [k for k in out if k not in ("n_tokens", "tokens")]
 
     def training_step(self, batch, batch_idx):
         out = self.compute_loss(batch)
@@ -57,14 +76,14 @@ class DraftHeadModule(L.LightningModule):
         self._t_last = now
         self.log("train/peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, on_step=True)
         bs = int(batch["input_ids"].shape[0])
-        for key in ("loss", "reg_d1", "kl_d1", "acc_d1", "sim_tau"):
+        for key in self._metric_keys(out):
             self.log(f"train/{key}", out[key], on_step=True, prog_bar=key in ("loss", "acc_d1"), batch_size=bs)
         return out["loss"]
 
     def validation_step(self, batch, batch_idx):
         out = self.compute_loss(batch)
         n = int(out["n_tokens"])
-        for key in ("loss", "reg_d1", "kl_d1", "acc_d1", "sim_tau"):
+        for key in self._metric_keys(out):
             # weight by loss tokens so the epoch value is a per-token mean
             self.log(f"val/{key}", out[key], on_epoch=True, batch_size=max(n, 1), prog_bar=key == "acc_d1")
 

@@ -8,12 +8,13 @@ from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
 from data.sources import resolve_target_dir
 from data.store import target_fingerprint
 from heads.checkpoint import build_head, save_native
-from heads.mtp import MTPHead
+from heads.base import DraftHead
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule
 from train.module import DraftHeadModule
@@ -21,7 +22,7 @@ from train.module import DraftHeadModule
 log = logging.getLogger(__name__)
 
 
-def init_head(cfg: Any, target_dir: Path) -> MTPHead:
+def init_head(cfg: Any, target_dir: Path) -> DraftHead:
     """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors."""
     tied, args, parts = tied_target(target_dir)
     head = build_head(OmegaConf.to_container(cfg.head, resolve=True), args, tied)
@@ -29,21 +30,52 @@ def init_head(cfg: Any, target_dir: Path) -> MTPHead:
     return head
 
 
+class Checkpoints(ModelCheckpoint):
+    """ModelCheckpoint that also saves when the step reaching trainer.max_steps ends. Lightning's
+    own save after a mid-epoch max_steps stop happens at the epoch end, whose state marks the cut
+    epoch finished: resuming from it would skip the rest of that epoch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if 0 < trainer.max_steps <= trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
+            self._save_topk_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates)
+
+
 def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
     """Train the head on the store at cfg.store_dir; write the native checkpoint to cfg.head_dir.
-    Returns that directory and the final logged metrics."""
+    Returns that directory and the final logged metrics.
+
+    Lightning checkpoints (`last.ckpt`, written at each epoch end or every
+    train.checkpoint_every_n_steps steps, and when max_steps stops training) go to
+    cfg.train.checkpoint_dir; `train.resume=<ckpt>` (or `last`) continues exactly, mid-epoch included
+    (the train loader is stateful, train/data.py). The LR schedule spans the configured run
+    (trainer.max_steps / max_epochs), so a resumed run reproduces an uninterrupted one only when
+    both have the same schedule horizon.
+
+    Only global rank 0 writes files. With `ddp` (and DeepSpeed) every rank runs this function; with
+    `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
+    into the parent's module after fit — so `head` below is the trained head in every case."""
     L.seed_everything(int(cfg.seed), workers=True)
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
     head = init_head(cfg, target_dir)
-    if cfg.train.get("untrained_dir"):
-        save_native(head, cfg.train.untrained_dir, fingerprint)  # the baseline the demo compares against
     dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
     module = DraftHeadModule(head, **OmegaConf.to_container(cfg.train.module, resolve=True))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir)
+    checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
+                              every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
+    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), checkpoints]
+    # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
+    trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
+                                     use_distributed_sampler=False)
+    if trainer.is_global_zero and cfg.train.get("untrained_dir"):
+        save_native(head, cfg.train.untrained_dir, fingerprint)  # the baseline the demo compares against
     trainer.fit(module, dm, ckpt_path=cfg.train.get("resume"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    out = save_native(head, cfg.head_dir, fingerprint)
-    log.info("train: head saved to %s; final metrics %s", out, metrics)
+    out = Path(cfg.head_dir)
+    if trainer.is_global_zero:
+        save_native(head, out, fingerprint)
+        log.info("train: head saved to %s; final metrics %s", out, metrics)
     return out, metrics

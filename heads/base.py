@@ -1,0 +1,114 @@
+"""What every draft head shares: the frozen target tensors (`TiedTarget`) and the small interface
+that both the training unroll and the engine's draft loop call (`DraftHead`).
+
+A head step at position i consumes (state_i, t_{i+1}): `embed` the token, `fuse` it with the state,
+run one decoder layer (`step`, or `step_unrolled` for the training-time test), and `logits` projects
+the result with the target's frozen lm_head. Subclasses define `fuse`, `decoder(depth)`,
+`features`, `regression_target`, `dtype` and `reset_parameters`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary
+
+
+class TiedTarget(nn.Module):
+    """Frozen target tensors shared by a head: E, W_lm, N_f. Non-persistent buffers, so they are
+    never trained, never in the optimizer and never in a head checkpoint."""
+
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.register_buffer("norm_weight", norm.detach(), persistent=False)
+        self.eps = eps
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """N_f: the target's final norm (F_i = N_f(H_i))."""
+        h32 = h.float()
+        return self.norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
+
+    def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """L = W_lm N_f(H): the target's logits recomputed from a stored state."""
+        return F.linear(self.final_norm(h), self.lm_head)
+
+
+class DraftHead(nn.Module):
+    kind = "base"
+
+    def __init__(self, args: LlamaArgs, tied: TiedTarget) -> None:
+        super().__init__()
+        self.args, self.tied = args, tied
+        self.rotary = Rotary(args)
+
+    # ---- defined by each head ---------------------------------------------------------------------
+    def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decoder(self, depth: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def features(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        """What the frozen lm_head projects (the training loss works on these)."""
+        raise NotImplementedError
+
+    def regression_target(self, hidden_next: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- shared ------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def cache_layer(self, depth: int) -> int:
+        return 0
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.tied.embed)
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+             start: int = 0, depth: int = 1) -> torch.Tensor:
+        cos, sin = self.rotary(positions, x.dtype)
+        kv = cache.layer(self.cache_layer(depth)) if cache is not None else None
+        return self.decoder(depth)(x, cos, sin, kv, start)
+
+    def step_unrolled(self, x: torch.Tensor, positions: torch.Tensor,
+                      base: tuple[torch.Tensor, torch.Tensor] | None,
+                      extras: list[tuple[torch.Tensor, torch.Tensor]], depth: int = 1
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`step` for the training-time test (heads/unroll.py): all rows at once, each attending what
+        the engine's draft cache would hold at this depth (Attention.forward_unrolled)."""
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras)
+
+    def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        return F.linear(self.features(hidden, depth), self.tied.lm_head)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None = None, start: int = 0, depth: int = 1) -> torch.Tensor:
+        """(state_i, t_{i+1}) at RoPE position `positions` → Ĥ, the head's next state."""
+        x = self.fuse(hidden.to(self.dtype), self.embed(tokens), depth)
+        return self.step(x, positions, cache, start, depth)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        a = self.args
+        return KVCache(len(self.layers), batch, a.num_key_value_heads, max_len, a.head_dim, self.dtype,
+                       self.tied.embed.device)
+
+
+@torch.no_grad()
+def init_random(module: nn.Module, gen: torch.Generator, std: float) -> None:
+    """Norm weights 1, biases 0, matrices N(0, std²) with residual-output projections (o_proj,
+    down_proj) at std/√2, GPT-2 style."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.ndim == 2:
+            scale = std / 2 ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        else:
+            p.zero_()

@@ -1,0 +1,418 @@
+"""Structural validators for exported heads — export_formats.md §11 step 1.
+
+Engines are poor validators: SGLang skips unknown names, vLLM silently drops an EAGLE-1 `fc.bias` and
+leaves missing tensors at random init (§10, §14). So every export directory is checked here, without
+running an engine, against the key set, shapes, dtypes and config rules of its format:
+
+- `native`         spechead's own checkpoint (heads/checkpoint.py);
+- `eagle1-vllm`    EAGLE-1 for vLLM `method="eagle"` (§3.1, §9.1): arch `LlamaForCausalLM`, no `fc.bias`;
+- `eagle1-sglang`  EAGLE-1 for SGLang `--speculative-algorithm EAGLE` (§4.1, §9.2): arch
+                   `LlamaForCausalLMEagle`, `fc.bias` shipped;
+- `mtp-stitched`   DeepSeek-style MTP layers `model.layers.{N+k}.*` in a copy of the target (§8, §9.5);
+- `mtp-standalone` SGLang's standalone NextN layout (`model.layers.0.*`, `num_hidden_layers: 1`, §4.3).
+
+Every violation is collected, then one error lists them all. The target, when given, is read from its
+`config.json` and safetensors directly (heads/ imports nothing from data/, train/ or inference_eval/).
+
+CLI: `python -m heads.validate <dir> --format <fmt> [--target <target_dir>]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from heads.checkpoint import FORMAT_VERSION, HEAD_TYPES, build_head
+from heads.layers import LlamaArgs
+from heads.base import TiedTarget
+
+FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone")
+EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors dtype codes → torch names, for messages and the config's torch_dtype
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class ExportValidationError(ValueError):
+    """One error that lists every violation found in an export directory."""
+
+    def __init__(self, path: Path, fmt: str, violations: list[str]) -> None:
+        self.violations = violations
+        lines = "\n".join(f"  - {v}" for v in violations)
+        super().__init__(f"{path} is not a valid {fmt!r} export ({len(violations)} violation(s)):\n{lines}")
+
+
+# ---- reading HF-style directories ----------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # torch name, e.g. "float32"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def scan_tensors(path: Path, problems: list[str] | None = None) -> dict[str, TensorInfo]:
+    """Names, shapes and dtypes of every tensor in a checkpoint directory (headers only, no data).
+    With an index file, the index must name exactly the tensors its files hold."""
+    problems = problems if problems is not None else []
+    files = sorted(path.glob("*.safetensors"))
+    index = read_json(path / INDEX_FILE)["weight_map"] if (path / INDEX_FILE).exists() else None
+    infos: dict[str, TensorInfo] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                if key in infos:
+                    problems.append(f"tensor {key!r} is stored twice ({infos[key].file.name} and {f.name})")
+                infos[key] = TensorInfo(f, tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype(), sl.get_dtype()))
+    if not files:
+        problems.append(f"no *.safetensors file in {path}")
+    if index is not None:
+        for key, fname in index.items():
+            if key not in infos:
+                problems.append(f"{INDEX_FILE} names {key!r} in {fname}, which holds no such tensor")
+            elif infos[key].file.name != fname:
+                problems.append(f"{INDEX_FILE} puts {key!r} in {fname}, but it is in {infos[key].file.name}")
+        for key in sorted(set(infos) - set(index)):
+            problems.append(f"tensor {key!r} ({infos[key].file.name}) is missing from {INDEX_FILE}")
+    return infos
+
+
+def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
+    with safe_open(info.file, framework="pt") as fh:
+        return fh.get_tensor(name)
+
+
+def target_embed_and_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's E and W_lm exactly as stored (dtype included); W_lm = E for tied embeddings."""
+    cfg = read_json(target_dir / "config.json")
+    infos = scan_tensors(target_dir)
+    embed = load_tensor(infos["model.embed_tokens.weight"], "model.embed_tokens.weight")
+    if cfg.get("tie_word_embeddings") or "lm_head.weight" not in infos:
+        return embed, embed
+    return embed, load_tensor(infos["lm_head.weight"], "lm_head.weight")
+
+
+# ---- expected tensors ------------------------------------------------------------------------------
+def llama_layer_shapes(a: LlamaArgs, input_norm: bool = True) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of one Llama-family decoder layer (heads/layers.py DecoderLayer)."""
+    h, d, i = a.hidden_size, a.head_dim, a.intermediate_size
+    shapes = {
+        "self_attn.q_proj.weight": (a.num_attention_heads * d, h),
+        "self_attn.k_proj.weight": (a.num_key_value_heads * d, h),
+        "self_attn.v_proj.weight": (a.num_key_value_heads * d, h),
+        "self_attn.o_proj.weight": (h, a.num_attention_heads * d),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+    if input_norm:
+        shapes["input_layernorm.weight"] = (h,)
+    if a.attention_bias:
+        shapes |= {"self_attn.q_proj.bias": (a.num_attention_heads * d,),
+                   "self_attn.k_proj.bias": (a.num_key_value_heads * d,),
+                   "self_attn.v_proj.bias": (a.num_key_value_heads * d,)}
+    if a.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def eagle1_shapes(a: LlamaArgs, bias: bool) -> dict[str, tuple[int, ...]]:
+    """EAGLE-1 keys (§3.1): fc, then layer 0 without input_layernorm. No embed_tokens, no lm_head."""
+    h = a.hidden_size
+    shapes = {"fc.weight": (h, 2 * h)} | ({"fc.bias": (h,)} if bias else {})
+    return shapes | {f"layers.0.{k}": s for k, s in llama_layer_shapes(a, input_norm=False).items()}
+
+
+MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # frozen target copies (§8)
+
+
+def mtp_layer_shapes(a: LlamaArgs, layer_id: int) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3 MTP module keys (§8) with a Llama decoder layer, without the frozen copies."""
+    h = a.hidden_size
+    own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
+    return {f"model.layers.{layer_id}.{k}": s for k, s in (own | llama_layer_shapes(a)).items()}
+
+
+# ---- the checks ------------------------------------------------------------------------------------
+def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = None) -> list[str]:
+    """Every violation of format `fmt` found in the export directory `path` (empty list: valid)."""
+    path = Path(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
+    if not (path / "config.json").exists():
+        return [f"no config.json in {path}"]
+    problems: list[str] = []
+    cfg = read_json(path / "config.json")
+    infos = scan_tensors(path, problems)
+    target = Path(target_dir) if target_dir is not None else None
+    tcfg = read_json(target / "config.json") if target is not None else None
+    if fmt == "native":
+        _check_native(cfg, infos, tcfg, problems)
+    elif fmt.startswith("eagle1"):
+        _check_eagle1(fmt, cfg, infos, target, tcfg, problems)
+    else:
+        _check_mtp(fmt, cfg, infos, target, tcfg, problems)
+    return problems
+
+
+def check_export(path: str | Path, fmt: str, target_dir: str | Path | None = None) -> None:
+    """Raise ExportValidationError listing every violation, if there is any."""
+    problems = validate_export(path, fmt, target_dir)
+    if problems:
+        raise ExportValidationError(Path(path), fmt, problems)
+
+
+def _check_keys(infos: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], problems: list[str],
+                optional: tuple[str, ...] = (), eagle: bool = False) -> None:
+    """Exact key set and shapes. Keys in `optional` may be absent (their content is checked elsewhere)."""
+    for key in sorted(set(expected) - set(infos)):
+        problems.append(f"missing tensor {key!r} (shape {list(expected[key])})")
+    for key in sorted(set(infos) - set(expected) - set(optional)):
+        hint = "; EAGLE heads carry no `model.` prefix (the engines add it, §1.5)" if eagle and key.startswith("model.") else ""
+        problems.append(f"unexpected tensor {key!r} {list(infos[key].shape)}{hint}")
+    for key in sorted(set(expected) & set(infos)):
+        if infos[key].shape != expected[key]:
+            problems.append(f"tensor {key!r} has shape {list(infos[key].shape)}, expected {list(expected[key])}")
+
+
+def _check_uniform_dtype(infos: dict[str, TensorInfo], keys: list[str], declared: str | None,
+                         problems: list[str]) -> None:
+    dtypes = {infos[k].dtype for k in keys if k in infos}
+    if len(dtypes) > 1:
+        problems.append(f"head tensors mix dtypes {sorted(dtypes)}: one dtype expected")
+    elif declared is not None and dtypes and dtypes != {declared}:
+        problems.append(f"config says dtype {declared!r} but the tensors are {dtypes.pop()!r}")
+    for k in keys:
+        if k in infos and not infos[k].dtype.startswith(("float", "bfloat")):
+            problems.append(f"tensor {k!r} has non-floating dtype {infos[k].dtype}")
+
+
+def _check_finite(infos: dict[str, TensorInfo], keys: list[str], problems: list[str]) -> None:
+    for k in keys:
+        if k in infos and not torch.isfinite(load_tensor(infos[k], k).float()).all():
+            problems.append(f"tensor {k!r} holds NaN or Inf values")
+
+
+def _args(cfg: dict[str, Any], problems: list[str], what: str) -> LlamaArgs | None:
+    try:
+        return LlamaArgs.from_hf_config(cfg)
+    except (KeyError, ValueError, TypeError) as e:
+        problems.append(f"{what} config.json is not a Llama-family config: {e!r}")
+        return None
+
+
+def _check_positions(cfg: dict[str, Any], tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    """RoPE and positions equal to the target's (§1.6); an inconsistent top-level vs nested theta."""
+    nested = (cfg.get("rope_parameters") or {}).get("rope_theta")
+    if nested is not None and "rope_theta" in cfg and float(cfg["rope_theta"]) != float(nested):
+        problems.append(f"rope_theta {cfg['rope_theta']} disagrees with rope_parameters.rope_theta {nested}")
+    if "max_position_embeddings" not in cfg:
+        problems.append("config.json lacks max_position_embeddings")
+    if tcfg is None:
+        return
+    if cfg.get("max_position_embeddings", 0) < tcfg.get("max_position_embeddings", 0):
+        problems.append(f"max_position_embeddings {cfg.get('max_position_embeddings')} is shorter than the "
+                        f"target's {tcfg['max_position_embeddings']} (positions beyond it break the draft, §1.6)")
+    a, ta = LlamaArgs.from_hf_config(cfg), LlamaArgs.from_hf_config(tcfg)
+    if a.rope_theta != ta.rope_theta:
+        problems.append(f"rope_theta {a.rope_theta} differs from the target's {ta.rope_theta}")
+    if (a.rope_scaling or None) != (ta.rope_scaling or None):
+        problems.append(f"rope scaling {a.rope_scaling} differs from the target's {ta.rope_scaling}")
+
+
+def _check_same_as_target(name: str, info: TensorInfo, reference: torch.Tensor, problems: list[str]) -> None:
+    got = load_tensor(info, name)
+    if got.dtype != reference.dtype or got.shape != reference.shape:
+        diff = f"{got.dtype} {list(got.shape)} vs the target's {reference.dtype} {list(reference.shape)}"
+    elif not torch.equal(got, reference):
+        diff = f"max |difference| {float((got.float() - reference.float()).abs().max()):.3g}"
+    else:
+        return
+    problems.append(f"tensor {name!r} is not bit-identical to the target's ({diff}); "
+                    "a stale or random copy destroys acceptance (§1.4)")
+
+
+def _check_native(cfg: dict[str, Any], infos: dict[str, TensorInfo], tcfg: dict[str, Any] | None,
+                  problems: list[str]) -> None:
+    for key in ("spechead_format", "head", "target_args"):
+        if key not in cfg:
+            problems.append(f"config.json lacks {key!r}")
+    if problems:
+        return
+    if cfg["spechead_format"] != FORMAT_VERSION:
+        problems.append(f"spechead_format {cfg['spechead_format']} is not {FORMAT_VERSION}")
+    if cfg["head"].get("type") not in HEAD_TYPES:
+        problems.append(f"head type {cfg['head'].get('type')!r} is not one of {sorted(HEAD_TYPES)}")
+        return
+    args = LlamaArgs(**cfg["target_args"])
+    with torch.device("meta"):  # shapes only: build the head without allocating it
+        empty = torch.empty(0)
+        head = build_head(cfg["head"], args, TiedTarget(empty, empty, empty, args.rms_norm_eps))
+    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    _check_keys(infos, expected, problems)
+    _check_uniform_dtype(infos, list(expected), None, problems)
+    _check_finite(infos, list(expected), problems)
+    if tcfg is not None:
+        ta = LlamaArgs.from_hf_config(tcfg)
+        for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(args, field) != getattr(ta, field):
+                problems.append(f"head was built for {field}={getattr(args, field)}, the target has {getattr(ta, field)}")
+
+
+def _check_eagle1(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    vllm = fmt == "eagle1-vllm"
+    arch = EAGLE1_ARCH[fmt]
+    if cfg.get("architectures") != [arch]:
+        problems.append(f"architectures must be [{arch!r}], got {cfg.get('architectures')}")
+    if cfg.get("model_type") != "llama":
+        problems.append(f"model_type must be 'llama' (EAGLE-1 drafts are Llama-architecture), got {cfg.get('model_type')!r}")
+    if cfg.get("num_hidden_layers") != 1:
+        problems.append(f"num_hidden_layers must be 1 (one EAGLE-1 layer), got {cfg.get('num_hidden_layers')}")
+    if cfg.get("tie_word_embeddings") is not False:
+        problems.append(f"tie_word_embeddings must be false (§1.7), got {cfg.get('tie_word_embeddings')!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
+    if cfg.get("qk_norm") or cfg.get("model_type") == "qwen3":
+        problems.append("q/k norms are not part of the Llama EAGLE-1 layer")
+    if "target_hidden_size" in cfg and cfg["target_hidden_size"] in (None, cfg.get("hidden_size")):
+        problems.append("target_hidden_size must be omitted unless it differs from hidden_size (§10.7)")
+    if "bias" in cfg and cfg["bias"] is not (not vllm):
+        problems.append(f"config 'bias' is {cfg['bias']!r} but the {fmt} variant {'has no' if vllm else 'has a'} fc.bias")
+    a = _args(cfg, problems, "the export's")
+    if a is None:
+        return
+    if tcfg is not None:
+        ta = LlamaArgs.from_hf_config(tcfg)
+        for field in ("hidden_size", "vocab_size"):
+            if getattr(a, field) != getattr(ta, field):
+                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
+    _check_positions(cfg, tcfg, problems)
+    expected = eagle1_shapes(a, bias=not vllm)
+    if "layers.0.input_layernorm.weight" in infos:
+        problems.append("layers.0.input_layernorm.weight is present: EAGLE-1's layer 0 has no input norm "
+                        "(the engines replace it by Identity and reject the key)")
+    if vllm and "fc.bias" in infos:
+        b = load_tensor(infos["fc.bias"], "fc.bias")
+        if bool(b.ne(0).any()):
+            problems.append(f"fc.bias is present and non-zero (max |b| = {float(b.abs().max()):.3g}): vLLM's EAGLE-1 "
+                            "has no fc.bias and silently drops it (§14), so the served head computes a different function")
+        else:
+            problems.append("fc.bias is present (all zeros): vLLM's EAGLE-1 has no fc.bias parameter "
+                            "(a KeyError in the loader of §3.1, dropped by vLLM 0.32, §14): omit the key")
+    _check_keys(infos, expected, problems, eagle=True,
+                optional=("embed_tokens.weight", "fc.bias", "layers.0.input_layernorm.weight"))  # checked here
+    if "embed_tokens.weight" in infos:
+        if vllm:
+            problems.append("embed_tokens.weight must be omitted for vLLM EAGLE-1 (its loader skips the key but "
+                            "flags an own embedding, §2.1)")
+        elif target is None:
+            problems.append("embed_tokens.weight is shipped: pass --target to check it equals the target's (§1.4)")
+        else:
+            _check_same_as_target("embed_tokens.weight", infos["embed_tokens.weight"],
+                                  target_embed_and_head(target)[0], problems)
+    own = [k for k in expected if k in infos]
+    _check_uniform_dtype(infos, own, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
+    _check_finite(infos, own, problems)
+
+
+def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+               tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    stitched = fmt == "mtp-stitched"
+    n = cfg.get("num_nextn_predict_layers")
+    if not isinstance(n, int) or n < 1:
+        problems.append(f"num_nextn_predict_layers must be a positive integer, got {n!r}")
+        return
+    if not stitched:
+        if cfg.get("num_hidden_layers") != 1:
+            problems.append(f"num_hidden_layers must be 1 in a standalone NextN dir, got {cfg.get('num_hidden_layers')}")
+        if n != 1:
+            problems.append(f"num_nextn_predict_layers must be 1 in a standalone NextN dir (SGLang requires it), got {n}")
+        if not all(str(x).endswith("NextN") for x in cfg.get("architectures") or [None]):
+            problems.append(f"architectures must name a NextN class, got {cfg.get('architectures')}")
+    a = _args(cfg, problems, "the export's")
+    if a is None:
+        return
+    if tcfg is not None:
+        changed = {"num_nextn_predict_layers"} | (set() if stitched else {"num_hidden_layers", "architectures"})
+        for key in sorted((set(cfg) | set(tcfg)) - changed - {"max_position_embeddings"}):
+            if cfg.get(key) != tcfg.get(key):
+                problems.append(f"config {key!r} is {cfg.get(key)!r}, the target's is {tcfg.get(key)!r} "
+                                "(an MTP dir keeps the target's config)")
+    _check_positions(cfg, tcfg, problems)
+    base = cfg["num_hidden_layers"] if stitched else 0
+    expected: dict[str, tuple[int, ...]] = {}
+    copies = {}
+    for k in range(n):
+        expected |= mtp_layer_shapes(a, base + k)
+        copies |= {f"model.layers.{base + k}.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+                   f"model.layers.{base + k}.shared_head.head.weight": (a.vocab_size, a.hidden_size)}
+    own = list(expected)
+    if stitched:
+        expected |= copies  # vLLM computes logits with shared_head.head: required (§3.3)
+        if target is not None:
+            tinfos = scan_tensors(target)
+            for key in sorted(set(tinfos) - set(infos)):
+                problems.append(f"missing target tensor {key!r}")
+            for key in sorted(set(tinfos) & set(infos)):
+                if (tinfos[key].shape, tinfos[key].dtype) != (infos[key].shape, infos[key].dtype):
+                    problems.append(f"target tensor {key!r} changed: {infos[key].dtype} {list(infos[key].shape)} "
+                                    f"vs the target's {tinfos[key].dtype} {list(tinfos[key].shape)}")
+            expected |= {k: v.shape for k, v in tinfos.items()}
+        else:  # without the target, accept the main model's tensors of the dir itself
+            mtp_prefixes = tuple(f"model.layers.{base + k}." for k in range(n))
+            expected |= {k: v.shape for k, v in infos.items() if not k.startswith(mtp_prefixes)}
+    _check_keys(infos, expected, problems, optional=() if stitched else tuple(copies))
+    present_copies = [k for k in copies if k in infos]
+    if present_copies:
+        if target is not None:
+            embed, lm_head = target_embed_and_head(target)
+        elif "model.embed_tokens.weight" in infos:
+            embed = load_tensor(infos["model.embed_tokens.weight"], "model.embed_tokens.weight")
+            lm_key = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") or "lm_head.weight" not in infos \
+                else "lm_head.weight"
+            lm_head = load_tensor(infos[lm_key], lm_key)
+        else:
+            embed = lm_head = None
+            problems.append(f"{present_copies} shipped without the target to compare with: pass --target (§1.4)")
+        for key in present_copies:
+            if embed is not None and infos[key].shape == copies[key]:
+                _check_same_as_target(key, infos[key], embed if key.endswith("embed_tokens.weight") else lm_head,
+                                      problems)
+    _check_uniform_dtype(infos, own, None, problems)
+    _check_finite(infos, own, problems)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m heads.validate", description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", type=Path, help="the export directory")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--target", type=Path, default=None, help="the target's HF checkpoint directory")
+    ns = p.parse_args(argv)
+    problems = validate_export(ns.dir, ns.format, ns.target)
+    if problems:
+        print(ExportValidationError(ns.dir, ns.format, problems), file=sys.stderr)
+        return 1
+    checked = "" if ns.target else " (without --target: copies and RoPE not compared with the target)"
+    print(f"OK: {ns.dir} is a valid {ns.format} export{checked}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

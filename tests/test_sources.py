@@ -1,0 +1,76 @@
+"""Data sources: every malformed record is counted under its reason, none is silently included or
+silently dropped, and a bad line does not stop the file."""
+
+import json
+from collections import Counter
+
+from omegaconf import OmegaConf
+
+from data.sources import load_conversations
+
+
+def sharegpt(sid, *turns):
+    return {"id": sid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+GOOD = [
+    sharegpt("g1", ("human", "Hi"), ("gpt", "Hello!")),
+    {"id": "g2", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+    sharegpt("g3", ("system", "Be brief."), ("human", "Café?"), ("gpt", "Oui — ☕")),  # non-ASCII UTF-8
+    sharegpt("g4", ("gpt", "(continued)"), ("human", "More"), ("gpt", "Sure")),  # leading answer dropped
+]
+
+BAD = {  # reason -> raw lines
+    "malformed": [
+        json.dumps({"id": "m1"}),  # no conversations / messages field
+        json.dumps(sharegpt("m2", ("human", "a"))["conversations"][0]),  # a turn, not a record
+        json.dumps({"id": "m3", "conversations": [{"from": "human"}]}),  # turn without value
+        json.dumps({"id": "m4", "conversations": "hello"}),  # wrong type: str for list
+        json.dumps({"id": "m5", "conversations": [{"from": "human", "value": 42}]}),  # wrong type: int value
+        json.dumps({"id": "m6", "messages": [{"role": "user", "content": [{"type": "text"}]}]}),  # list content
+        json.dumps(["not", "an", "object"]),
+    ],
+    "unknown_role": [json.dumps(sharegpt("u1", ("human", "a"), ("robot", "b")))],
+    "empty": [json.dumps(sharegpt("e1")), json.dumps(sharegpt("e2", ("human", "  "), ("gpt", "\n")))],
+    "no_assistant_turn": [json.dumps(sharegpt("n1", ("human", "anyone?")))],
+    "not_json": ['{"id": "j1", "conversations": [', "{not json}"],
+    "duplicate_id": [json.dumps(sharegpt("g1", ("human", "again"), ("gpt", "a different answer")))],
+}
+
+NOT_UTF8 = [
+    b'{"id": "x1", "conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}',  # latin-1
+    b"\xff\xfe{\x00",  # UTF-16 BOM
+    b'{"id": "x3", "conversations": [{"from": "human", "value": "\xc3"}, {"from": "gpt", "value": "cut"}]}',
+]
+
+
+def test_jsonl_rejects_counted_per_reason(tmp_path):
+    lines = [json.dumps(GOOD[0]).encode(), *(line.encode() for line in BAD["malformed"][:3]), NOT_UTF8[0],
+             json.dumps(GOOD[1]).encode(), b"", b"   ", *(line.encode() for line in BAD["malformed"][3:]),
+             *NOT_UTF8[1:], json.dumps(GOOD[2]).encode()]
+    for reason in ("unknown_role", "empty", "no_assistant_turn", "not_json", "duplicate_id"):
+        lines += [line.encode() for line in BAD[reason]]
+    lines.append(json.dumps(GOOD[3]).encode())
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path)}))
+
+    expected = Counter({reason: len(raw) for reason, raw in BAD.items()})
+    expected["not_utf8"] = len(NOT_UTF8)
+    assert convs.rejected == expected  # blank lines are not records: not counted
+    assert [sid for sid, _ in convs.items] == ["g1", "g2", "g3", "g4"]
+    by_id = dict(convs.items)
+    assert by_id["g1"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    assert by_id["g3"][1:] == [{"role": "user", "content": "Café?"}, {"role": "assistant", "content": "Oui — ☕"}]
+    assert by_id["g4"] == [{"role": "user", "content": "More"}, {"role": "assistant", "content": "Sure"}]
+    assert sum(convs.rejected.values()) + len(convs.items) == sum(1 for line in lines if line.strip())
+
+
+def test_skip_and_max_samples_count_only_usable_records(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = [sharegpt(f"s{i}", ("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(6)]
+    path.write_bytes(b"\n".join([json.dumps(good[0]).encode(), NOT_UTF8[0], *(json.dumps(r).encode() for r in good[1:])]))
+    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path), "skip": 2, "max_samples": 3}))
+    assert [sid for sid, _ in convs.items] == ["s2", "s3", "s4"]
+    assert convs.rejected == {"not_utf8": 1}
