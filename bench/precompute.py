@@ -3,17 +3,21 @@ typical HF-transformers precompute script, on the same ShareGPT samples, in one 
 
 - ours: `data.precompute.precompute` — the engine model (`inference_eval.model.LlamaForCausalLM`)
   with `logits="none"`, right-padded batches of at most `--batch-tokens` padded tokens without an
-  attention mask (causal attention hides the padding), writing a bf16 feature store.
+  attention mask (causal attention hides the padding), on CPU one batch per worker thread, writing
+  a bf16 feature store.
 - HF: `AutoModelForCausalLM` in bf16, length-sorted right-padded batches of at most `--batch-tokens`
-  padded tokens, `output_hidden_states=True` (as EAGLE's and SpecForge's HF paths call it, so the
-  full logits are computed too) and a forward hook on the last decoder layer for the pre-norm state
-  (HF's `hidden_states[-1]` is after the final norm); the unpadded rows go into the same kind of
-  store. Also timed, for information: the same HF batches with `logits_to_keep=1`, i.e. a
-  baseline that knows to skip the logits.
+  padded tokens with an attention mask, `output_hidden_states=True` (as EAGLE's and SpecForge's HF
+  paths call it, so the full logits are computed too) and a forward hook on the last decoder layer
+  for the pre-norm state (HF's `hidden_states[-1]` is after the final norm); the unpadded rows go
+  into the same kind of store. Also timed, for information: the same batches with
+  `logits_to_keep=1`, a baseline that knows to skip the logits.
 
-Both paths are warmed up first; with `--rounds` > 1 they alternate and the best round of each
-counts (the machine may be shared). Tokenization and model loading are not timed. Bytes per token
-are the shard bytes of real stores written in bf16 and fp8 by our path, divided by their tokens.
+Timing is paired because these machines are shared and their speed swings by several times within
+seconds: the samples are cut into chunks of about `--chunk-tokens` tokens, and each chunk is run by
+every path back to back (the order rotating), `--rounds` times. speedup_vs_hf is the median over
+chunks and rounds of t_hf / t_ours; the tok/s printed are totals. Models are warmed up first;
+tokenization and loading are not timed. Bytes per token are the shard bytes of whole stores written
+by our path in bf16 and in fp8, divided by their tokens.
 Last line:
 `precompute speedup_vs_hf=<x> bytes_per_token_bf16=<b> bytes_per_token_fp8=<f> hidden_size=<H>`.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -52,6 +57,15 @@ def load_samples(tokenizer, num: int, max_length: int) -> Samples:
     return samples
 
 
+def chunks_of(samples: Samples, chunk_tokens: int) -> list[Samples]:
+    out: list[Samples] = [[]]
+    for s in samples:
+        if out[-1] and sum(len(x[1]) for x in out[-1]) + len(s[1]) > chunk_tokens:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
 def padded_batches(samples: Samples, batch_tokens: int) -> list[list[int]]:
     """Indices sorted by length (longest first), cut so rows × longest row ≤ batch_tokens."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i][1]))
@@ -65,51 +79,57 @@ def padded_batches(samples: Samples, batch_tokens: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_precompute(hf, samples: Samples, batches: list[list[int]], writer: StoreWriter, pad_id: int,
-                  logits_to_keep: int = 0) -> float:
-    """The HF baseline: padded batches, hidden states via a hook; returns seconds."""
+def hf_precompute(hf, samples: Samples, batch_tokens: int, writer: StoreWriter, pad_id: int,
+                  logits_to_keep: int = 0) -> None:
+    """The HF baseline: padded batches with an attention mask, the pre-norm state via a hook."""
     captured = {}
 
     def hook(module, args, output):
         captured["hidden"] = output[0] if isinstance(output, tuple) else output
 
     handle = hf.model.layers[-1].register_forward_hook(hook)
-    t0 = time.perf_counter()
-    for batch in batches:
-        lengths = [len(samples[i][1]) for i in batch]
-        ids = torch.full((len(batch), max(lengths)), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, (i, n) in enumerate(zip(batch, lengths)):
-            ids[r, :n] = torch.tensor(samples[i][1])
-            mask[r, :n] = 1
-        hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=logits_to_keep)
-        hidden = captured["hidden"]  # [B, T, H] pre-norm output of the last decoder layer
-        for r, (i, n) in enumerate(zip(batch, lengths)):
-            sid, input_ids, loss_mask = samples[i]
-            writer.add(Sample(sid, torch.tensor(input_ids), torch.tensor(loss_mask), hidden[r, :n].clone()))
-    writer.close()
-    seconds = time.perf_counter() - t0
-    handle.remove()
-    return seconds
+    try:
+        for batch in padded_batches(samples, batch_tokens):
+            lengths = [len(samples[i][1]) for i in batch]
+            ids = torch.full((len(batch), max(lengths)), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, (i, n) in enumerate(zip(batch, lengths)):
+                ids[r, :n] = torch.tensor(samples[i][1])
+                mask[r, :n] = 1
+            hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=logits_to_keep)
+            hidden = captured["hidden"]  # [B, T, H] pre-norm output of the last decoder layer
+            for r, (i, n) in enumerate(zip(batch, lengths)):
+                sid, input_ids, loss_mask = samples[i]
+                writer.add(Sample(sid, torch.tensor(input_ids), torch.tensor(loss_mask), hidden[r, :n].clone()))
+        writer.close()
+    finally:
+        handle.remove()
 
 
 def store_bytes_per_token(root: Path) -> float:
-    store = FeatureStore(root)
-    tokens = sum(s["num_tokens"] for s in store.manifest["shards"])
-    size = sum((root / s["file"]).stat().st_size for s in store.manifest["shards"])
-    return size / tokens
+    shards = FeatureStore(root).manifest["shards"]
+    return sum((root / s["file"]).stat().st_size for s in shards) / sum(s["num_tokens"] for s in shards)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16 samples of ≤ 256 tokens, one round (< 1 min)")
-    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--quick", action="store_true",
+                        help="12 samples of ≤ 256 tokens, chunks of 1024 tokens, one round, no keep-1 (< 1 min)")
+    parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch, both paths")
+    parser.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per paired timing unit")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both paths (default: torch's); with 1, ours runs one "
+                             "worker, and the comparison is per core, free of thread scheduling effects")
+    parser.add_argument("--no-keep-1", dest="keep_1", action="store_false",
+                        help="skip the informational hf logits_to_keep=1 baseline (quick does)")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.max_length, args.rounds = 16, 256, 1
+        args.samples, args.max_length, args.chunk_tokens, args.rounds, args.keep_1 = 12, 256, 1024, 1, False
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -127,9 +147,7 @@ def main() -> None:
     hidden_size = ours.args.hidden_size
     fingerprint = target_fingerprint(target_dir, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", "bfloat16")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = padded_batches(samples, args.batch_tokens)
-    padded = sum(len(b) * len(samples[b[0]][1]) for b in batches)
-    print(f"hf batches: {len(batches)} of ≤ {args.batch_tokens} padded tokens; padding {padded / tokens - 1:.1%}")
+    chunks = chunks_of(samples, args.chunk_tokens)
 
     with torch.inference_mode():  # warm-up: oneDNN picks and JITs its kernels on first use
         warm = torch.tensor([samples[0][1][:128]])
@@ -137,53 +155,58 @@ def main() -> None:
         hf(input_ids=warm, attention_mask=torch.ones_like(warm), output_hidden_states=True)
 
     paths = {
-        "ours": lambda w: precompute(ours, samples, w, args.batch_tokens, progress=False),
-        "hf": lambda w: hf_precompute(hf, samples, batches, w, pad_id),
-        "hf_logits_to_keep_1": lambda w: hf_precompute(hf, samples, batches, w, pad_id, logits_to_keep=1),
+        "ours": lambda part, w: precompute(ours, part, w, args.batch_tokens, progress=False),
+        "hf": lambda part, w: hf_precompute(hf, part, args.batch_tokens, w, pad_id),
+        "hf_logits_to_keep_1": lambda part, w: hf_precompute(hf, part, args.batch_tokens, w, pad_id, 1),
     }
-    wall: dict[str, list[float]] = {name: [] for name in paths}
-    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    if not args.keep_1:
+        del paths["hf_logits_to_keep_1"]
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
     with tempfile.TemporaryDirectory(prefix="bench-precompute-") as tmp:
         tmp = Path(tmp)
+        unit = 0
         for r in range(args.rounds):
-            names = list(paths)[r % len(paths):] + list(paths)[:r % len(paths)]  # rotate the order
-            for name in names:
-                writer = StoreWriter(tmp / f"{name}-{r}", fingerprint, hidden_size, dtype="bfloat16")
-                w0, c0 = time.perf_counter(), time.process_time()
-                paths[name](writer)
-                wall[name].append(time.perf_counter() - w0)
-                cpu[name].append(time.process_time() - c0)
-            print(f"round {r}: " + ", ".join(f"{n} {tokens / wall[n][-1]:.0f} tok/s (cpu {tokens / cpu[n][-1]:.0f})"
-                                             for n in paths))
-        writer = StoreWriter(tmp / "ours-fp8", fingerprint, hidden_size, dtype="fp8")
-        fp8_s = precompute(ours, samples, writer, args.batch_tokens, progress=False).seconds
+            for c, part in enumerate(chunks):
+                names = list(paths)[unit % len(paths):] + list(paths)[:unit % len(paths)]  # rotate the order
+                for name in names:
+                    writer = StoreWriter(tmp / f"{name}-{r}-{c}", fingerprint, hidden_size, dtype="bfloat16")
+                    t0 = time.perf_counter()
+                    paths[name](part, writer)
+                    seconds[name].append(time.perf_counter() - t0)
+                unit += 1
+            print(f"round {r}, tok/s: " + ", ".join(f"{n} {tokens / sum(s[-len(chunks):]):.0f}"
+                                                   for n, s in seconds.items()))
+        whole = {}
+        for dtype in ("bfloat16", "fp8"):
+            writer = StoreWriter(tmp / f"ours-{dtype}", fingerprint, hidden_size, dtype=dtype)
+            whole[dtype] = precompute(ours, samples, writer, args.batch_tokens, progress=False).seconds
 
-        # Same states from both paths (bf16 noise only): ours vs HF for the longest sample.
-        a, b = FeatureStore(tmp / "ours-0"), FeatureStore(tmp / "hf-0")
-        i = max(range(len(samples)), key=lambda k: len(samples[k][1]))
-        j = [b[k]["input_ids"].tolist() for k in range(len(b))].index(samples[i][1])
+        # Same states from both paths (bf16 rounding only): ours vs HF on the first chunk's longest sample.
+        a, b = FeatureStore(tmp / "ours-0-0"), FeatureStore(tmp / "hf-0-0")
+        i = max(range(len(a)), key=lambda k: a.lengths()[k])
+        j = [b[k]["input_ids"].tolist() for k in range(len(b))].index(a[i]["input_ids"].tolist())
         x, y = a[i]["hidden"].float(), b[j]["hidden"].float()
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
         print(f"parity ours vs hf on {len(x)} tokens: min cosine {cos.min():.5f}, "
               f"max |diff| / max |hf| {(x - y).abs().max() / y.abs().max():.4f}")
-        fp8 = FeatureStore(tmp / "ours-fp8")
-        rel = (fp8[i]["hidden"].float() - x).norm() / x.norm()
-        print(f"fp8 store: relative L2 error vs bf16 store {rel:.4f}; reads back as {fp8[i]['hidden'].dtype}")
-        bpt_bf16 = store_bytes_per_token(tmp / "ours-0")
+        bf16, fp8 = FeatureStore(tmp / "ours-bfloat16"), FeatureStore(tmp / "ours-fp8")
+        x, y = bf16[0]["hidden"].float(), fp8[0]["hidden"]
+        print(f"fp8 store: reads back as {y.dtype}; relative L2 error vs the bf16 store "
+              f"{(y.float() - x).norm() / x.norm():.4f}")
+        bpt_bf16 = store_bytes_per_token(tmp / "ours-bfloat16")
         bpt_fp8 = store_bytes_per_token(tmp / "ours-fp8")
 
-    best = {n: tokens / min(wall[n]) for n in paths}
-    best_cpu = {n: tokens / min(cpu[n]) for n in paths}
-    print(f"best round, tok/s: ours {best['ours']:.0f} (fp8 store {tokens / fp8_s:.0f}), hf {best['hf']:.0f}, "
-          f"hf logits_to_keep=1 {best['hf_logits_to_keep_1']:.0f}; by process CPU time: ours {best_cpu['ours']:.0f}, "
-          f"hf {best_cpu['hf']:.0f}, hf logits_to_keep=1 {best_cpu['hf_logits_to_keep_1']:.0f}; "
+    ratio = {n: statistics.median(t / o for t, o in zip(seconds[n], seconds["ours"])) for n in paths}
+    total = {n: tokens * args.rounds / sum(seconds[n]) for n in paths}
+    print(f"{len(chunks)} chunks x {args.rounds} rounds, {tokens} tokens per round; tok/s over all: "
+          + ", ".join(f"{n} {v:.0f}" for n, v in total.items())
+          + f"; whole-store runs of ours: bf16 {tokens / whole['bfloat16']:.0f}, fp8 {tokens / whole['fp8']:.0f}; "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"speedup vs hf logits_to_keep=1 (a baseline that skips the logits): "
-          f"{best['ours'] / best['hf_logits_to_keep_1']:.2f}")
+    print("median paired speedup: " + ", ".join(f"vs {n} {ratio[n]:.2f}" for n in paths if n != "ours"))
     for name, value, bound in (("bf16", bpt_bf16, 2 * hidden_size + 16), ("fp8", bpt_fp8, hidden_size + 24)):
         if value > bound:
             print(f"WARNING: {name} store uses {value:.2f} bytes/token > bound {bound}")
-    print(f"precompute speedup_vs_hf={best['ours'] / best['hf']:.2f} bytes_per_token_bf16={bpt_bf16:.2f} "
+    print(f"precompute speedup_vs_hf={ratio['hf']:.2f} bytes_per_token_bf16={bpt_bf16:.2f} "
           f"bytes_per_token_fp8={bpt_fp8:.2f} hidden_size={hidden_size}")
 
 

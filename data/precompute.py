@@ -12,18 +12,18 @@ tokens); inside a window they are sorted by length and cut into batches of at mo
 padded tokens, which keeps padding small (ShareGPT samples truncated to `max_length` share one
 length: no padding at all), and they are written in input order.
 
-Resumable and deterministic: windows and batches are a function of the full sample list and
-`batch_tokens` only. A resumed run skips every batch whose samples are all in finished shards and
-recomputes a batch straddling the last finished shard whole (writing only its new samples), so every
-sample is computed in the same batch as in an uninterrupted run and the shards come out
-byte-identical.
+Resumable and deterministic: windows and batches are a function of the full sample list,
+`batch_tokens` and the number of workers only. A resumed run skips every batch whose samples are all
+in finished shards and recomputes a batch straddling the last finished shard whole (writing only its
+new samples), so every sample is computed in the same batch as in an uninterrupted run and, with the
+same settings and thread count, the shards come out byte-identical.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +77,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) ->
     """Windows of consecutive sample indices, each a list of batches (longest first) whose padded
     size rows × longest row is at most `batch_tokens` (a longer sample gets a batch of its own).
     A window too small to fill `min_batches` batches (the last one, or a small dataset) is cut into
-    about `min_batches` smaller ones (rows split evenly), so that every worker gets one."""
+    about `min_batches` smaller ones (at most ceil(n / min_batches) rows each), so that every worker
+    gets one."""
     windows, window, window_tokens = [], [], 0
     for i, n in enumerate(lengths):
         window.append(i)
@@ -87,11 +88,11 @@ def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) ->
             window, window_tokens = [], 0
     planned = []
     for window in windows:
-        order = sorted(window, key=lambda i: (-lengths[i], i))
-        budget = min(batch_tokens, lengths[order[0]] * -(-len(window) // min_batches))
+        max_rows = -(-len(window) // min_batches)  # binds only in a window too small for the workers
         batches: list[list[int]] = []
-        for i in order:
-            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+        for i in sorted(window, key=lambda i: (-lengths[i], i)):
+            last = batches[-1] if batches else None
+            if last and len(last) < max_rows and (len(last) + 1) * lengths[last[0]] <= batch_tokens:
                 batches[-1].append(i)
             else:
                 batches.append([i])
@@ -105,6 +106,23 @@ def resolve_workers(workers: int | None, device: torch.device) -> int:
     if workers is not None:
         return max(1, int(workers))
     return 1 if device.type != "cpu" else max(1, min(4, torch.get_num_threads()))
+
+
+def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
+    """Yield (job, fn(job)) in job order, keeping up to `in_flight` jobs running on the pool: the next
+    window's batches start while the last ones of the current window finish."""
+    if pool is None:
+        yield from ((job, fn(job)) for job in jobs)
+        return
+    pending: deque = deque()
+    for job in jobs:
+        pending.append((job, pool.submit(fn, job)))
+        if len(pending) >= in_flight:
+            done_job, future = pending.popleft()
+            yield done_job, future.result()
+    while pending:
+        done_job, future = pending.popleft()
+        yield done_job, future.result()
 
 
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
@@ -123,37 +141,47 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     device = model.model.embed_tokens.weight.device
     workers = resolve_workers(workers, device)
 
-    def forward(batch: list[int]) -> torch.Tensor:
+    def forward(job: tuple[int, list[int]]) -> torch.Tensor:
+        batch = job[1]
         input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
         for row, i in enumerate(batch):
             input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
         with torch.inference_mode():  # thread-local: entered in the worker
             return model(input_ids.to(device), logits="none").hidden.cpu()  # [B, T_max, H], pre-norm
 
+    jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers))
+            for batch in window if not all(samples[i][0] in done for i in batch)]
     t0 = time.perf_counter()
     count = tokens = loss_tokens = 0
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="precompute", disable=not progress)
+
+    def write(hidden: dict[int, torch.Tensor]) -> None:  # a window's samples, in input order
+        nonlocal count, tokens, loss_tokens
+        for i in sorted(hidden):
+            sid, ids, mask = samples[i]
+            if sid in done:  # computed only because its batch straddles the last finished shard
+                continue
+            writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), hidden[i]))
+            count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
+            bar.update(len(ids))
+
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="precompute") if workers > 1 else None
     if pool is not None and device.type == "cpu":
         torch.set_num_threads(max(1, threads // workers))
     try:
-        for window in plan_batches(lengths, batch_tokens, min_batches=workers):
-            batches = [b for b in window if not all(samples[i][0] in done for i in b)]
-            hidden: dict[int, torch.Tensor] = {}
-            for batch, out in zip(batches, pool.map(forward, batches) if pool else map(forward, batches)):
-                for row, i in enumerate(batch):
-                    hidden[i] = out[row, :lengths[i]]
-            for i in sorted(hidden):  # input order
-                sid, ids, mask = samples[i]
-                if sid in done:  # computed only because its batch straddles the last finished shard
-                    continue
-                writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), hidden[i]))
-                count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
-                bar.update(len(ids))
+        hidden: dict[int, torch.Tensor] = {}
+        current = None
+        for (w, batch), out in _in_order(forward, jobs, pool, in_flight=2 * workers):
+            if w != current:
+                write(hidden)
+                hidden, current = {}, w
+            for row, i in enumerate(batch):
+                hidden[i] = out[row, :lengths[i]]
+        write(hidden)
     finally:
         if pool is not None:
-            pool.shutdown()
+            pool.shutdown(cancel_futures=True)
             torch.set_num_threads(threads)
         bar.close()
     writer.close()

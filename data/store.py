@@ -10,11 +10,12 @@ Storage dtypes: bfloat16 (default), float16, float32, and fp8 (`float8_e4m3fn`, 
 with a per-token fp32 scale `hidden_scale` [T] = amax(|H_t|) / 448 (1 for an all-zero row), the
 per-row absmax scaling of FP8 formats (Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
 e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4 per element whose magnitude is at least
-amax / (448·2^6) of its row; smaller ones are subnormal, with an absolute error ≤ scale·2^-10. The reader dequantizes
-transparently into the target's compute dtype from the fingerprint (bfloat16 for the real target,
-float32 when it is not a float dtype we know), so an fp8 store reads like a store written in that
-dtype. Bytes per token on disk: 2·H + 5 for bf16, H + 9 for fp8 (ids 4, mask 1, scale 4), plus the
-header and offsets amortised over the shard.
+amax / (448·2^6) of its row; smaller ones are subnormal, with an absolute error ≤ scale·2^-10. The
+reader dequantizes transparently into the target's compute dtype from the fingerprint (bfloat16 for
+the real target; float32 when it is not a float dtype we know), recorded as `dequantized_dtype` in
+the manifest, so an fp8 store reads like a store written in that dtype. Bytes per token on disk:
+2·H + 5 for bf16, H + 9 for fp8 (ids 4, mask 1, scale 4), plus the header and offsets amortised
+over the shard.
 
 Writes: every file is written to a dot-prefixed temp name, fsynced, renamed, and the directory is
 fsynced; the manifest is rewritten the same way after each shard. A kill at any point leaves the
@@ -250,7 +251,8 @@ class FeatureStore:
         if self.manifest.get("schema_version") != SCHEMA_VERSION:
             raise StoreError(f"{mpath}: schema_version {self.manifest.get('schema_version')} != {SCHEMA_VERSION}")
         if require_complete and not self.manifest.get("complete"):
-            raise StoreError(f"{mpath}: the store is incomplete (precompute was interrupted); rerun precompute to resume")
+            raise StoreError(f"{mpath}: the store is incomplete (precompute was interrupted); "
+                             "rerun precompute to resume")
         if expected_fingerprint is not None:
             check_fingerprint(self.manifest["target_fingerprint"], expected_fingerprint, mpath)
         self._index: list[tuple[int, int]] = []  # (shard, position within shard)

@@ -22,7 +22,7 @@ def test_store_holds_hf_hidden_states(tiny_overrides, tiny_target):
     assert len(store) == len(CONVERSATIONS)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    for i in (0, 5, 11):
+    for i in range(len(CONVERSATIONS)):  # batched with right padding: each one as in its own forward
         messages, _ = normalize_record(CONVERSATIONS[i])
         expected = tokenize_conversation(tok, messages)
         got = store[i]
@@ -53,6 +53,29 @@ def test_rerun_resumes_and_matches(tiny_overrides, tmp_path):
     assert FeatureStore(store_dir).verify() == []
 
 
+def test_plan_batches_covers_each_sample_once_within_budget():
+    from data.precompute import WINDOW_BATCHES, plan_batches
+
+    lengths = [1024] * 30 + [700, 12, 300, 1024, 5000, 64, 64, 64] * 5
+    for budget, workers in ((4096, 1), (4096, 2), (2048, 4)):
+        plan = plan_batches(lengths, budget, min_batches=workers)
+        flat = [i for window in plan for batch in window for i in batch]
+        assert sorted(flat) == list(range(len(lengths)))
+        starts = [min(i for b in w for i in b) for w in plan]
+        ends = [max(i for b in w for i in b) for w in plan]
+        assert starts[0] == 0 and all(e + 1 == s for e, s in zip(ends, starts[1:]))  # consecutive windows
+        for window in plan:
+            assert sum(lengths[i] for b in window for i in b) <= WINDOW_BATCHES * budget + max(lengths)
+            for batch in window:
+                rows = [lengths[i] for i in batch]
+                assert rows == sorted(rows, reverse=True)  # longest first: the row that sets T_max
+                assert len(batch) == 1 or len(batch) * rows[0] <= budget
+    # a window too small to fill the workers is split between them
+    assert plan_batches([100] * 8, 8192, min_batches=1) == [[[0, 1, 2, 3, 4, 5, 6, 7]]]
+    assert plan_batches([100] * 8, 8192, min_batches=2) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert len(plan_batches([300, 100, 200, 100, 50, 100, 100, 100], 8192, min_batches=4)[0]) == 4
+
+
 def _many_conversations(path, n=300):
     import json
     import random
@@ -75,8 +98,9 @@ def _shard_hashes(store_dir):
 
 
 def test_kill_9_then_rerun_gives_the_same_shards(tiny_overrides, tmp_path):
-    """A real SIGKILL of `python -m scripts.precompute` after its first shard, then a rerun: the shards
-    are byte-identical to an uninterrupted run's, and no temp file is left behind."""
+    """Real SIGKILLs of `python -m scripts.precompute`: once as its first shard appears, once more
+    after a few shards of the rerun; a last rerun completes, and the shards are byte-identical to an
+    uninterrupted run's, with no temp file left behind."""
     import json
     import os
     import signal
@@ -89,38 +113,45 @@ def test_kill_9_then_rerun_gives_the_same_shards(tiny_overrides, tmp_path):
     data = _many_conversations(tmp_path / "many.jsonl")
     settings = [f"data.path={data}", "data.max_samples=null", "precompute.shard_tokens=2000",
                 "precompute.batch_tokens=1024"]
-    ref_cfg = compose_config(tiny_overrides + settings + [f"run_dir={tmp_path / 'ref'}"])
-    ref_dir, ref_stats = run_precompute(ref_cfg)  # uninterrupted, in another directory
-    ref = _shard_hashes(ref_dir)
-    assert len(ref) >= 10
+    ref_dir, ref_stats = run_precompute(compose_config(tiny_overrides + settings + [f"run_dir={tmp_path / 'ref'}"]))
+    ref = _shard_hashes(ref_dir)  # uninterrupted, in another directory
+    assert len(ref) >= 20
 
     run_dir = tmp_path / "killed"
+    store_dir, manifest = run_dir / "features", run_dir / "features" / "manifest.json"
     cmd = [sys.executable, "-m", "scripts.precompute", *tiny_overrides, *settings, f"run_dir={run_dir}"]
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
-    shards = run_dir / "features" / "shards"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not (shards.is_dir() and any(p.name.startswith("shard-") for p in shards.iterdir())):
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "no shard appeared"
-        time.sleep(0.001)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
-    manifest = run_dir / "features" / "manifest.json"
-    # the kill landed mid-run: the store is not complete (the manifest may not exist yet)
-    assert not (manifest.exists() and json.loads(manifest.read_text())["complete"])
-    kept = json.loads(manifest.read_text())["shards"] if manifest.exists() else []
-    assert len(kept) < len(ref)
+
+    def kept_shards() -> list[dict]:
+        m = json.loads(manifest.read_text()) if manifest.exists() else {"shards": [], "complete": False}
+        assert not m["complete"]  # the kill landed mid-run
+        return m["shards"]
+
+    def kill_when_written(shard: str) -> None:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while not (store_dir / "shards" / shard).exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"{shard} did not appear"
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+        assert proc.returncode == -signal.SIGKILL
+
+    kill_when_written("shard-00000.safetensors")
+    first = kept_shards()  # usually [] : killed between the shard's rename and the manifest update
+    kill_when_written("shard-00008.safetensors")  # the rerun resumes, then is killed again
+    kept = kept_shards()
+    assert len(first) <= len(kept) < len(ref) and len(kept) >= 7
 
     rerun = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     # it resumed: only the samples not in the kept shards were computed
     assert f" samples={ref_stats.samples - sum(s['num_samples'] for s in kept)} " in rerun.stdout, rerun.stdout
-    assert _shard_hashes(run_dir / "features") == ref  # same files, same bytes: no leftover temp file
-    assert not list((run_dir / "features").rglob(".*.tmp"))
-    store = FeatureStore(run_dir / "features", verify_on_open=True)
+    assert _shard_hashes(store_dir) == ref  # same files, same bytes: no leftover temp file
+    assert not list(store_dir.rglob(".*.tmp"))
+    store = FeatureStore(store_dir, verify_on_open=True)
     assert store.verify() == [] and len(store) == ref_stats.samples
     assert [s["sha256"] for s in store.manifest["shards"]] == \
         [s["sha256"] for s in json.loads((ref_dir / "manifest.json").read_text())["shards"]]

@@ -38,7 +38,8 @@ BAD = {  # reason -> raw lines
 }
 
 NOT_UTF8 = [
-    b'{"id": "x1", "conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}',  # latin-1
+    # latin-1 é
+    b'{"id": "x1", "conversations": [{"from": "human", "value": "caf\xe9"}, {"from": "gpt", "value": "ok"}]}',
     b"\xff\xfe{\x00",  # UTF-16 BOM
     b'{"id": "x3", "conversations": [{"from": "human", "value": "\xc3"}, {"from": "gpt", "value": "cut"}]}',
 ]
@@ -70,7 +71,8 @@ def test_jsonl_rejects_counted_per_reason(tmp_path):
 def test_skip_and_max_samples_count_only_usable_records(tmp_path):
     path = tmp_path / "d.jsonl"
     good = [sharegpt(f"s{i}", ("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(6)]
-    path.write_bytes(b"\n".join([json.dumps(good[0]).encode(), NOT_UTF8[0], *(json.dumps(r).encode() for r in good[1:])]))
+    lines = [json.dumps(good[0]).encode(), NOT_UTF8[0], *(json.dumps(r).encode() for r in good[1:])]
+    path.write_bytes(b"\n".join(lines))
     convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path), "skip": 2, "max_samples": 3}))
     assert [sid for sid, _ in convs.items] == ["s2", "s3", "s4"]
     assert convs.rejected == {"not_utf8": 1}
