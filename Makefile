@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23"
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "$$(grep -E '^torch==' requirements.txt)"
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -e .
@@ -30,6 +30,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/train_step.py --quick
+	$(PY) bench/precompute.py --quick
 
 clean-runs:
 	rm -rf runs
