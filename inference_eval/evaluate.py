@@ -138,8 +138,10 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from data.store import atomic_write_bytes
+
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2))
+    atomic_write_bytes(json_path, json.dumps(report, indent=2).encode())
     results = report["results"]
     k = report["k"]
     lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
@@ -156,7 +158,7 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     for label, r in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{r['per_category_tau'].get(c, float('nan')):.3f}" for c in cats) + " |")
     md = json_path.with_suffix(".md")
-    md.write_text("\n".join(lines) + "\n")
+    atomic_write_bytes(md, ("\n".join(lines) + "\n").encode())
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for label, r in results.items():

@@ -14,6 +14,7 @@ from heads.export import export_native, probe_logits
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import generate_plain, generate_speculative
 from tests.conftest import compose_config
+from tests.helpers import assert_cached_steps_equal_full_forward, train_on_batch
 from train.data import collate
 from train.losses import hidden_regression
 from train.module import DraftHeadModule
@@ -81,15 +82,7 @@ def test_is_exactly_eagle1(head):
 
 def test_cached_steps_equal_full_forward(head):
     perturbed(head)
-    args = head.args
-    g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(1, 12, args.hidden_size, generator=g)
-    tokens = torch.randint(0, args.vocab_size, (1, 12), generator=g)
-    full = head(hidden, tokens, torch.arange(12).expand(1, 12))
-    cache = head.new_cache(1, 16)
-    got = [head(hidden[:, :5], tokens[:, :5], torch.arange(5).expand(1, 5), cache, 0)]
-    got += [head(hidden[:, i:i + 1], tokens[:, i:i + 1], torch.tensor([[i]]), cache, i) for i in range(5, 12)]
-    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-5, rtol=1e-5)
+    assert_cached_steps_equal_full_forward(head)
 
 
 @torch.no_grad()
@@ -142,14 +135,7 @@ def test_training_steps_reduce_the_loss(head, tiny_overrides):
         mask[:, :-1] = batch["loss_mask"][:, 2:] & batch["valid"][:, 2:]
         ref = hidden_regression(pred[mask], head.tied.final_norm(hidden[:, 1:][mask]), False) / mask.sum()
         torch.testing.assert_close(out["reg_d1"], ref)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(12):
-        out = module.compute_loss(batch)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(float(out["loss"].detach()))
+    losses = train_on_batch(module, batch, 12)
     assert losses[-1] < 0.6 * losses[0], losses
     assert head.fc.bias.abs().max() > 0  # the bias trains
 

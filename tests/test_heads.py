@@ -6,6 +6,7 @@ import torch
 from heads.checkpoint import build_head, load_native
 from heads.export import export_native, probe_logits
 from inference_eval.model import tied_target
+from tests.helpers import assert_cached_steps_equal_full_forward
 
 
 @pytest.fixture
@@ -38,15 +39,7 @@ def test_shapes_and_frozen_parts(head, tiny_target):
 
 
 def test_cached_steps_equal_full_forward(head):
-    args = head.args
-    g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(1, 12, args.hidden_size, generator=g)
-    tokens = torch.randint(0, args.vocab_size, (1, 12), generator=g)
-    full = head(hidden, tokens, torch.arange(12).expand(1, 12))
-    cache = head.new_cache(1, 16)
-    got = [head(hidden[:, :5], tokens[:, :5], torch.arange(5).expand(1, 5), cache, 0)]
-    got += [head(hidden[:, i:i + 1], tokens[:, i:i + 1], torch.tensor([[i]]), cache, i) for i in range(5, 12)]
-    torch.testing.assert_close(torch.cat(got, 1), full, atol=1e-5, rtol=1e-5)
+    assert_cached_steps_equal_full_forward(head)
 
 
 def test_native_round_trip(head, tmp_path, tiny_target):

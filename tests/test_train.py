@@ -7,6 +7,7 @@ from heads.checkpoint import load_native
 from heads.export import probe_logits
 from inference_eval.model import tied_target
 from tests.conftest import compose_config
+from tests.helpers import train_on_batch
 from train.data import TokenBudgetBatches, collate
 from train.module import DraftHeadModule
 from train.run import init_head, run_training
@@ -19,14 +20,7 @@ def test_loss_decreases_on_fixed_batch(tiny_overrides, tiny_target):
     store = FeatureStore(store_dir)
     batch = collate([store[i] for i in range(4)])
     module = DraftHeadModule(init_head(cfg, tiny_target), kl_chunk_size=16)
-    opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(40):
-        out = module.compute_loss(batch)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(float(out["loss"].detach()))
+    losses = train_on_batch(module, batch, 40)
     assert losses[-1] < 0.5 * losses[0]
     final = module.compute_loss(batch)
     assert float(final["acc_d1"]) > 0.5
