@@ -127,7 +127,8 @@ def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
 
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
                batch_tokens: int = 8192, workers: int | None = None, progress: bool = True) -> PrecomputeStats:
-    """Compute and store H_i for every sample not yet in a finished shard of `writer`'s store.
+    """Compute and store H_i (and the inputs of the writer's aux layers, for EAGLE-3) for every sample
+    not yet in a finished shard of `writer`'s store.
 
     On CPU, `workers` batches run concurrently on threads with num_threads // workers intra-op
     threads each, instead of one batch on all of them: the layers' small-matrix and elementwise
@@ -141,13 +142,17 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     device = model.model.embed_tokens.weight.device
     workers = resolve_workers(workers, device)
 
-    def forward(job: tuple[int, list[int]]) -> torch.Tensor:
+    aux_layers = tuple(writer.aux_layers)
+
+    def forward(job: tuple[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = job[1]
         input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
         for row, i in enumerate(batch):
             input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
         with torch.inference_mode():  # thread-local: entered in the worker
-            return model(input_ids.to(device), logits="none").hidden.cpu()  # [B, T_max, H], pre-norm
+            out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
+            aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T_max, K·H]
+            return out.hidden.cpu(), aux  # [B, T_max, H], pre-norm
 
     jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers))
             for batch in window if not all(samples[i][0] in done for i in batch)]
@@ -155,13 +160,13 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     count = tokens = loss_tokens = 0
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="precompute", disable=not progress)
 
-    def write(hidden: dict[int, torch.Tensor]) -> None:  # a window's samples, in input order
+    def write(hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> None:  # a window, in input order
         nonlocal count, tokens, loss_tokens
         for i in sorted(hidden):
             sid, ids, mask = samples[i]
             if sid in done:  # computed only because its batch straddles the last finished shard
                 continue
-            writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), hidden[i]))
+            writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), *hidden[i]))
             count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
             bar.update(len(ids))
 
@@ -176,8 +181,9 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
             if w != current:
                 write(hidden)
                 hidden, current = {}, w
+            h, aux = out
             for row, i in enumerate(batch):
-                hidden[i] = out[row, :lengths[i]]
+                hidden[i] = (h[row, :lengths[i]], aux[row, :lengths[i]] if aux is not None else None)
         write(hidden)
     finally:
         if pool is not None:
@@ -188,6 +194,24 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     return PrecomputeStats(samples=count, tokens=tokens, loss_tokens=loss_tokens,
                            skipped_done=len(samples) - count, rejected=Counter(),
                            seconds=time.perf_counter() - t0)
+
+
+def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
+    """`precompute.aux_layers`: a list of target layer ids (inputs of those layers), `none`, or `auto`
+    (the default): what the configured head reads — EAGLE-3's aux layers, nothing for other heads."""
+    spec = cfg.precompute.get("aux_layers", "auto")
+    if spec in (None, "none", False):
+        return ()
+    if spec == "auto":
+        head = cfg.get("head") or {}
+        if head.get("type") != "eagle3":
+            return ()
+        from heads.eagle3 import default_aux_layers
+        spec = head.get("aux_layers") or default_aux_layers(num_layers)
+    ids = tuple(int(i) for i in spec)
+    if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
+        raise ValueError(f"precompute.aux_layers {list(ids)} must be ascending, distinct and within 1..{num_layers - 1}")
+    return ids
 
 
 def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
@@ -210,8 +234,10 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype)
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
+    aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
+    captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
     writer = StoreWriter(cfg.store_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
-                         shard_tokens=int(cfg.precompute.shard_tokens), source=source)
+                         shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
     stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
                        workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
     stats.rejected = rejected

@@ -111,6 +111,7 @@ class Sample:
     input_ids: torch.Tensor  # [T] int
     loss_mask: torch.Tensor  # [T] 0/1
     hidden: torch.Tensor  # [T, H]
+    aux_hidden: torch.Tensor | None = None  # [T, K·H]: inputs of the captured aux layers (EAGLE-3)
 
 
 class StoreWriter:
@@ -128,12 +129,13 @@ class StoreWriter:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
         self.shard_tokens = shard_tokens
+        self.aux_layers = list((captured or {}).get("aux_layers") or [])
         self.manifest = {
             "schema_version": SCHEMA_VERSION,
             "target_fingerprint": fingerprint,
             "hidden_size": hidden_size,
             "dtype": dtype,
-            "captured": captured or {"hidden": "last_layer_pre_norm"},
+            "captured": captured or {"hidden": "last_layer_pre_norm"},  # + "aux_layers": [ids] (EAGLE-3)
             "source": source or {},
             "shards": [],
             "complete": False,
@@ -199,6 +201,18 @@ class StoreWriter:
             tensors["hidden"], tensors["hidden_scale"] = quantize_fp8(torch.cat([s.hidden for s in self._pending]))
         else:
             tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in self._pending])
+        if self.aux_layers:
+            missing = [s.sample_id for s in self._pending if s.aux_hidden is None]
+            if missing:
+                raise StoreError(f"{self.root}: sample {missing[0]!r} has no aux_hidden, but the store captures "
+                                 f"layers {self.aux_layers}")
+            aux = torch.cat([s.aux_hidden for s in self._pending])  # [T, K·H]
+            if self.dtype == FP8:  # one scale per token and layer: the layers' magnitudes differ
+                t, k = aux.shape[0], len(self.aux_layers)
+                q, scale = quantize_fp8(aux.reshape(t * k, -1))
+                tensors["aux_hidden"], tensors["aux_scale"] = q.reshape(t, -1), scale.reshape(t, k)
+            else:
+                tensors["aux_hidden"] = aux.to(STORAGE_DTYPES[self.dtype])
         ids = [s.sample_id for s in self._pending]
         path = self.root / name
         # save_file streams the tensors to disk (no second in-memory copy of a multi-GB shard)
@@ -269,6 +283,23 @@ class FeatureStore:
     def hidden_size(self) -> int:
         return int(self.manifest["hidden_size"])
 
+    @property
+    def aux_layers(self) -> list[int]:
+        """Target layers whose inputs the store holds as `aux_hidden` (empty: none)."""
+        return list(self.manifest.get("captured", {}).get("aux_layers") or [])
+
+    def token_counts(self, vocab_size: int, indices: list[int] | None = None) -> torch.Tensor:
+        """How often each token id occurs as a loss (assistant) token in the given samples (all by default):
+        the frequencies an EAGLE-3 draft vocabulary is chosen from."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in range(len(self)) if indices is None else indices:
+            si, j = self._index[i]
+            fh, offs = self._open(si), self._shard_offsets(si)
+            ids = fh.get_slice("input_ids")[offs[j]:offs[j + 1]].long()
+            mask = fh.get_slice("loss_mask")[offs[j]:offs[j + 1]].bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
+
     def __len__(self) -> int:
         return len(self._index)
 
@@ -309,11 +340,19 @@ class FeatureStore:
         hidden = fh.get_slice("hidden")[a:b]
         if self.storage_dtype == FP8:
             hidden = dequantize_fp8(hidden, fh.get_slice("hidden_scale")[a:b], self.hidden_dtype)
-        return {
+        out = {
             "input_ids": fh.get_slice("input_ids")[a:b].long(),
             "loss_mask": fh.get_slice("loss_mask")[a:b].bool(),
             "hidden": hidden,
         }
+        if self.aux_layers:
+            aux = fh.get_slice("aux_hidden")[a:b]
+            if self.storage_dtype == FP8:
+                k = len(self.aux_layers)
+                aux = dequantize_fp8(aux.reshape((b - a) * k, -1), fh.get_slice("aux_scale")[a:b].reshape(-1),
+                                     self.hidden_dtype).reshape(b - a, -1)
+            out["aux_hidden"] = aux
+        return out
 
     def verify(self) -> list[str]:
         """Recompute every shard's sha256; return the files that do not match (empty: all good)."""

@@ -39,6 +39,9 @@ class TiedTarget(nn.Module):
 
 class DraftHead(nn.Module):
     kind = "base"
+    # Chain heads (mtp, eagle1, eagle3) draft token j from their own state at depth j-1; a parallel head
+    # (medusa) drafts all k tokens at once from the target's state (`chain = False`).
+    chain = True
 
     def __init__(self, args: LlamaArgs, tied: TiedTarget) -> None:
         super().__init__()
@@ -64,6 +67,44 @@ class DraftHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose *inputs* the head consumes besides the last pre-norm state (EAGLE-3)."""
+        return ()
+
+    @property
+    def state_size(self) -> int:
+        """Width of the target state the head consumes at depth 1."""
+        return self.args.hidden_size
+
+    def target_input(self, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """The depth-1 input from the target: its last pre-norm state H (here), or the aux layers."""
+        return hidden
+
+    @property
+    def separate_modules(self) -> bool:
+        """True when depth d runs its own module with its own KV cache (mtp with num_modules > 1)."""
+        return False
+
+    @property
+    def max_depth(self) -> int | None:
+        """The deepest draft step the head defines (None: unbounded, a reused module)."""
+        return None
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """What `features` are projected with: the target's frozen lm_head unless the head has its own."""
+        return self.tied.lm_head
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the head's vocabulary rows; None when it is the target's whole vocabulary."""
+        return None
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map argmax indices of `logits` to target token ids (identity for a full-vocabulary head)."""
+        return ids
+
     def cache_layer(self, depth: int) -> int:
         return 0
 
@@ -86,7 +127,7 @@ class DraftHead(nn.Module):
         return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras)
 
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        return F.linear(self.features(hidden, depth), self.tied.lm_head)
+        return F.linear(self.features(hidden, depth), self.lm_head_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None = None, start: int = 0, depth: int = 1) -> torch.Tensor:
@@ -94,9 +135,13 @@ class DraftHead(nn.Module):
         x = self.fuse(hidden.to(self.dtype), self.embed(tokens), depth)
         return self.step(x, positions, cache, start, depth)
 
+    @property
+    def num_cache_layers(self) -> int:
+        return len(self.layers)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.args
-        return KVCache(len(self.layers), batch, a.num_key_value_heads, max_len, a.head_dim, self.dtype,
+        return KVCache(self.num_cache_layers, batch, a.num_key_value_heads, max_len, a.head_dim, self.dtype,
                        self.tied.embed.device)
 
 

@@ -17,11 +17,14 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from heads.eagle1 import Eagle1Config, Eagle1Head
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs
 from heads.base import DraftHead, TiedTarget
+from heads.medusa import MedusaConfig, MedusaHead
 from heads.mtp import MTPConfig, MTPHead
 
-HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head)}
+HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head),
+              "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead)}
 FORMAT_VERSION = 1
 
 

@@ -8,6 +8,8 @@
 | `eagle1-sglang`  | eagle1 | §9.2: arch `LlamaForCausalLMEagle`, `fc.bias` shipped (zeros if none)        |
 | `mtp-stitched`   | mtp    | §9.5: copy of the target + `model.layers.{N+k}.*`, `num_nextn_predict_layers` |
 | `mtp-standalone` | mtp    | §4.3: SGLang's NextN layout, `model.layers.0.*`, `num_hidden_layers: 1`       |
+| `eagle3`         | eagle3 | §9.3: one artifact for vLLM and SGLang, `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` |
+| `medusa-vllm`    | medusa | §9.6: `MedusaModel`, `blocks.{h}.layers.{l}.*`, the target's lm_head as `lm_heads.0` |
 
 Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
 the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. docs/export.md says
@@ -32,23 +34,39 @@ from safetensors.torch import save_file
 
 from heads.checkpoint import load_native, save_native
 from heads.eagle1 import Eagle1Config, Eagle1Head
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs
 from heads.base import TiedTarget
+from heads.medusa import MedusaConfig, MedusaHead
 from heads.mtp import MTPConfig, MTPHead
-from heads.validate import EAGLE1_ARCH, INDEX_FILE, check_export, read_json, scan_tensors
+from heads.validate import (EAGLE1_ARCH, EAGLE3_ARCH, INDEX_FILE, check_export, read_json, scan_tensors,
+                            target_embed_and_head)
 
-Head = MTPHead | Eagle1Head
-ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone"), "eagle1": ("eagle1-vllm", "eagle1-sglang")}
+Head = MTPHead | Eagle1Head | Eagle3Head | MedusaHead
+ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone"), "eagle1": ("eagle1-vllm", "eagle1-sglang"),
+                  "eagle3": ("eagle3",), "medusa": ("medusa-vllm",)}
 
 
 @torch.no_grad()
 def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
-    """Head logits on a fixed random (state, token) sequence — a fingerprint of the function."""
+    """Head logits (and, for a sub-vocabulary, the target ids of its rows) on a fixed random
+    (state, token) sequence at every depth the head defines up to 3 — a fingerprint of the function."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, length, head.args.hidden_size, generator=gen).to(head.dtype)
+    hidden = torch.randn(1, length, head.state_size, generator=gen).to(head.dtype)
     tokens = torch.randint(0, head.args.vocab_size, (1, length), generator=gen)
-    out = head(hidden, tokens, torch.arange(length).expand(1, length))
-    return head.logits(out)
+    positions = torch.arange(length).expand(1, length)
+    depths = min(head.max_depth or 3, 3)
+    outs, state = [], hidden
+    for d in range(1, depths + 1):
+        if head.chain:
+            state = head(state, tokens, positions + d - 1, depth=d)
+        else:
+            state = head(hidden, depth=d)
+        outs.append(head.logits(state, depth=d).float())
+    ids = head.draft_ids
+    if ids is not None:
+        outs.append(ids.float()[None, None].expand(1, 1, -1))
+    return torch.cat([o.reshape(-1) for o in outs])
 
 
 def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
@@ -220,11 +238,70 @@ def write_mtp_standalone(head: MTPHead, out: Path, target_dir: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+# ---- EAGLE-3 ---------------------------------------------------------------------------------------
+def eagle3_config(head: Eagle3Head, target_cfg: dict[str, Any]) -> dict[str, Any]:
+    """§9.3: one config for vLLM and SGLang; aux ids top-level and in eagle_config, never starting at 1."""
+    a, c = head.args, head.cfg
+    dtype = str(head.dtype).removeprefix("torch.")
+    ids = list(c.aux_layers)
+    cfg = {
+        "architectures": [EAGLE3_ARCH], "model_type": "llama",
+        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": a.rms_norm_eps,
+        "vocab_size": a.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": max(a.max_position_embeddings, target_cfg.get("max_position_embeddings", 0)),
+        "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": dtype, "dtype": dtype,
+        "norm_before_residual": False,
+        "num_aux_hidden_states": len(ids),
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    }
+    if "rope_parameters" in target_cfg:
+        cfg["rope_parameters"] = target_cfg["rope_parameters"]
+    return cfg
+
+
+def write_eagle3(head: Eagle3Head, out: Path, target_dir: Path) -> None:
+    ids = list(head.cfg.aux_layers)
+    if ids[0] == 1:
+        raise ValueError(f"eagle3 export refused: aux layer ids {ids} start at 1, which SGLang reads in its older "
+                         "'output of layer' convention and shifts by one (export_formats.md §1.2, PR #25454): "
+                         "train with aux_layers that start at 2 or later")
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    if head.draft_ids is None:  # V_d = V: the engines need no mapping (§1.3)
+        state.pop("d2t"), state.pop("t2d")
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = eagle3_config(head, read_json(target_dir / "config.json"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+# ---- Medusa -----------------------------------------------------------------------------------------
+def write_medusa(head: MedusaHead, out: Path, target_dir: Path) -> None:
+    """§3.4 / §9.6: vLLM's MedusaModel. The head projects with the target's frozen lm_head, so it ships
+    as `lm_heads.0.weight` (bit-identical) with `original_lm_head: true`."""
+    c, a = head.cfg, head.args
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    lm_head = target_embed_and_head(target_dir)[1]
+    state["lm_heads.0.weight"] = lm_head.clone()
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    dtype = str(head.dtype).removeprefix("torch.")
+    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": a.hidden_size,
+           "vocab_size": a.vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+           "medusa_fc_bias": c.bias, "original_lm_head": True, "truncated_vocab_size": None,
+           "torch_dtype": dtype, "dtype": dtype}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 WRITERS = {
     "eagle1-vllm": lambda h, out, t: write_eagle1(h, out, t, "eagle1-vllm"),
     "eagle1-sglang": lambda h, out, t: write_eagle1(h, out, t, "eagle1-sglang"),
     "mtp-stitched": write_mtp_stitched,
     "mtp-standalone": write_mtp_standalone,
+    "eagle3": write_eagle3,
+    "medusa-vllm": write_medusa,
 }
 
 
@@ -249,6 +326,20 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs) -
             name = deepseek_to_mtp(k, base, n)
             if name is not None:
                 state[name] = _read(info.file, k)
+    elif fmt == "eagle3":
+        ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        head = Eagle3Head(args, Eagle3Config(aux_layers=ids, draft_vocab_size=cfg["draft_vocab_size"]), tied)
+        state = {k: _read(info.file, k) for k, info in infos.items() if k != "embed_tokens.weight"}
+        if "d2t" not in state:  # V_d = V (validated): the identity mapping
+            state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()
+        elif "t2d" not in state:
+            t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+            t2d[state["d2t"] + torch.arange(state["d2t"].shape[0])] = True
+            state["t2d"] = t2d
+    elif fmt == "medusa-vllm":
+        head = MedusaHead(args, MedusaConfig(num_heads=cfg["num_heads"], num_layers=cfg["num_hidden_layers"],
+                                             bias=bool(cfg["medusa_fc_bias"])), tied)
+        state = {k: _read(info.file, k) for k, info in infos.items() if k.startswith("blocks.")}
     else:
         raise ValueError(f"unknown export format {fmt!r}")
     head.load_state_dict(state, strict=True)

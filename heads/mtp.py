@@ -6,8 +6,11 @@ One module computes, for position i, from the target state H_i and the next toke
     Ĥ   = DecoderLayer(x)                                      (input_layernorm restored)
     L̂   = W_lm · shared_head.norm(Ĥ)                          (frozen, shared lm_head)
 
-Ĥ stands in for H_{i+1} at the next depth. `num_modules: D` keeps D such modules (module d at
-depth d, DeepSeek-V3 style); `num_modules: 1` reuses one module at every depth. Names follow the
+Ĥ stands in for H_{i+1} at the next depth. `num_modules: 1` reuses one module at every depth.
+`num_modules: D` keeps D modules, module d at depth d (DeepSeek-V3 style), each with its own KV cache:
+module d's cache holds its own pass over the target's states (H_j, t_{j+1}) at committed positions j,
+and its depth-d query attends those plus its own key. The training unroll (heads/unroll.py) and the
+engine's draft loop build exactly that context; drafting deeper than D is refused. Names follow the
 DeepSeek MTP export (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`).
 
 The small interface (`embed`, `fuse`, `step`, `logits`) is what both the training unroll and the
@@ -57,6 +60,14 @@ class MTPHead(DraftHead):
         super().__init__(args, tied)
         self.cfg = cfg
         self.layers = nn.ModuleList(MTPModule(args) for _ in range(cfg.num_modules))
+
+    @property
+    def separate_modules(self) -> bool:
+        return len(self.layers) > 1
+
+    @property
+    def max_depth(self) -> int | None:
+        return len(self.layers) if len(self.layers) > 1 else None
 
     def module(self, depth: int) -> MTPModule:
         return self.layers[self.cache_layer(depth)]

@@ -1,36 +1,60 @@
 """The training-time test unroll (DESIGN.md §4), shared by every head with the small interface.
 
-For original position i, depth d consumes the state Ĥ^{d-1}_i (depth 1: the target's H_i) and the
-token t_{i+d} at RoPE position i+d-1 and produces Ĥ^d_i, trained against H_{i+d} and the target's
-L_{i+d} (which predicts t_{i+d+1}). Its query attends the depth-1 keys of positions ≤ i plus the
-keys of depths 2..d at position i — what the engine's draft KV cache holds at draft step d once the
-target accepted up to position i. Rows whose token t_{i+d} lies past the sequence get token 0; the
-loss masks them out.
+For original position i, depth d consumes the state Ĥ^{d-1}_i (depth 1: the target's state, H_i or
+the aux layers of EAGLE-3) and the token t_{i+d} at RoPE position i+d-1 and produces Ĥ^d_i, trained
+against H_{i+d} and the target's L_{i+d} (which predicts t_{i+d+1}). Its query attends what the
+engine's draft KV cache holds at draft step d once the target accepted up to position i:
+
+- one reused module (mtp `num_modules: 1`, eagle1, eagle3): the depth-1 keys of positions ≤ i plus the
+  keys of depths 2..d at position i (one shared cache);
+- separate modules (mtp `num_modules: D`): module d's own keys from its pass over the target's states
+  at positions ≤ i, plus its own depth-d key (one cache per module).
+
+Rows whose token t_{i+d} lies past the sequence get token 0; the loss masks them out. Parallel heads
+(medusa) define their own `unroll`.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
-def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """hidden [B, T, H] (target H_0..H_{T-1}), input_ids [B, T] → [Ĥ^1, …, Ĥ^D], each [B, T-1, H];
-    row i of Ĥ^d estimates H_{i+d}."""
-    if depth > 1 and len(getattr(head, "layers", [])) > 1:
-        raise NotImplementedError("the training-time test unroll drives single-module heads (num_modules: 1)")
+def _step(head, x, positions, base, extras, depth):
+    """One decoder step of the unroll; recomputed in backward when `head.gradient_checkpointing` is on
+    (set by the training module): activations inside the layer are then not kept for backward."""
+    if getattr(head, "gradient_checkpointing", False) and torch.is_grad_enabled():
+        return checkpoint(head.step_unrolled, x, positions, base, extras, depth, use_reentrant=False)
+    return head.step_unrolled(x, positions, base, extras, depth)
+
+
+def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
+           aux: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """hidden [B, T, H] (target H_0..H_{T-1}), input_ids [B, T], aux [B, T, K·H] or None →
+    [Ĥ^1, …, Ĥ^D], each [B, T-1, H]; row i of Ĥ^d estimates H_{i+d}."""
+    if hasattr(head, "unroll"):
+        return head.unroll(hidden, input_ids, depth, aux)
+    if head.max_depth is not None and depth > head.max_depth:
+        raise ValueError(f"depth {depth} exceeds the head's {head.max_depth} modules (module d drafts depth d)")
     b, t, _ = hidden.shape
     rows = t - 1
     base_pos = torch.arange(rows, device=hidden.device).expand(b, rows)
-    state = hidden[:, :-1].to(head.dtype)
+    target_state = head.target_input(hidden[:, :-1], aux[:, :-1] if aux is not None else None).to(head.dtype)
+    next_tokens = input_ids[:, 1:]  # t_{i+1}
+    state = target_state
     base, extras, outs = None, [], []
     for d in range(1, depth + 1):
         tokens = torch.zeros(b, rows, dtype=input_ids.dtype, device=input_ids.device)
         tokens[:, : max(t - d, 0)] = input_ids[:, d:]  # t_{i+d}
+        if head.separate_modules and d > 1:
+            # module d's own cache: its pass over (H_j, t_{j+1}) at every position, causal
+            _, base = _step(head, head.fuse(target_state, head.embed(next_tokens), d), base_pos, None, [], d)
+            extras = []
         x = head.fuse(state, head.embed(tokens), d)
-        state, kv = head.step_unrolled(x, base_pos + (d - 1), base, extras, d)
+        state, kv = _step(head, x, base_pos + (d - 1), base, extras, d)
         if base is None:
             base = kv
-        else:
+        elif not head.separate_modules:
             extras.append(kv)
         outs.append(state)
     return outs

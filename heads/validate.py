@@ -9,7 +9,12 @@ running an engine, against the key set, shapes, dtypes and config rules of its f
 - `eagle1-sglang`  EAGLE-1 for SGLang `--speculative-algorithm EAGLE` (§4.1, §9.2): arch
                    `LlamaForCausalLMEagle`, `fc.bias` shipped;
 - `mtp-stitched`   DeepSeek-style MTP layers `model.layers.{N+k}.*` in a copy of the target (§8, §9.5);
-- `mtp-standalone` SGLang's standalone NextN layout (`model.layers.0.*`, `num_hidden_layers: 1`, §4.3).
+- `mtp-standalone` SGLang's standalone NextN layout (`model.layers.0.*`, `num_hidden_layers: 1`, §4.3);
+- `eagle3`         EAGLE-3 for vLLM `method="eagle3"` and SGLang `EAGLE3` (§3.2, §4.2, §9.3): arch
+                   `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` when the draft vocabulary is smaller,
+                   aux ids top-level and in `eagle_config`, never starting at 1;
+- `medusa-vllm`    vLLM's `MedusaModel` (§3.4, §9.6): `blocks.{h}.layers.{l}.*`, `medusa_fc_bias`
+                   matching the biases, the target's lm_head as `lm_heads.0.weight`.
 
 Every violation is collected, then one error lists them all. The target, when given, is read from its
 `config.json` and safetensors directly (heads/ imports nothing from data/, train/ or inference_eval/).
@@ -33,8 +38,9 @@ from heads.checkpoint import FORMAT_VERSION, HEAD_TYPES, build_head
 from heads.layers import LlamaArgs
 from heads.base import TiedTarget
 
-FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone")
+FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "eagle3", "medusa-vllm")
 EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
+EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype codes → torch names, for messages and the config's torch_dtype
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -165,6 +171,10 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
         _check_native(cfg, infos, tcfg, problems)
     elif fmt.startswith("eagle1"):
         _check_eagle1(fmt, cfg, infos, target, tcfg, problems)
+    elif fmt == "eagle3":
+        _check_eagle3(cfg, infos, target, tcfg, problems)
+    elif fmt == "medusa-vllm":
+        _check_medusa(cfg, infos, target, tcfg, problems)
     else:
         _check_mtp(fmt, cfg, infos, target, tcfg, problems)
     return problems
@@ -263,10 +273,16 @@ def _check_native(cfg: dict[str, Any], infos: dict[str, TensorInfo], tcfg: dict[
     with torch.device("meta"):  # shapes only: build the head without allocating it
         empty = torch.empty(0)
         head = build_head(cfg["head"], args, TiedTarget(empty, empty, empty, args.rms_norm_eps))
-    expected = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    state = head.state_dict()
+    expected = {k: tuple(v.shape) for k, v in state.items()}
     _check_keys(infos, expected, problems)
-    _check_uniform_dtype(infos, list(expected), None, problems)
-    _check_finite(infos, list(expected), problems)
+    floats = [k for k, v in state.items() if v.is_floating_point()]  # not eagle3's d2t / t2d maps
+    for k in set(state) - set(floats):
+        want = str(state[k].dtype).removeprefix("torch.")
+        if k in infos and infos[k].dtype != want:
+            problems.append(f"tensor {k!r} is {infos[k].dtype}, expected {want}")
+    _check_uniform_dtype(infos, floats, None, problems)
+    _check_finite(infos, floats, problems)
     if tcfg is not None:
         ta = LlamaArgs.from_hf_config(tcfg)
         for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -274,24 +290,44 @@ def _check_native(cfg: dict[str, Any], infos: dict[str, TensorInfo], tcfg: dict[
                 problems.append(f"head was built for {field}={getattr(args, field)}, the target has {getattr(ta, field)}")
 
 
-def _check_eagle1(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
-                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
-    vllm = fmt == "eagle1-vllm"
-    arch = EAGLE1_ARCH[fmt]
+def _check_shipped_embedding(infos: dict[str, TensorInfo], target: Path | None, problems: list[str]) -> None:
+    """A shipped `embed_tokens.weight` must be the target's, bit for bit (§1.4)."""
+    if target is None:
+        problems.append("embed_tokens.weight is shipped: pass --target to check it equals the target's (§1.4)")
+    else:
+        _check_same_as_target("embed_tokens.weight", infos["embed_tokens.weight"],
+                              target_embed_and_head(target)[0], problems)
+
+
+def _check_own_tensors(infos: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]], cfg: dict[str, Any],
+                       problems: list[str]) -> None:
+    own = [k for k in expected if k in infos]
+    _check_uniform_dtype(infos, own, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
+    _check_finite(infos, own, problems)
+
+
+def _check_eagle_draft_config(cfg: dict[str, Any], arch: str, what: str, problems: list[str]) -> None:
+    """What every EAGLE draft config shares: a one-layer Llama, untied, SiLU, no q/k norms (§9)."""
     if cfg.get("architectures") != [arch]:
         problems.append(f"architectures must be [{arch!r}], got {cfg.get('architectures')}")
     if cfg.get("model_type") != "llama":
-        problems.append(f"model_type must be 'llama' (EAGLE-1 drafts are Llama-architecture), got {cfg.get('model_type')!r}")
+        problems.append(f"model_type must be 'llama' ({what} drafts are Llama-architecture), got {cfg.get('model_type')!r}")
     if cfg.get("num_hidden_layers") != 1:
-        problems.append(f"num_hidden_layers must be 1 (one EAGLE-1 layer), got {cfg.get('num_hidden_layers')}")
+        problems.append(f"num_hidden_layers must be 1 (one {what} layer), got {cfg.get('num_hidden_layers')}")
     if cfg.get("tie_word_embeddings") is not False:
         problems.append(f"tie_word_embeddings must be false (§1.7), got {cfg.get('tie_word_embeddings')!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
     if cfg.get("qk_norm") or cfg.get("model_type") == "qwen3":
-        problems.append("q/k norms are not part of the Llama EAGLE-1 layer")
+        problems.append(f"q/k norms are not part of the Llama {what} layer")
     if "target_hidden_size" in cfg and cfg["target_hidden_size"] in (None, cfg.get("hidden_size")):
         problems.append("target_hidden_size must be omitted unless it differs from hidden_size (§10.7)")
+
+
+def _check_eagle1(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    vllm = fmt == "eagle1-vllm"
+    _check_eagle_draft_config(cfg, EAGLE1_ARCH[fmt], "EAGLE-1", problems)
     if "bias" in cfg and cfg["bias"] is not (not vllm):
         problems.append(f"config 'bias' is {cfg['bias']!r} but the {fmt} variant {'has no' if vllm else 'has a'} fc.bias")
     a = _args(cfg, problems, "the export's")
@@ -321,14 +357,9 @@ def _check_eagle1(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], t
         if vllm:
             problems.append("embed_tokens.weight must be omitted for vLLM EAGLE-1 (its loader skips the key but "
                             "flags an own embedding, §2.1)")
-        elif target is None:
-            problems.append("embed_tokens.weight is shipped: pass --target to check it equals the target's (§1.4)")
         else:
-            _check_same_as_target("embed_tokens.weight", infos["embed_tokens.weight"],
-                                  target_embed_and_head(target)[0], problems)
-    own = [k for k in expected if k in infos]
-    _check_uniform_dtype(infos, own, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
-    _check_finite(infos, own, problems)
+            _check_shipped_embedding(infos, target, problems)
+    _check_own_tensors(infos, expected, cfg, problems)
 
 
 def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
@@ -395,6 +426,133 @@ def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], targ
                 _check_same_as_target(key, infos[key], embed if key.endswith("embed_tokens.weight") else lm_head,
                                       problems)
     _check_uniform_dtype(infos, own, None, problems)
+    _check_finite(infos, own, problems)
+
+
+def eagle3_shapes(a: LlamaArgs, num_aux: int, draft_vocab: int) -> dict[str, tuple[int, ...]]:
+    """EAGLE-3 keys of §9.3 (without d2t / t2d / embed_tokens, checked separately)."""
+    h, d, i = a.hidden_size, a.head_dim, a.intermediate_size
+    mid = {
+        "self_attn.q_proj.weight": (a.num_attention_heads * d, 2 * h),
+        "self_attn.k_proj.weight": (a.num_key_value_heads * d, 2 * h),
+        "self_attn.v_proj.weight": (a.num_key_value_heads * d, 2 * h),
+        "self_attn.o_proj.weight": (h, a.num_attention_heads * d),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        "input_layernorm.weight": (h,), "hidden_norm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    return ({"fc.weight": (h, num_aux * h), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+            | {f"midlayer.{k}": s for k, s in mid.items()})
+
+
+def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    _check_eagle_draft_config(cfg, EAGLE3_ARCH, "EAGLE-3", problems)
+    if cfg.get("norm_before_residual") is not False:
+        problems.append(f"norm_before_residual must be written as false (the defaults differ between engines, §10.5), "
+                        f"got {cfg.get('norm_before_residual', '<missing>')!r}")
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        if cfg.get(flag) or (cfg.get("eagle_config") or {}).get(flag):
+            problems.append(f"{flag} is set: an EAGLE-3.1 flag that older engines ignore silently (§9.3)")
+    vd = cfg.get("draft_vocab_size")
+    if not isinstance(vd, int) or isinstance(vd, bool) or vd < 1:
+        problems.append(f"draft_vocab_size must be a positive integer (SGLang reads the key; null means 'use the "
+                        f"target's head', §10.6), got {vd!r}")
+        vd = None
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        problems.append("eagle_config.use_aux_hidden_state is false: the engines then build no fc")
+    ids = None
+    if top is None or nested is None:
+        problems.append("eagle_aux_hidden_state_layer_ids must be written top-level and in eagle_config (§10.3), "
+                        f"got top-level {top!r}, eagle_config {nested!r}")
+    elif top != nested:
+        problems.append(f"eagle_aux_hidden_state_layer_ids differ: top-level {top}, eagle_config {nested}")
+    else:
+        ids = top
+    if ids is not None:
+        if not ids or not all(isinstance(i, int) for i in ids) or ids != sorted(set(ids)):
+            problems.append(f"aux layer ids {ids} must be distinct integers in ascending order")
+        elif ids[0] == 1:
+            problems.append(f"aux layer ids {ids} start at 1: SGLang then shifts every id by one (§1.2, PR #25454)")
+        elif ids[0] < 1:
+            problems.append(f"aux layer ids {ids}: id 0 is the embedding output, not a layer input")
+        if tcfg is not None and ids and max(ids) >= tcfg.get("num_hidden_layers", 0):
+            problems.append(f"aux layer ids {ids} exceed the target's {tcfg.get('num_hidden_layers')} layers")
+        if "num_aux_hidden_states" in cfg and cfg["num_aux_hidden_states"] != len(ids):
+            problems.append(f"num_aux_hidden_states {cfg['num_aux_hidden_states']} != {len(ids)} aux layer ids")
+    a = _args(cfg, problems, "the export's")
+    if a is None or ids is None or vd is None:
+        return
+    if tcfg is not None:
+        ta = LlamaArgs.from_hf_config(tcfg)
+        for field in ("hidden_size", "vocab_size"):
+            if getattr(a, field) != getattr(ta, field):
+                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
+    _check_positions(cfg, tcfg, problems)
+    if vd > a.vocab_size:
+        problems.append(f"draft_vocab_size {vd} exceeds vocab_size {a.vocab_size}")
+    expected = eagle3_shapes(a, len(ids), vd)
+    _check_keys(infos, expected, problems, eagle=True, optional=("d2t", "t2d", "embed_tokens.weight"))
+    if vd < a.vocab_size and "d2t" not in infos:
+        problems.append(f"missing tensor 'd2t': required when draft_vocab_size {vd} < vocab_size {a.vocab_size} "
+                        "(vLLM leaves it at zeros and maps draft ids to target ids 0..V_d-1, §1.3)")
+    if "d2t" in infos:
+        d2t = infos["d2t"]
+        if d2t.shape != (vd,) or d2t.dtype != "int64":
+            problems.append(f"d2t is {d2t.dtype} {list(d2t.shape)}, expected int64 [{vd}] offsets (§1.3)")
+        else:
+            offsets = load_tensor(d2t, "d2t")
+            tgt = offsets + torch.arange(vd)
+            if bool((tgt < 0).any() or (tgt >= a.vocab_size).any()):
+                problems.append("d2t maps draft ids outside the target vocabulary (offsets, not absolute ids? §10.12)")
+            elif tgt.unique().numel() != vd:
+                problems.append("d2t maps two draft ids to the same target id")
+            elif "t2d" in infos and infos["t2d"].shape == (a.vocab_size,):
+                t2d = load_tensor(infos["t2d"], "t2d")
+                if not (t2d.dtype == torch.bool and int(t2d.sum()) == vd and bool(t2d[tgt].all())):
+                    problems.append("t2d does not mark exactly the target ids that d2t maps to")
+    if "t2d" in infos and infos["t2d"].shape != (a.vocab_size,):
+        problems.append(f"t2d has shape {list(infos['t2d'].shape)}, expected [{a.vocab_size}] bool")
+    if "embed_tokens.weight" in infos:
+        _check_shipped_embedding(infos, target, problems)
+    _check_own_tensors(infos, expected, cfg, problems)
+
+
+def _check_medusa(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    if cfg.get("model_type") != "medusa":
+        problems.append(f"model_type must be 'medusa', got {cfg.get('model_type')!r}")
+    if cfg.get("architectures") != ["MedusaModel"]:
+        problems.append(f"architectures must be ['MedusaModel'], got {cfg.get('architectures')}")
+    heads, layers = cfg.get("num_heads"), cfg.get("num_hidden_layers")
+    for name, v in (("num_heads", heads), ("num_hidden_layers", layers)):
+        if not isinstance(v, int) or v < 1:
+            problems.append(f"{name} must be a positive integer, got {v!r}")
+    h, v = cfg.get("hidden_size"), cfg.get("vocab_size")
+    if tcfg is not None:
+        for field in ("hidden_size", "vocab_size"):
+            if cfg.get(field) != tcfg.get(field):
+                problems.append(f"{field} {cfg.get(field)} differs from the target's {tcfg.get(field)}")
+    if cfg.get("truncated_vocab_size") not in (None, v):
+        problems.append("truncated_vocab_size is set: spechead's Medusa predicts over the whole vocabulary")
+    if problems or not isinstance(h, int) or not isinstance(v, int):
+        return
+    bias = cfg.get("medusa_fc_bias", False)
+    expected = {f"blocks.{j}.layers.{l}.weight": (h, h) for j in range(heads) for l in range(layers)}
+    has_bias = any(k.endswith(".bias") for k in infos)
+    if has_bias and not bias:
+        problems.append("block biases are shipped but medusa_fc_bias is not true: vLLM drops them silently (§10.1)")
+    if bias:
+        expected |= {f"blocks.{j}.layers.{l}.bias": (h,) for j in range(heads) for l in range(layers)}
+    original = cfg.get("original_lm_head", False)
+    lm_keys = ["lm_heads.0.weight"] if original else [f"lm_heads.{j}.weight" for j in range(heads)]
+    expected |= {k: (v, h) for k in lm_keys}
+    _check_keys(infos, expected, problems, optional=() if bias else tuple(k for k in infos if k.endswith(".bias")))
+    if original and target is not None and "lm_heads.0.weight" in infos:
+        _check_same_as_target("lm_heads.0.weight", infos["lm_heads.0.weight"], target_embed_and_head(target)[1], problems)
+    own = [k for k in expected if k in infos and not k.startswith("lm_heads.")]
+    _check_uniform_dtype(infos, own, cfg.get("torch_dtype") or cfg.get("dtype"), problems)
     _check_finite(infos, own, problems)
 
 

@@ -11,6 +11,10 @@ Indexing (t_0..t_m committed, t_m not yet seen by the target; both caches valid 
   verify :  target([t_m, d_1..d_k]) at positions m..m+k          → g_0..g_k
   accept :  a = longest prefix with d_j == g_{j-1}; emit d_1..d_a, g_a
   refresh:  head(H_{m+j}, t_{m+j+1}) for j = 0..a at positions m..m+a
+
+EAGLE-3 heads read the captured aux layers instead of H and map draft ids to target ids (d2t);
+separate MTP modules keep one cache each (heads/unroll.py); Medusa drafts all k tokens at once from
+the target state of the last committed position and keeps no cache.
 """
 
 from __future__ import annotations
@@ -82,30 +86,64 @@ def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set
     return _finish(new, max_new_tokens, stop_ids)[0]
 
 
+def _target_state(head, out) -> torch.Tensor:
+    """What the head consumes from a target pass: H, or the captured aux layers (EAGLE-3)."""
+    aux = torch.cat(out.aux, dim=-1) if head.capture_layers else None
+    return head.target_input(out.hidden, aux)
+
+
+def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache) -> torch.Tensor:
+    """Run the head over target states (H_j, t_{j+1}) at positions start.. and return the state at the
+    last one (depth 1). Separate modules (mtp num_modules > 1) each refresh their own cache."""
+    n = tokens.shape[1]
+    positions = torch.arange(start, start + n).expand(1, n)
+    state = head(states, tokens, positions, cache, start)
+    if head.separate_modules:
+        for d in range(2, len(head.layers) + 1):
+            head(states, tokens, positions, cache, start, depth=d)
+    return state[:, -1:]
+
+
+def draft_chain(head, state: torch.Tensor, k: int, m: int, cache,
+                forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """d_1 from the state at position m-1, then Ĥ^j = head(Ĥ^{j-1}, d_{j-1}) at RoPE position m+j-2
+    and d_j = argmax. One shared cache: depth j writes slot m+j-2 (after the depth-1 entries ≤ m-1
+    and depths 2..j-1); separate modules: module j writes slot m of its own cache. `forced` feeds
+    those tokens instead of the drafts (teacher forcing, for tests). Returns the drafts and the states."""
+    drafts = [int(head.to_target_ids(head.logits(state)[0, -1].argmax()))]
+    h, states = state, [state]
+    for j in range(2, k + 1):
+        pos = m + j - 2
+        slot = m if head.separate_modules else pos
+        tok = forced[j - 2] if forced is not None else drafts[-1]
+        h = head(h, torch.tensor([[tok]]), torch.tensor([[pos]]), cache, slot, depth=j)
+        states.append(h)
+        drafts.append(int(head.to_target_ids(head.logits(h, depth=j)[0, -1].argmax())))
+    return drafts, states
+
+
 @torch.inference_mode()
 def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
                          stop_ids: set[int] = frozenset()) -> tuple[list[int], SpecStats]:
-    if len(getattr(head, "layers", [])) > 1:
-        raise NotImplementedError("the chain loop drives single-module heads; num_modules > 1 is not wired yet")
+    if head.max_depth is not None and k > head.max_depth:
+        raise ValueError(f"k={k} draft tokens, but the {head.kind} head defines {head.max_depth} draft steps")
     stats = SpecStats(k=k)
     t0 = time.perf_counter()
     m = len(prompt)
     max_len = m + max_new_tokens + k + 2
-    tcache, hcache = target.new_cache(1, max_len), head.new_cache(1, max_len)
-    out = target(torch.tensor([prompt]), cache=tcache, logits="last")
+    capture = head.capture_layers
+    tcache = target.new_cache(1, max_len)
+    hcache = head.new_cache(1, max_len) if head.chain else None
+    out = target(torch.tensor([prompt]), cache=tcache, logits="last", capture_layers=capture)
     new = [int(out.logits[0, -1].argmax())]
-    # Head prefill over (H_i, t_{i+1}), i = 0..m-1.
-    nxt = torch.tensor([prompt[1:] + new])
-    state = head(out.hidden, nxt, torch.arange(m).expand(1, m), hcache, 0)[:, -1:]  # [1, 1, H]
+    if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
+        state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + new]), 0, hcache)
+    else:  # a parallel head drafts from the target state of the last committed position
+        state = out.hidden[:, -1:]
     while not _finish(new, max_new_tokens, stop_ids)[1]:
-        drafts = [int(head.logits(state)[0, -1].argmax())]
-        h = state
-        for j in range(2, k + 1):
-            pos = m + j - 2
-            h = head(h, torch.tensor([[drafts[-1]]]), torch.tensor([[pos]]), hcache, pos, depth=j)
-            drafts.append(int(head.logits(h, depth=j)[0, -1].argmax()))
+        drafts = draft_chain(head, state, k, m, hcache)[0] if head.chain else head.draft(state, k)
         verify_in = torch.tensor([[new[-1]] + drafts])  # [1, k+1]
-        vout = target(verify_in, cache=tcache, start=m, logits="all")
+        vout = target(verify_in, cache=tcache, start=m, logits="all", capture_layers=capture)
         g = vout.logits[0].argmax(-1)  # [k+1]
         a = accept_greedy(torch.tensor(drafts), g)
         for d in range(min(a + 1, k)):
@@ -115,9 +153,11 @@ def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens
         stats.steps += 1
         stats.emitted += len(emitted)
         new.extend(emitted)
-        # Refresh the head with the target's states of the accepted positions m..m+a.
-        toks = torch.tensor([emitted])  # t_{m+1}..t_{m+a+1}
-        state = head(vout.hidden[:, : a + 1], toks, torch.arange(m, m + a + 1).expand(1, a + 1), hcache, m)[:, -1:]
+        if head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
+            vstate = _target_state(head, vout)[:, : a + 1]
+            state = refresh(head, vstate, torch.tensor([emitted]), m, hcache)
+        else:
+            state = vout.hidden[:, a: a + 1]
         m += a + 1
     result = _finish(new, max_new_tokens, stop_ids)[0]
     stats.seconds = time.perf_counter() - t0

@@ -90,3 +90,17 @@ def tiny_overrides(tiny_target, conversations_file, tmp_path) -> list[str]:
             f"run_dir={tmp_path / 'run'}", "logger=csv", "progress=false", "precompute.store_dtype=float32",
             "trainer.precision=32-true", "trainer.max_epochs=3", "train.data.batch_tokens=1024",
             "train.data.val_fraction=0.2", "evaluate.num_prompts=2", "evaluate.max_new_tokens=8"]
+
+
+@pytest.fixture(scope="session")
+def deep_target(tmp_path_factory) -> Path:
+    """Like tiny_target with 8 layers: room for EAGLE-3's default aux layers (2, 4, 5)."""
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("deep_target")
+    model = make_hf_model("llama", seed=1, tie_word_embeddings=True, num_hidden_layers=8)
+    tok = make_tiny_tokenizer("chatml")
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

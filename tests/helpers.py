@@ -26,3 +26,17 @@ def train_on_batch(module, batch, steps: int, lr: float = 3e-3) -> list[float]:
         opt.step()
         losses.append(float(out["loss"].detach()))
     return losses
+
+
+class StubHead:
+    """The engine-facing attributes of a plain chain head over the target's last state, for stub
+    drafters that only override `__call__`, `logits` and `new_cache`."""
+
+    layers = [None]
+    kind, chain, capture_layers, separate_modules, max_depth = "stub", True, (), False, None
+
+    def target_input(self, hidden, aux=None):
+        return hidden
+
+    def to_target_ids(self, ids):
+        return ids

@@ -6,14 +6,14 @@ import pytest
 
 from inference_eval.evaluate import evaluate_head, write_report
 from inference_eval.model import LlamaForCausalLM
+from tests.helpers import StubHead
 from tests.test_speculative import OracleHead
 
 
-class SequentialOracle:
+class SequentialOracle(StubHead):
     """An OracleHead per prompt: evaluate_head runs prompts in order, and each starts with a
     prefill call at position 0 (later calls start at the accepted length ≥ 1)."""
 
-    layers = [None]
 
     def __init__(self, target, prompts, wrong):
         self.target, self.prompts, self.wrong, self.n, self.head = target, prompts, wrong, 0, None

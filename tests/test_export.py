@@ -242,10 +242,15 @@ DEFECTS = {
                          [(fmt, label, d, e) for fmt, cases in DEFECTS.items() for label, d, e in cases],
                          ids=[f"{fmt}:{label}" for fmt, cases in DEFECTS.items() for label, _, _ in cases])
 def test_validator_rejects_planted_defect(exported, tiny_target, tmp_path, fmt, label, defect, expected):
-    kwargs = defect(tiny_target) if callable(defect) else defect
-    bad = _plant(exported[fmt], tmp_path / "bad", **kwargs)
+    assert_rejects_planted_defect(exported[fmt], tmp_path / "bad", fmt, tiny_target, defect, expected)
+
+
+def assert_rejects_planted_defect(src: Path, dst: Path, fmt: str, target: Path, defect, expected: list[str]) -> None:
+    """Plant `defect` (kwargs of `_plant`, or a function of the target giving them) in a copy of the export
+    at `src`; the validator must reject it with a violation containing each `expected` text."""
+    bad = _plant(src, dst, **(defect(target) if callable(defect) else defect))
     with pytest.raises(ExportValidationError) as err:
-        check_export(bad, fmt, tiny_target)
+        check_export(bad, fmt, target)
     for text in expected:
         assert any(text in v for v in err.value.violations), (text, err.value.violations)
 

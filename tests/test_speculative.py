@@ -7,6 +7,7 @@ import torch
 from heads.checkpoint import build_head
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import accept_greedy, generate_plain, generate_speculative
+from tests.helpers import StubHead
 
 
 def test_accept_greedy_cases():
@@ -17,11 +18,10 @@ def test_accept_greedy_cases():
     assert accept_greedy(torch.tensor([5]), g) == 1
 
 
-class OracleHead:
+class OracleHead(StubHead):
     """Drafts the target's own greedy continuation through the head interface, wrong on purpose at
     state positions p where `wrong(p)`. The 'hidden state' it returns just carries p."""
 
-    layers = [None]
 
     def __init__(self, target, first_token: int, wrong=lambda p: False):
         self.target, self.seq, self.wrong = target, {0: first_token}, wrong

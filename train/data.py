@@ -120,12 +120,16 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         "valid": torch.zeros(b, t, dtype=torch.bool),
         "hidden": torch.zeros(b, t, h, dtype=samples[0]["hidden"].dtype),
     }
+    if "aux_hidden" in samples[0]:
+        out["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
     for r, s in enumerate(samples):
         n = s["input_ids"].shape[0]
         out["input_ids"][r, :n] = s["input_ids"]
         out["loss_mask"][r, :n] = s["loss_mask"]
         out["valid"][r, :n] = True
         out["hidden"][r, :n] = s["hidden"]
+        if "aux_hidden" in out:
+            out["aux_hidden"][r, :n] = s["aux_hidden"]
     return out
 
 

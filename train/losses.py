@@ -36,17 +36,28 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, chunk_size: int,
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
+                student_weight: torch.Tensor | None, student_ids: torch.Tensor | None, chunk_size: int,
                 mm_dtype: torch.dtype):
         w = weight.to(mm_dtype)
+        ws = w if student_weight is None else student_weight.to(mm_dtype)
         acc = torch.promote_types(student.dtype, torch.float32)  # softmax arithmetic: fp32 at least
         grad = torch.empty_like(student, dtype=acc) if student.requires_grad else None
+        grad_w = (torch.zeros(student_weight.shape, dtype=acc, device=student.device)
+                  if student_weight is not None and student_weight.requires_grad else None)
         total = torch.zeros((), dtype=acc, device=student.device)
         agree = torch.zeros((), dtype=torch.long, device=student.device)
         for a in range(0, student.shape[0], chunk_size):
-            s = F.linear(student[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
-            t = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
-            agree += (s.argmax(-1) == t.argmax(-1)).sum()
+            x = student[a:a + chunk_size].to(mm_dtype)
+            s = F.linear(x, ws).to(acc)  # [c, V_s]
+            t_full = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
+            s_top = s.argmax(-1)
+            if student_ids is None:
+                t = t_full
+            else:  # a head over a sub-vocabulary: the teacher restricted to it, agreement in target ids
+                t = t_full[:, student_ids]
+                s_top = student_ids[s_top]
+            agree += (s_top == t_full.argmax(-1)).sum()
             diff = t - s
             m_t, m_s = t.amax(-1, keepdim=True), s.amax(-1, keepdim=True)
             e_t, e_s = t.sub_(m_t).exp_(), s.sub_(m_s).exp_()  # in place: t, s are now exp(· − max)
@@ -54,26 +65,41 @@ class _FusedLinearKL(torch.autograd.Function):
             # Σ p_t (t − s) − lse(t) + lse(s), with lse = log z + max
             kl = (e_t * diff).sum(-1, keepdim=True) / z_t - z_t.log() - m_t + z_s.log() + m_s
             total += kl.sum()
-            if grad is not None:
+            if grad is not None or grad_w is not None:
                 g_logits = e_s.div_(z_s).sub_(e_t.div_(z_t))  # softmax(s) − p_t
-                grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ w).to(acc)
-        ctx.save_for_backward(grad if grad is not None else torch.empty(0))
-        ctx.student_dtype = student.dtype
+                if grad is not None:
+                    grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ ws).to(acc)
+                if grad_w is not None:
+                    grad_w += (g_logits.to(mm_dtype).T @ x).to(acc)
+        ctx.save_for_backward(grad if grad is not None else torch.empty(0),
+                              grad_w if grad_w is not None else torch.empty(0))
+        ctx.has = (grad is not None, grad_w is not None)
+        ctx.dtypes = (student.dtype, student_weight.dtype if student_weight is not None else None)
         ctx.mark_non_differentiable(agree)
         return total, agree
 
     @staticmethod
     def backward(ctx, grad_total, grad_agree):
-        (grad,) = ctx.saved_tensors
-        return (grad * grad_total).to(ctx.student_dtype), None, None, None, None
+        grad, grad_w = ctx.saved_tensors
+        g_s = (grad * grad_total).to(ctx.dtypes[0]) if ctx.has[0] else None
+        g_w = (grad_w * grad_total).to(ctx.dtypes[1]) if ctx.has[1] else None
+        return g_s, None, None, g_w, None, None, None
 
 
 def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
-                    chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ over rows of KL(softmax(W teacher) || softmax(W student)) and the count of top-1
-    agreements, for post-norm features [N, H] and a frozen projection W [V, H]. Matmuls run in the
-    autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
-    return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), chunk_size, _matmul_dtype(student))
+                    chunk_size: int = 512, student_weight: torch.Tensor | None = None,
+                    student_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over rows of KL(softmax(W teacher) || softmax(W_s student)) and the count of top-1
+    agreements, for post-norm features [N, H] and the target's frozen projection W [V, H].
+
+    W_s defaults to W. A head with its own (trainable) projection passes it as `student_weight`
+    [V_s, H] and gets its gradient too; with a sub-vocabulary (EAGLE-3's draft vocabulary) it also
+    passes `student_ids` [V_s], the target ids of its rows: the teacher is then W restricted to those
+    rows (renormalised over them) and agreement compares target ids with the teacher's full argmax.
+    Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
+    sw = student_weight if student_weight is not None and student_weight is not weight else None
+    return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
+                                _matmul_dtype(student))
 
 
 def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,

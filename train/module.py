@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from typing import Any
 
 import lightning as L
 import torch
@@ -25,9 +26,12 @@ class DraftHeadModule(L.LightningModule):
     def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
-                 kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8) -> None:
+                 kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
+                 gradient_checkpointing: bool = False) -> None:
         super().__init__()
         self.head = head
+        # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
+        self.head.gradient_checkpointing = gradient_checkpointing
         self.save_hyperparameters(ignore=["head"])
         self._t_last: float | None = None
 
@@ -41,7 +45,8 @@ class DraftHeadModule(L.LightningModule):
         hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
         t = hidden.shape[1]
-        outs = unroll(self.head, hidden, ids, hp.depth)  # D × [B, T-1, H]
+        aux = batch.get("aux_hidden")
+        outs = unroll(self.head, hidden, ids, hp.depth, aux.to(self.head.dtype) if aux is not None else None)
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
@@ -50,15 +55,19 @@ class DraftHeadModule(L.LightningModule):
             mask = loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
             n = mask.sum()
             sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
-            reg = hidden_regression(sel_pred, self.head.regression_target(sel_tgt), hp.normed_regression)
+            reg_target = self.head.regression_target(sel_tgt)
+            reg = (hidden_regression(sel_pred, reg_target, hp.normed_regression) if reg_target is not None
+                   else sel_pred.new_zeros((), dtype=torch.float32))  # eagle3, medusa: KL only
             kl, agree = fused_linear_kl(self.head.features(sel_pred, d), self.head.tied.final_norm(sel_tgt),
-                                        self.head.tied.lm_head, hp.kl_chunk_size)
+                                        self.head.tied.lm_head, hp.kl_chunk_size,
+                                        student_weight=self.head.lm_head_weight, student_ids=self.head.draft_ids)
             n_safe = n.clamp(min=1)
             total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
             acc = agree.float() / n_safe
             survive = survive * acc
             sim_tau = sim_tau + survive  # 1 + Σ_d Π_{j≤d} α_j
-            out.update({f"reg_d{d}": reg / n_safe, f"kl_d{d}": kl / n_safe, f"acc_d{d}": acc})
+            out.update({f"reg_d{d}": reg / n_safe, f"kl_d{d}": kl / n_safe, f"acc_d{d}": acc,
+                        f"agree_count_d{d}": agree.detach(), f"n_count_d{d}": n})
             if d == 1:
                 out["n_tokens"] = n
         out["loss"] = total
@@ -66,7 +75,7 @@ class DraftHeadModule(L.LightningModule):
         return out
 
     def _metric_keys(self, out: dict[str, torch.Tensor]) -> list[str]:
-        return [k for k in out if k not in ("n_tokens", "tokens")]
+        return [k for k in out if k not in ("n_tokens", "tokens") and "_count_" not in k]
 
     def training_step(self, batch, batch_idx):
         out = self.compute_loss(batch)
@@ -106,3 +115,26 @@ class DraftHeadModule(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@torch.no_grad()
+def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, Any]:
+    """Teacher-forced top-1 agreement per depth 1..`depth` over a loader (the held-out split),
+    pooled over tokens: the training-time-test unroll, as the engine's draft chain would run it
+    had the target accepted every draft token. Also the simulated τ for k = depth."""
+    module = DraftHeadModule(head, depth=depth)
+    agree, count = [0] * depth, [0] * depth
+    was_training = head.training
+    head.eval()
+    for batch in loader:
+        out = module.compute_loss(batch)
+        for d in range(1, depth + 1):
+            agree[d - 1] += int(out[f"agree_count_d{d}"])
+            count[d - 1] += int(out[f"n_count_d{d}"])
+    head.train(was_training)
+    acc = [a / max(c, 1) for a, c in zip(agree, count)]
+    sim_tau, survive = 1.0, 1.0
+    for a in acc:
+        survive *= a
+        sim_tau += survive
+    return {"acc": acc, "tokens": count, "sim_tau": sim_tau}

@@ -22,10 +22,20 @@ from train.module import DraftHeadModule
 log = logging.getLogger(__name__)
 
 
-def init_head(cfg: Any, target_dir: Path) -> DraftHead:
-    """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors."""
+def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None) -> DraftHead:
+    """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors.
+    With the data module (set up): an EAGLE-3 head's draft vocabulary is chosen from the training
+    split's token frequencies, and a head's aux layers must be the ones the store captured."""
     tied, args, parts = tied_target(target_dir)
     head = build_head(OmegaConf.to_container(cfg.head, resolve=True), args, tied)
+    if dm is not None:
+        stored = dm.store.aux_layers
+        if head.capture_layers and list(head.capture_layers) != stored:
+            raise ValueError(f"{cfg.store_dir}: the store holds aux layers {stored or 'none'}, the {head.kind} head reads "
+                             f"{list(head.capture_layers)}: precompute a store with precompute.aux_layers="
+                             f"{list(head.capture_layers)} (`auto` does it for the configured head)")
+        if hasattr(head, "set_draft_vocab"):
+            head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
     head.reset_parameters(int(cfg.seed), parts.first_input_norm)
     return head
 
@@ -60,8 +70,9 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
     L.seed_everything(int(cfg.seed), workers=True)
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
-    head = init_head(cfg, target_dir)
     dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
+    dm.setup("fit")
+    head = init_head(cfg, target_dir, dm)
     module = DraftHeadModule(head, **OmegaConf.to_container(cfg.train.module, resolve=True))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:

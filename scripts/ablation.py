@@ -1,0 +1,128 @@
+"""The seed's ablation (docs/RESULTS.md): several head types trained on one feature store with the
+same batches, steps, LR schedule and seed, then compared on
+  * held-out top-1 agreement with the target per draft depth 1..`ablation.eval_depth`
+    (teacher-forced, training-time-test unroll over the store's validation split), and
+  * τ and α_d on MT-Bench through the engine, greedy, for each k in `ablation.ks`.
+
+    python -m scripts.ablation experiment=ablation            # the RESULTS.md run
+    python -m scripts.ablation experiment=ablation ablation.heads=[mtp]
+
+Each finished stage is kept (store, trained head, per-k report) and skipped on a rerun, so an
+interrupted ablation continues where it stopped. Writes `<run_dir>/ablation.json` and `.md`.
+Last line: `ablation <head>_acc_d<d>=… <head>_tau_k<k>=… runtime_s=…`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def head_config(cfg: DictConfig, name: str) -> DictConfig:
+    """The run config with `head` replaced by conf/head/<name>.yaml and per-head output paths."""
+    hcfg = OmegaConf.load(CONF / "head" / f"{name}.yaml")
+    out = cfg.copy()
+    with open_dict(out):
+        out.head = hcfg
+        out.head_dir = f"{cfg.run_dir}/heads/{name}"
+        out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{name}"
+        out.train.untrained_dir = None
+        if out.get("logger") and "name" in out.logger:
+            out.logger.name = f"{cfg.run_name}-{name}"
+    return out
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from data.precompute import run_precompute
+    from data.sources import resolve_target_dir
+    from data.store import atomic_write_bytes, target_fingerprint
+    from heads.checkpoint import load_native
+    from inference_eval.evaluate import run_evaluation
+    from inference_eval.model import tied_target
+    from train.data import FeatureDataModule
+    from train.module import heldout_agreement
+    from train.run import run_training
+
+    t0 = time.perf_counter()
+    acfg = cfg.ablation
+    store, pstats = run_precompute(cfg)
+    print(f"ablation store: {pstats.samples} conversations, {pstats.tokens} tokens → {store}")
+    target_dir = resolve_target_dir(cfg.target)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    results: dict[str, dict] = {}
+    for name in acfg.heads:
+        hc = head_config(cfg, name)
+        head_dir = Path(hc.head_dir)
+        t_train = time.perf_counter()
+        if not (head_dir / "config.json").exists():
+            _, metrics = run_training(hc)
+            train_s = time.perf_counter() - t_train
+        else:
+            metrics, train_s = {}, None
+        dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
+        dm.setup("validate")
+        tied, args, _ = tied_target(target_dir)
+        head = load_native(head_dir, tied, args)
+        held = heldout_agreement(head, dm.val_dataloader(), int(acfg.eval_depth))
+        entry = {"head": OmegaConf.to_container(hc.head, resolve=True), "checkpoint": str(head_dir),
+                 "train_seconds": train_s, "final_metrics": metrics, "heldout": held,
+                 "heldout_conversations": len(dm.val_idx), "train_conversations": len(dm.train_idx), "tau": {}}
+        for k in acfg.ks:
+            ec = hc.copy()
+            with open_dict(ec):
+                ec.evaluate.k = int(k)
+                ec.evaluate.heads = {name: str(head_dir)}
+                ec.evaluate.report = f"{cfg.run_dir}/eval/{name}_k{k}.json"
+            report_path = Path(ec.evaluate.report)
+            report = json.loads(report_path.read_text()) if report_path.exists() else run_evaluation(ec)
+            r = report["results"][name]
+            entry["tau"][int(k)] = {"tau": r["tau"], "alpha": r["alpha"], "tokens_per_s": r["tokens_per_s"],
+                                    "per_category_tau": r["per_category_tau"], "prompts": report["prompts"]}
+            print(f"ablation {name} k={k} tau={r['tau']:.3f}")
+        results[name] = entry
+    summary = {"run_name": cfg.run_name, "store": str(store), "store_tokens": pstats.tokens,
+               "store_conversations": pstats.samples, "seed": int(cfg.seed), "trainer": OmegaConf.to_container(cfg.trainer, resolve=True),
+               "train": OmegaConf.to_container(cfg.train, resolve=True),
+               "evaluate": {"dataset": cfg.evaluate.dataset, "num_prompts": cfg.evaluate.num_prompts,
+                            "max_new_tokens": cfg.evaluate.max_new_tokens, "turns": list(cfg.evaluate.turns)},
+               "results": results}
+    out = Path(cfg.run_dir) / "ablation.json"
+    atomic_write_bytes(out, json.dumps(summary, indent=2, default=str).encode())
+    atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
+    print(f"ablation report={out} md={out.with_suffix('.md')}")
+    fields = []
+    for name, e in results.items():
+        fields += [f"{name}_acc_d{d}={a:.3f}" for d, a in enumerate(e["heldout"]["acc"], start=1)]
+        fields += [f"{name}_tau_k{k}={v['tau']:.3f}" for k, v in e["tau"].items()]
+    print("ablation " + " ".join(fields) + f" runtime_s={time.perf_counter() - t0:.0f}")
+
+
+def markdown(summary: dict) -> str:
+    results = summary["results"]
+    depth = max(len(e["heldout"]["acc"]) for e in results.values())
+    ks = sorted({int(k) for e in results.values() for k in e["tau"]})
+    lines = [f"Store: {summary['store_conversations']} conversations, {summary['store_tokens']:,} tokens; "
+             f"seed {summary['seed']}.", "",
+             "| head | " + " | ".join(f"held-out acc d{d}" for d in range(1, depth + 1)) + " | sim. τ | "
+             + " | ".join(f"τ k={k}" for k in ks) + " |",
+             "| --- " * (2 + depth + len(ks)) + "|"]
+    for name, e in results.items():
+        h = e["heldout"]
+        lines.append(f"| {name} | " + " | ".join(f"{a:.3f}" for a in h["acc"]) + f" | {h['sim_tau']:.3f} | "
+                     + " | ".join(f"{e['tau'][k]['tau']:.3f}" if k in e["tau"] else "–" for k in ks) + " |")
+    lines += ["", "α_d (conditional acceptance per draft position) at the largest k:", ""]
+    for name, e in results.items():
+        if ks and ks[-1] in e["tau"]:
+            lines.append(f"- {name}: " + ", ".join(f"α{d}={a:.3f}" for d, a in enumerate(e["tau"][ks[-1]]["alpha"], 1)))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""eagle3, medusa and multi-module mtp: shapes and frozen tensors, training unroll == the engine's
+draft loop, greedy speculative == greedy plain, the sub-vocabulary KL, and training on a store."""
+
+import pytest
+import torch
+
+from heads.checkpoint import build_head, load_native, save_native
+from heads.eagle3 import default_aux_layers
+from heads.unroll import unroll
+from inference_eval.model import LlamaForCausalLM, tied_target
+from inference_eval.speculative import draft_chain, generate_plain, generate_speculative, refresh
+from train.losses import fused_linear_kl, naive_kl
+
+HEADS = {
+    "mtp3": {"type": "mtp", "num_modules": 3, "init": "random"},
+    "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 200, "init": "random"},
+    "eagle3_full": {"type": "eagle3", "aux_layers": [1], "init": "random"},
+    "medusa": {"type": "medusa", "num_heads": 3, "init": "random", "init_std": 0.2},
+}
+
+
+def make(tiny_target, name, seed=0):
+    tied, args, parts = tied_target(tiny_target)
+    head = build_head(HEADS[name], args, tied)
+    if hasattr(head, "set_draft_vocab"):
+        counts = torch.zeros(args.vocab_size, dtype=torch.long)
+        counts[torch.arange(0, args.vocab_size, 2)] = 5  # every second token is "frequent"
+        head.set_draft_vocab(counts)
+    head.reset_parameters(seed, parts.first_input_norm)
+    return head
+
+
+def inputs(head, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, t, head.args.hidden_size, generator=g)
+    aux = torch.randn(1, t, head.state_size, generator=g) if head.capture_layers else None
+    ids = torch.randint(0, head.args.vocab_size, (1, t), generator=g)
+    return hidden, aux, ids
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_frozen_tensors_never_trained_or_saved(tiny_target, tmp_path, name):
+    head = make(tiny_target, name)
+    names = [n for n, _ in head.named_parameters()]
+    assert not any(n.startswith("tied.") for n in names)
+    state = head.state_dict()
+    assert not any(k.startswith("tied.") for k in state)
+    assert all(p.requires_grad for p in head.parameters())
+    reloaded = load_native(save_native(head, tmp_path / "h"), head.tied, head.args)
+    hidden, aux, ids = inputs(head, 6)
+    x = head.target_input(hidden, aux)
+    pos = torch.arange(6).expand(1, 6)
+    torch.testing.assert_close(head.logits(head(x, ids, pos)), reloaded.logits(reloaded(x, ids, pos)), atol=0, rtol=0)
+
+
+def test_eagle3_shapes_and_draft_vocab(tiny_target):
+    head = make(tiny_target, "eagle3")
+    a = head.args
+    assert head.fc.weight.shape == (a.hidden_size, a.hidden_size)  # K = 1 aux layer here
+    assert head.midlayer.self_attn.q_proj.weight.shape == (a.num_attention_heads * a.head_dim, 2 * a.hidden_size)
+    assert head.lm_head.weight.shape == (200, a.hidden_size)
+    ids = head.draft_ids
+    assert ids.tolist() == list(range(0, 400, 2))  # the 200 most frequent (of 256 tied), lowest ids, ascending
+    assert head.t2d.sum() == 200 and head.t2d[ids].all()
+    assert head.to_target_ids(torch.tensor([0, 1, 199])).tolist() == [0, 2, 398]
+    torch.testing.assert_close(head.lm_head.weight, head.tied.lm_head[ids])  # initialised from the target's rows
+    assert default_aux_layers(30) == (2, 15, 27)
+    assert default_aux_layers(8) == (2, 4, 5)
+    with pytest.raises(ValueError, match="aux_layers"):
+        build_head({"type": "eagle3", "aux_layers": [3, 2]}, a, head.tied)
+    with pytest.raises(ValueError, match="none were given"):
+        head.target_input(torch.zeros(1, 2, a.hidden_size), None)
+
+
+def _engine_states(head, hidden, aux, ids, i, depth):
+    """The engine's draft loop with teacher-forced tokens after the target accepted up to i."""
+    cache = head.new_cache(1, hidden.shape[1] + depth + 1)
+    x = head.target_input(hidden[:, : i + 1], aux[:, : i + 1] if aux is not None else None)
+    state = refresh(head, x, ids[:, 1: i + 2], 0, cache)
+    forced = ids[0, i + 2: i + depth + 1].tolist()
+    return draft_chain(head, state, depth, i + 1, cache, forced)[1]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "eagle3_full"])
+def test_unroll_equals_engine_draft_chain(tiny_target, name):
+    head = make(tiny_target, name)
+    t, depth = 12, 3
+    hidden, aux, ids = inputs(head, t, seed=1)
+    outs = unroll(head, hidden, ids, depth, aux)
+    assert [o.shape for o in outs] == [(1, t - 1, head.args.hidden_size)] * depth
+    for i in range(0, t - depth):
+        chain = _engine_states(head, hidden, aux, ids, i, depth)
+        for d in range(depth):
+            torch.testing.assert_close(outs[d][:, i], chain[d][:, 0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_separate_modules_differ_from_one_reused_module(tiny_target):
+    """mtp with 3 modules runs module d at depth d: depth 2 must change when only module 2 changes."""
+    head = make(tiny_target, "mtp3")
+    hidden, _, ids = inputs(head, 8)
+    before = unroll(head, hidden, ids, 3)
+    head.layers[1].eh_proj.weight.mul_(1.5)
+    after = unroll(head, hidden, ids, 3)
+    torch.testing.assert_close(before[0], after[0], atol=0, rtol=0)
+    assert (before[1] - after[1]).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="exceeds"):
+        unroll(head, hidden, ids, 4)
+
+
+@torch.no_grad()
+def test_medusa_heads_predict_further_positions(tiny_target):
+    head = make(tiny_target, "medusa")
+    hidden, _, ids = inputs(head, 7)
+    outs = unroll(head, hidden, ids, 3)
+    for d, out in enumerate(outs, start=1):  # head d on F_i, i = 0..T-2
+        torch.testing.assert_close(out, head.blocks[d - 1](head.tied.final_norm(hidden[:, :-1])))
+    zero = build_head({"type": "medusa", "num_heads": 2}, head.args, head.tied)
+    zero.reset_parameters(0)  # identity blocks: every head predicts what the target predicts
+    torch.testing.assert_close(zero.logits(zero(hidden, depth=2)), head.tied.teacher_logits(hidden))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return LlamaForCausalLM.from_pretrained(tiny_target)
+
+
+@pytest.mark.parametrize("name,ks", [("mtp3", [1, 2, 3]), ("eagle3", [1, 2, 4]), ("medusa", [1, 3])])
+def test_greedy_speculative_equals_plain(target, tiny_target, name, ks):
+    head = make(tiny_target, name).eval()
+    prompts = [[1, 17, 33, 250, 9], [3], list(range(40, 77))]
+    for k in ks:
+        for p in prompts:
+            plain = generate_plain(target, p, 24)
+            spec, st = generate_speculative(target, head, p, k, 24)
+            assert spec == plain, (name, k, p)
+            assert st.emitted >= st.steps and len(st.alpha) == k
+
+
+def test_medusa_with_oracle_blocks_is_accepted(target, tiny_target):
+    """Zero-initialised Medusa heads all predict t_{i+1}: α_1 is then the rate at which the target
+    repeats its own next token — computed here independently from the plain greedy output."""
+    tied, args, _ = tied_target(tiny_target)
+    head = build_head({"type": "medusa", "num_heads": 1}, args, tied).eval()
+    head.reset_parameters(0)
+    prompt = [5, 9, 13]
+    plain = generate_plain(target, prompt, 40)
+    spec, st = generate_speculative(target, head, prompt, 1, 40)
+    assert spec == plain
+    assert st.accepted[0] > 0 or all(a != b for a, b in zip(plain, plain[1:]))
+
+
+def test_k_beyond_the_heads_depth_is_refused(target, tiny_target):
+    with pytest.raises(ValueError, match="draft steps"):
+        generate_speculative(target, make(tiny_target, "medusa"), [1, 2], 4, 4)
+    with pytest.raises(ValueError, match="draft steps"):
+        generate_speculative(target, make(tiny_target, "mtp3"), [1, 2], 4, 4)
+
+
+def test_sub_vocabulary_kl_equals_naive_values_and_gradients():
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 37, 16, 90
+    ids = torch.tensor(sorted(torch.randperm(v, generator=g)[:30].tolist()))
+    w = torch.randn(v, h, generator=g, dtype=torch.float64)
+    ws = torch.randn(30, h, generator=g, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(n, h, generator=g, dtype=torch.float64)
+    kl, agree = fused_linear_kl(s, t, w, chunk_size=8, student_weight=ws, student_ids=ids)
+    kl.backward()
+    gs, gw = s.grad.clone(), ws.grad.clone()
+    s.grad, ws.grad = None, None
+    ref = naive_kl(s, t, lambda x: x @ ws.T, lambda x: (x @ w.T)[:, ids])
+    ref.backward()
+    torch.testing.assert_close(kl, ref)
+    torch.testing.assert_close(gs, s.grad)
+    torch.testing.assert_close(gw, ws.grad)
+    expected = int((ids[(s @ ws.T).argmax(-1)] == (t @ w.T).argmax(-1)).sum())
+    assert int(agree) == expected
+
+
+@pytest.mark.parametrize("head_name,extra", [("eagle3", ["head.draft_vocab_size=128", "head.aux_layers=[1]"]),
+                                             ("medusa", ["head.num_heads=2", "train.module.depth=2"])])
+def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
+    from data.precompute import run_precompute
+    from data.store import FeatureStore
+    from tests.conftest import compose_config
+    from tests.helpers import train_on_batch
+    from train.data import FeatureDataModule, collate
+    from train.module import DraftHeadModule
+    from train.run import init_head
+
+    cfg = compose_config(tiny_overrides + [f"head={head_name}", *extra])
+    store = FeatureStore(run_precompute(cfg)[0])
+    if head_name == "eagle3":
+        assert store.aux_layers == [1] and store.manifest["captured"]["aux_layers"] == [1]
+        assert store[0]["aux_hidden"].shape == (store[0]["hidden"].shape[0], 64)
+    else:
+        assert store.aux_layers == [] and "aux_hidden" not in store[0]
+    dm = FeatureDataModule(cfg.store_dir, None, batch_tokens=1024, val_fraction=0.2)
+    dm.setup("fit")
+    head = init_head(cfg, tiny_target, dm)
+    if head_name == "eagle3":  # the draft vocabulary is the training split's most frequent loss tokens
+        counts = store.token_counts(head.args.vocab_size, dm.train_idx)
+        top = set(head.draft_ids.tolist())
+        assert min(int(counts[i]) for i in top) >= max(int(counts[i]) for i in range(len(counts)) if i not in top)
+    module = DraftHeadModule(head, kl_chunk_size=64, depth=int(cfg.train.module.depth))
+    batch = collate([store[i] for i in range(4)])
+    losses = train_on_batch(module, batch, 25)
+    assert losses[-1] < 0.6 * losses[0]
+    out = module.compute_loss(batch)
+    assert float(out["reg_d1"]) == 0.0  # KL only
+
+
+def test_store_holds_aux_layers_in_fp8(tiny_overrides, tiny_target):
+    from data.precompute import run_precompute
+    from data.store import FeatureStore
+    from tests.conftest import compose_config
+
+    base = compose_config(tiny_overrides + ["precompute.aux_layers=[1]"])
+    fp8 = compose_config(tiny_overrides + ["precompute.aux_layers=[1]", "precompute.store_dtype=fp8",
+                                           f"store_dir={base.run_dir}/fp8"])
+    a, b = FeatureStore(run_precompute(base)[0]), FeatureStore(run_precompute(fp8)[0])
+    for i in range(3):
+        x, y = a[i]["aux_hidden"].float(), b[i]["aux_hidden"].float()
+        assert ((x - y).abs().amax(-1) <= x.abs().amax(-1) / 8 + 1e-6).all()  # e4m3: 3 mantissa bits
+        assert not torch.equal(x, y)
+
+
+def test_training_refuses_a_store_without_the_heads_aux_layers(tiny_overrides, tiny_target):
+    from data.precompute import run_precompute
+    from tests.conftest import compose_config
+    from train.data import FeatureDataModule
+    from train.run import init_head
+
+    cfg = compose_config(tiny_overrides + ["precompute.aux_layers=none", "head=eagle3", "head.aux_layers=[1]"])
+    run_precompute(cfg)
+    dm = FeatureDataModule(cfg.store_dir, None)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"holds aux layers none.*reads \[1\]"):
+        init_head(cfg, tiny_target, dm)
+
+
+def test_gradient_checkpointing_same_gradients_with_recompute(tiny_target, monkeypatch):
+    from heads.layers import MLP
+    from train.module import DraftHeadModule
+
+    calls = [0]
+    mlp_forward = MLP.forward
+
+    def counting(self, x):  # module hooks do not fire during checkpoint recomputation; this does
+        calls[0] += 1
+        return mlp_forward(self, x)
+
+    monkeypatch.setattr(MLP, "forward", counting)
+    g = torch.Generator().manual_seed(5)
+    t = 16
+    batch = {"hidden": torch.randn(2, t, 64, generator=g), "input_ids": torch.randint(0, 512, (2, t), generator=g),
+             "loss_mask": torch.ones(2, t, dtype=torch.bool), "valid": torch.ones(2, t, dtype=torch.bool)}
+    grads, counts = [], []
+    for ckpt in (False, True):
+        head = make(tiny_target, "mtp3")
+        module = DraftHeadModule(head, depth=3, kl_chunk_size=8, gradient_checkpointing=ckpt)
+        calls[0] = 0
+        module.compute_loss(batch)["loss"].backward()
+        grads.append({k: p.grad.clone() for k, p in head.named_parameters()})
+        counts.append(calls[0])
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-5)
+    # depth 1, then a base pass and a query for depths 2 and 3: 5 steps, each recomputed in backward
+    assert counts == [5, 10]
