@@ -9,6 +9,7 @@ train/serve numerics are one path. Built from the blocks in heads/layers.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,19 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    def truncated(self, num_layers: int) -> "LlamaForCausalLM":
+        """A draft model made of this model's first `num_layers` decoder layers, its final norm and its
+        lm_head — the weights are shared, not copied (a layer-skip draft for the draft_model proposer)."""
+        if not 1 <= num_layers <= self.args.num_hidden_layers:
+            raise ValueError(f"truncate to {num_layers} layers: the model has {self.args.num_hidden_layers}")
+        args = dataclasses.replace(self.args, num_hidden_layers=num_layers)
+        with torch.device("meta"):
+            draft = LlamaForCausalLM(args)
+        draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
+        draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
+        draft.model.rotary_emb, draft.lm_head = self.model.rotary_emb, self.lm_head
+        return draft.eval()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.args

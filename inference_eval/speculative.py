@@ -92,16 +92,18 @@ def _target_state(head, out) -> torch.Tensor:
     return head.target_input(out.hidden, aux)
 
 
-def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache) -> torch.Tensor:
-    """Run the head over target states (H_j, t_{j+1}) at positions start.. and return the state at the
-    last one (depth 1). Separate modules (mtp num_modules > 1) each refresh their own cache."""
+def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache, last_only: bool = True
+            ) -> torch.Tensor:
+    """Run the head over target states (H_j, t_{j+1}) at positions start.. and return its depth-1
+    state at the last one (or at every one). Separate modules (mtp num_modules > 1) each refresh their
+    own cache."""
     n = tokens.shape[1]
     positions = torch.arange(start, start + n).expand(1, n)
     state = head(states, tokens, positions, cache, start)
     if head.separate_modules:
         for d in range(2, len(head.layers) + 1):
             head(states, tokens, positions, cache, start, depth=d)
-    return state[:, -1:]
+    return state[:, -1:] if last_only else state
 
 
 def draft_chain(head, state: torch.Tensor, k: int, m: int, cache,
@@ -122,26 +124,106 @@ def draft_chain(head, state: torch.Tensor, k: int, m: int, cache,
     return drafts, states
 
 
+class HeadProposer:
+    """Drafts with a head from heads/: a chain (mtp, eagle1, eagle3) or all at once (medusa)."""
+
+    def __init__(self, head) -> None:
+        self.head = head
+        self.capture_layers = head.capture_layers
+        self.state = self.cache = None
+
+    @property
+    def label(self) -> str:
+        return getattr(self.head, "kind", "head")
+
+    def check(self, k: int) -> None:
+        if self.head.max_depth is not None and k > self.head.max_depth:
+            raise ValueError(f"k={k} draft tokens, but the {self.head.kind} head defines {self.head.max_depth} draft steps")
+
+    def start(self, out, prompt: list[int], first: int, max_len: int) -> None:
+        head = self.head
+        if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
+            self.cache = head.new_cache(1, max_len)
+            self.state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + [first]]), 0, self.cache)
+        else:  # a parallel head drafts from the target state of the last committed position
+            self.state = out.hidden[:, -1:]
+
+    def propose(self, k: int, m: int, committed: list[int]) -> list[int]:
+        if self.head.chain:
+            return draft_chain(self.head, self.state, k, m, self.cache)[0]
+        return self.head.draft(self.state, k)
+
+    def update(self, vout, emitted: list[int], a: int, m: int) -> None:
+        """After verification of positions m..m+k: a drafts accepted, `emitted` = t_{m+1}..t_{m+a+1}."""
+        if self.head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
+            vstate = _target_state(self.head, vout)[:, : a + 1]
+            self.state = refresh(self.head, vstate, torch.tensor([emitted]), m, self.cache)
+        else:
+            self.state = vout.hidden[:, a: a + 1]
+
+
+class DraftModelProposer:
+    """Drafts k tokens greedily with a small LM that shares the target's tokenizer (a checkpoint, or
+    `LlamaForCausalLM.truncated`), keeping its own KV cache. The cache holds the tokens in `fed`;
+    before each proposal the longest prefix of `fed` that is still committed is kept and the rest of
+    the committed tokens is fed, so rejected drafts are simply overwritten."""
+
+    capture_layers = ()
+
+    def __init__(self, draft, label: str = "draft_model") -> None:
+        self.draft, self.label = draft, label
+        self.cache, self.fed = None, []
+
+    def check(self, k: int) -> None:
+        return None
+
+    def start(self, out, prompt: list[int], first: int, max_len: int) -> None:
+        self.cache, self.fed = self.draft.new_cache(1, max_len), []
+
+    def propose(self, k: int, m: int, committed: list[int]) -> list[int]:
+        keep = 0
+        for a, b in zip(self.fed, committed):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(committed) - 1)  # the last committed token is always fed: its logits draft d_1
+        feed = committed[keep:]
+        out = self.draft(torch.tensor([feed]), cache=self.cache, start=keep, logits="last")
+        self.fed = committed[:]
+        drafts = [int(out.logits[0, -1].argmax())]
+        for _ in range(k - 1):
+            out = self.draft(torch.tensor([[drafts[-1]]]), cache=self.cache, start=len(self.fed), logits="last")
+            self.fed.append(drafts[-1])
+            drafts.append(int(out.logits[0, -1].argmax()))
+        return drafts
+
+    def update(self, vout, emitted: list[int], a: int, m: int) -> None:
+        return None
+
+
+def as_proposer(x):
+    """A proposer as is, or a head wrapped in HeadProposer."""
+    return x if hasattr(x, "propose") else HeadProposer(x)
+
+
 @torch.inference_mode()
 def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
                          stop_ids: set[int] = frozenset()) -> tuple[list[int], SpecStats]:
-    if head.max_depth is not None and k > head.max_depth:
-        raise ValueError(f"k={k} draft tokens, but the {head.kind} head defines {head.max_depth} draft steps")
+    """Greedy speculative decoding of `prompt` with `head` (a head from heads/, or a proposer:
+    HeadProposer / DraftModelProposer): output equal to `generate_plain`'s, plus acceptance stats."""
+    proposer = as_proposer(head)
+    proposer.check(k)
     stats = SpecStats(k=k)
     t0 = time.perf_counter()
     m = len(prompt)
     max_len = m + max_new_tokens + k + 2
-    capture = head.capture_layers
+    capture = proposer.capture_layers
     tcache = target.new_cache(1, max_len)
-    hcache = head.new_cache(1, max_len) if head.chain else None
     out = target(torch.tensor([prompt]), cache=tcache, logits="last", capture_layers=capture)
     new = [int(out.logits[0, -1].argmax())]
-    if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
-        state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + new]), 0, hcache)
-    else:  # a parallel head drafts from the target state of the last committed position
-        state = out.hidden[:, -1:]
+    proposer.start(out, prompt, new[0], max_len)
     while not _finish(new, max_new_tokens, stop_ids)[1]:
-        drafts = draft_chain(head, state, k, m, hcache)[0] if head.chain else head.draft(state, k)
+        drafts = proposer.propose(k, m, prompt + new)
         verify_in = torch.tensor([[new[-1]] + drafts])  # [1, k+1]
         vout = target(verify_in, cache=tcache, start=m, logits="all", capture_layers=capture)
         g = vout.logits[0].argmax(-1)  # [k+1]
@@ -153,11 +235,7 @@ def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens
         stats.steps += 1
         stats.emitted += len(emitted)
         new.extend(emitted)
-        if head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
-            vstate = _target_state(head, vout)[:, : a + 1]
-            state = refresh(head, vstate, torch.tensor([emitted]), m, hcache)
-        else:
-            state = vout.hidden[:, a: a + 1]
+        proposer.update(vout, emitted, a, m)
         m += a + 1
     result = _finish(new, max_new_tokens, stop_ids)[0]
     stats.seconds = time.perf_counter() - t0

@@ -139,6 +139,12 @@ def test_two_mtp_modules_stitch_as_consecutive_layers(tiny_target, tmp_path):
         assert not torch.equal(head(x, tok, pos, depth=2), head(x, tok, pos, depth=1))
     with pytest.raises(ValueError, match="num_nextn_predict_layers == 1"):
         export_head(head, {"mtp-standalone": tmp_path / "a"}, tiny_target)
+    # the same τ through the engine, which drafts depth d with module d
+    target = LlamaForCausalLM.from_pretrained(tiny_target)
+    for prompt in (list(range(40, 60)), [7, 3, 11]):
+        before = generate_speculative(target, head, prompt, 2, 16)
+        after = generate_speculative(target, back, prompt, 2, 16)
+        assert before[0] == after[0] and before[1].accepted == after[1].accepted and before[1].tau == after[1].tau
 
 
 # ---- round trips ------------------------------------------------------------------------------------

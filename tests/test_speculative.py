@@ -100,3 +100,32 @@ def test_stop_token_truncates_both(target):
     assert generate_plain(target, prompt, 20, stop) == full[:first + 1]
     spec, _ = generate_speculative(target, OracleHead(target, prompt[0]), prompt, 3, 20, stop)
     assert spec == full[:first + 1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_draft_model_proposer_is_lossless(target, k):
+    from inference_eval.speculative import DraftModelProposer
+
+    draft = DraftModelProposer(target.truncated(1))
+    for prompt in PROMPTS:
+        plain = generate_plain(target, prompt, 20)
+        spec, st = generate_speculative(target, draft, prompt, k, 20)
+        assert spec == plain
+        assert 1 <= st.steps <= len(plain) - 1  # each verification pass emits at least one token
+    # the whole target as its own draft: every draft accepted, τ = k + 1 up to the last round's cut
+    full = DraftModelProposer(target.truncated(target.args.num_hidden_layers))
+    spec, st = generate_speculative(target, full, PROMPTS[0], k, 4 * (k + 1) + 1)
+    assert spec == generate_plain(target, PROMPTS[0], 4 * (k + 1) + 1)
+    assert st.accepted == st.reached and st.steps == 4 and st.tau == k + 1
+
+
+def test_truncated_model_shares_weights(target):
+    draft = target.truncated(1)
+    assert draft.model.layers[0] is target.model.layers[0] and len(draft.model.layers) == 1
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    ids = torch.tensor([[3, 5, 7]])
+    ref = target.lm_head(target.model.norm(target.model.layers[0](
+        target.model.embed_tokens(ids), *target.model.rotary_emb(torch.arange(3)[None], torch.float32))))
+    torch.testing.assert_close(draft(ids).logits, ref)
+    with pytest.raises(ValueError, match="truncate"):
+        target.truncated(0)

@@ -18,6 +18,7 @@ from heads.base import DraftHead
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule
 from train.module import DraftHeadModule
+from train.validation import EngineValidation
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,16 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
     callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), checkpoints]
+    ev = cfg.train.get("engine_validation")
+    engine_val = None
+    if ev is not None and ev.get("enabled"):
+        mcfg = cfg.train.module
+        engine_val = EngineValidation(
+            target_dir, cfg.target.dtype, ev.get("every_n_steps"), int(ev.conversations), ev.get("max_rows"),
+            int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
+            bool(mcfg.normed_regression), float(mcfg.w_hidden), float(mcfg.w_kl), float(mcfg.depth_decay),
+            plot_dir=Path(cfg.run_dir) / "engine_val")
+        callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
                                      use_distributed_sampler=False)
@@ -85,6 +96,8 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
         save_native(head, cfg.train.untrained_dir, fingerprint)  # the baseline the demo compares against
     trainer.fit(module, dm, ckpt_path=cfg.train.get("resume"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if engine_val is not None and engine_val.results:
+        metrics |= {k: float(v) for k, v in engine_val.results[-1].items() if k != "step"}
     out = Path(cfg.head_dir)
     if trainer.is_global_zero:
         save_native(head, out, fingerprint)

@@ -1,0 +1,305 @@
+"""Validation through the engine (DESIGN.md §5, §7): the numbers a run reports are the numbers the
+engine that serves the head gets.
+
+`EngineValidation` is a Lightning callback that, every `every_n_steps` optimizer steps and when
+training ends, on global rank 0:
+
+1. **teacher-forced, in the engine** — recomputes the target's states for a few held-out
+   conversations with the engine's target (`inference_eval.model`), runs the current head through the
+   engine's cached draft path (`refresh` + `draft_chain` with the true tokens forced, what the draft
+   loop computes once the target accepted up to row i) and scores every depth d = 1..D with the
+   training loss (regression + KL) and top-1 agreement. The same rows are scored by the *training*
+   forward (the unroll over the stored features). Both are logged (`engine_val/…`, `engine_val/train_…`)
+   with their gap. They are one computation on two code paths: with a float32 target and store they
+   agree to float rounding (tests/test_validation.py); with a bf16 target and store, states differ by
+   bf16 rounding (batched vs single-sequence kernels) and the documented tolerance is
+   `tolerance` (default 0.02) in top-1 agreement. A larger gap is logged as a warning: it is a bug
+   (store, engine or unroll), not noise.
+2. **speculative generation, in the engine** — greedy speculative decoding of held-out prompts
+   (each conversation up to its first assistant token) with k drafts: τ and α_d (a per-position plot
+   goes to wandb, or to a PNG beside the run), next to the *simulated* τ = 1 + Σ_d Π_{j≤d} acc_j from
+   teacher-forced agreement along the target's own greedy continuation of the same prompts.
+
+Cost is bounded by the number of conversations/prompts, rows per conversation and new tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from heads.unroll import unroll
+from inference_eval.speculative import SpecStats, draft_chain, generate_plain, generate_speculative, refresh
+from train.losses import fused_linear_kl, hidden_regression
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DepthScores:
+    """Sums over scored rows at one depth (divide by n for means)."""
+
+    reg: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    n: int = 0
+
+    def add(self, other: "DepthScores") -> None:
+        self.reg, self.kl, self.agree, self.n = (self.reg + other.reg, self.kl + other.kl,
+                                                 self.agree + other.agree, self.n + other.n)
+
+    @property
+    def acc(self) -> float:
+        return self.agree / max(self.n, 1)
+
+
+def score_rows(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, normed: bool = True,
+               chunk: int = 512) -> DepthScores:
+    """Loss parts and agreement of head states `preds` [N, H] against the target states `teacher` [N, H]
+    that they estimate (H_{i+d}), exactly as the training loss defines them."""
+    if preds.shape[0] == 0:
+        return DepthScores()
+    preds, teacher = preds.to(head.dtype), teacher.to(head.dtype)
+    reg_target = head.regression_target(teacher)
+    reg = float(hidden_regression(preds, reg_target, normed)) if reg_target is not None else 0.0
+    kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head, chunk,
+                                student_weight=head.lm_head_weight, student_ids=head.draft_ids)
+    return DepthScores(reg, float(kl), int(agree), preds.shape[0])
+
+
+def _scored(loss_mask: torch.Tensor, rows: list[int], d: int) -> list[int]:
+    """Rows i whose depth-d prediction is scored: t_{i+d+1} exists and is a loss token."""
+    t = loss_mask.shape[0]
+    return [j for j, i in enumerate(rows) if i + d + 1 < t and bool(loss_mask[i + d + 1])]
+
+
+def select_rows(loss_mask: torch.Tensor, max_rows: int | None) -> list[int]:
+    """Rows i (0..T-2) with a depth-1 loss token t_{i+2}, evenly thinned to at most `max_rows`."""
+    rows = [i for i in range(loss_mask.shape[0] - 2) if bool(loss_mask[i + 2])]
+    if max_rows is not None and len(rows) > max_rows:
+        step = len(rows) / max_rows
+        rows = [rows[int(j * step)] for j in range(max_rows)]
+    return rows
+
+
+@torch.no_grad()
+def engine_teacher_forced(target, head, ids: torch.Tensor, loss_mask: torch.Tensor, depth: int,
+                          rows: list[int], normed: bool = True) -> list[DepthScores]:
+    """Per-depth scores of `head` on one conversation through the engine: the target recomputes H
+    (and the aux layers), the head runs its cached draft path with the true tokens forced."""
+    t = ids.shape[0]
+    out = target(ids[None].to(target.model.embed_tokens.weight.device), logits="none",
+                 capture_layers=head.capture_layers)
+    hidden = out.hidden.float().cpu()
+    aux = torch.cat(out.aux, dim=-1).float().cpu() if head.capture_layers else None
+    states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
+    if not head.chain:  # medusa: every depth straight from the target state
+        for d in range(1, depth + 1):
+            states[d] = list(head(hidden[:, rows], depth=d)[0])
+    else:
+        x = head.target_input(hidden, aux)
+        cache = head.new_cache(1, t + depth + 2)
+        s1 = refresh(head, x[:, : t - 1], ids[None, 1:t], 0, cache, last_only=False)  # [1, T-1, H]
+        states[1] = [s1[0, i] for i in rows]
+        if depth > 1:
+            # rows in descending order: row i's chain overwrites slots i+1.., which only rows > i read
+            deeper: dict[int, list[torch.Tensor]] = {}
+            for i in sorted(rows, reverse=True):
+                forced = ids[i + 2: i + depth + 1].tolist()
+                forced += [0] * (depth - 1 - len(forced))  # past the end: scored out below, as in the unroll
+                deeper[i] = draft_chain(head, s1[:, i: i + 1], depth, i + 1, cache, forced)[1]
+            for d in range(2, depth + 1):
+                states[d] = [deeper[i][d - 1][0, 0] for i in rows]
+    scores = []
+    for d in range(1, depth + 1):
+        keep = _scored(loss_mask, rows, d)
+        preds = torch.stack([states[d][j] for j in keep]) if keep else hidden.new_zeros(0, head.args.hidden_size)
+        teacher = hidden[0, [rows[j] + d for j in keep]]
+        scores.append(score_rows(head, preds, teacher, d, normed))
+    return scores
+
+
+@torch.no_grad()
+def training_forward_scores(head, sample: dict[str, torch.Tensor], depth: int, rows: list[int],
+                            normed: bool = True) -> list[DepthScores]:
+    """The same scores from the training forward: the unroll over the stored features."""
+    hidden = sample["hidden"][None].float()
+    aux = sample["aux_hidden"][None].float() if "aux_hidden" in sample else None
+    outs = unroll(head, hidden.to(head.dtype), sample["input_ids"][None], depth,
+                  aux.to(head.dtype) if aux is not None else None)
+    scores = []
+    for d in range(1, depth + 1):
+        keep = [rows[j] for j in _scored(sample["loss_mask"], rows, d)]
+        scores.append(score_rows(head, outs[d - 1][0, keep], hidden[0, [i + d for i in keep]], d, normed))
+    return scores
+
+
+def first_reply_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> list[int] | None:
+    """A conversation up to its first assistant (loss) token: a held-out prompt."""
+    idx = torch.nonzero(loss_mask).flatten()
+    return ids[: int(idx[0])].tolist() if idx.numel() and int(idx[0]) > 0 else None
+
+
+@torch.no_grad()
+def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_tokens: int,
+                       stop_ids: set[int], normed: bool = True) -> dict[str, Any]:
+    """Real τ / α_d of greedy speculative decoding, and the simulated τ from teacher-forced agreement
+    along the target's own greedy continuation of the same prompts."""
+    total = SpecStats(k=k)
+    tf = [DepthScores() for _ in range(k)]
+    for p in prompts:
+        cont = generate_plain(target, p, max_new_tokens, stop_ids)
+        out, st = generate_speculative(target, head, p, k, max_new_tokens, stop_ids)
+        if out != cont:
+            raise AssertionError(f"speculative output differs from plain greedy output on a held-out prompt "
+                                 f"(first {min(len(out), len(cont))} tokens compared): the engine is not lossless")
+        total.merge(st)
+        seq = torch.tensor(p + cont)
+        mask = torch.zeros(seq.shape[0], dtype=torch.bool)
+        mask[len(p):] = True
+        rows = select_rows(mask, None)
+        for d, s in enumerate(engine_teacher_forced(target, head, seq, mask, k, rows, normed)):
+            tf[d].add(s)
+    sim, survive = 1.0, 1.0
+    for s in tf:
+        survive *= s.acc
+        sim += survive
+    return {"tau": total.tau, "alpha": total.alpha, "sim_tau": sim, "tf_acc": [s.acc for s in tf],
+            "new_tokens": total.new_tokens, "seconds": total.seconds}
+
+
+class EngineValidation(L.Callback):
+    def __init__(self, target_dir: str | Path, target_dtype: str = "float32", every_n_steps: int | None = None,
+                 conversations: int = 4, max_rows: int | None = 64, depth: int = 3, prompts: int = 4, k: int = 3,
+                 max_new_tokens: int = 32, tolerance: float = 0.02, normed_regression: bool = True,
+                 w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
+                 plot_dir: str | Path | None = None) -> None:
+        self.target_dir, self.target_dtype = Path(target_dir), target_dtype
+        self.every, self.conversations, self.max_rows = every_n_steps, conversations, max_rows
+        self.depth, self.prompts, self.k, self.max_new_tokens = depth, prompts, k, max_new_tokens
+        self.tolerance, self.normed = tolerance, normed_regression
+        self.w_hidden, self.w_kl, self.depth_decay = w_hidden, w_kl, depth_decay
+        self.plot_dir = Path(plot_dir) if plot_dir is not None else None
+        self._target = self._stops = None
+        self._last_step = -1
+        self.results: list[dict[str, float]] = []
+
+    # ---- hooks --------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every and step > 0 and step % self.every == 0 and step != self._last_step:
+            self.run(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step != self._last_step:
+            self.run(trainer, pl_module)
+
+    # ---- the work -----------------------------------------------------------------------------------
+    def _load(self):
+        if self._target is None:
+            from transformers import AutoTokenizer
+
+            from data.store import DTYPES
+            from inference_eval.evaluate import stop_token_ids
+            from inference_eval.model import LlamaForCausalLM
+
+            self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype])
+            self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.target_dir))
+        return self._target
+
+    def run(self, trainer, pl_module) -> dict[str, float] | None:
+        self._last_step = trainer.global_step
+        if not trainer.is_global_zero:
+            return None
+        dm = trainer.datamodule
+        head = pl_module.head
+        if head.tied.embed.device.type != "cpu":  # the engine runs on CPU here: score a CPU copy of the head
+            head = copy.deepcopy(head).to("cpu", torch.float32)
+        was_training = head.training
+        head.eval()
+        try:
+            metrics = self.evaluate(head, dm.store, dm.val_idx)
+        finally:
+            head.train(was_training)
+        metrics["step"] = trainer.global_step
+        self.results.append(metrics)
+        if trainer.logger is not None:
+            trainer.logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=trainer.global_step)
+        self._plot(trainer, metrics)
+        return metrics
+
+    def evaluate(self, head, store, val_idx: list[int]) -> dict[str, float]:
+        target = self._load()
+        depth = min(self.depth, head.max_depth or self.depth)
+        k = min(self.k, head.max_depth or self.k)
+        eng = [DepthScores() for _ in range(depth)]
+        ref = [DepthScores() for _ in range(depth)]
+        prompts = []
+        for i in val_idx[: max(self.conversations, self.prompts)]:
+            sample = store[i]
+            if len(prompts) < self.prompts:
+                p = first_reply_prompt(sample["input_ids"], sample["loss_mask"])
+                if p is not None:
+                    prompts.append(p)
+            if i not in val_idx[: self.conversations]:
+                continue
+            rows = select_rows(sample["loss_mask"], self.max_rows)
+            for d, s in enumerate(engine_teacher_forced(target, head, sample["input_ids"], sample["loss_mask"],
+                                                        depth, rows, self.normed)):
+                eng[d].add(s)
+            for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.normed)):
+                ref[d].add(s)
+        m: dict[str, float] = {}
+        total = 0.0
+        for d in range(depth):
+            e, r = eng[d], ref[d]
+            n = max(e.n, 1)
+            m[f"engine_val/kl_d{d + 1}"] = e.kl / n
+            m[f"engine_val/reg_d{d + 1}"] = e.reg / n
+            m[f"engine_val/acc_d{d + 1}"] = e.acc
+            m[f"engine_val/train_acc_d{d + 1}"] = r.acc
+            m[f"engine_val/train_kl_d{d + 1}"] = r.kl / max(r.n, 1)
+            m[f"engine_val/gap_acc_d{d + 1}"] = abs(e.acc - r.acc)
+            total += self.depth_decay ** d * (self.w_hidden * e.reg + self.w_kl * e.kl) / n
+            if abs(e.acc - r.acc) > self.tolerance:
+                log.warning("engine validation: depth %d top-1 agreement %.4f in the engine vs %.4f in the training "
+                            "forward on the same rows (gap > tolerance %.3f): a numerics bug to find",
+                            d + 1, e.acc, r.acc, self.tolerance)
+        m["engine_val/loss"] = total
+        if prompts:
+            spec = speculative_scores(target, head, prompts, k, self.max_new_tokens, self._stops, self.normed)
+            m["engine_val/tau"] = spec["tau"]
+            m["engine_val/sim_tau"] = spec["sim_tau"]
+            m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
+            m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
+        log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
+        return m
+
+    def _plot(self, trainer, metrics: dict[str, float]) -> None:
+        alphas = [metrics[f"engine_val/alpha_{d}"] for d in range(1, self.k + 1) if f"engine_val/alpha_{d}" in metrics]
+        if not alphas:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(4, 3))
+        ax.bar(range(1, len(alphas) + 1), alphas)
+        ax.set(xlabel="draft position d", ylabel="α_d", ylim=(0, 1),
+               title=f"step {metrics['step']}: τ={metrics['engine_val/tau']:.2f} (sim {metrics['engine_val/sim_tau']:.2f})")
+        fig.tight_layout()
+        logger = trainer.logger
+        if type(logger).__name__ == "WandbLogger":
+            import wandb
+            logger.experiment.log({"engine_val/alpha_plot": wandb.Image(fig)}, step=trainer.global_step)
+        out = self.plot_dir or Path(trainer.default_root_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out / f"engine_val_alpha_step{metrics['step']}.png", dpi=80)
+        plt.close(fig)
