@@ -306,6 +306,35 @@ WRITERS = {
 
 
 # ---- reading exports back ---------------------------------------------------------------------------
+def detect_format(path: str | Path) -> str:
+    """The format of a head directory, from its config.json (native or one of the engine formats)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path}: no config.json — not a head checkpoint or export")
+    cfg = read_json(cfg_file)
+    archs = cfg.get("architectures") or []
+    if "spechead_format" in cfg:
+        return "native"
+    if cfg.get("model_type") == "medusa" or archs == ["MedusaModel"]:
+        return "medusa-vllm"
+    if archs == [EAGLE3_ARCH] or "eagle_aux_hidden_state_layer_ids" in cfg:
+        return "eagle3"
+    if archs == [EAGLE1_ARCH["eagle1-sglang"]]:
+        return "eagle1-sglang"
+    if cfg.get("num_nextn_predict_layers"):
+        return "mtp-standalone" if any(a.endswith("NextN") for a in archs) else "mtp-stitched"
+    if archs == [EAGLE1_ARCH["eagle1-vllm"]] and cfg.get("num_hidden_layers") == 1 and "fc.weight" in scan_tensors(path):
+        return "eagle1-vllm"
+    raise ValueError(f"{path}: cannot tell which head format this is (architectures {archs}); "
+                     "pass a native spechead checkpoint or an export made by heads/export.py")
+
+
+def load_any(path: str | Path, tied: TiedTarget, args: LlamaArgs) -> Head:
+    """Load a native checkpoint or any engine export (format detected) as a spechead head."""
+    return load_export(path, detect_format(path), tied, args)
+
+
 def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs) -> Head:
     """Rebuild a spechead head from an export directory (`args`: the target's), frozen tensors attached."""
     path = Path(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,24 +36,93 @@ class EvalResult:
 
 
 def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
-                  stop_ids: set[int], label: str = "head", progress: bool = True) -> EvalResult:
-    """prompts: dicts with `ids` (token ids) and `category`."""
+                  stop_ids: set[int], label: str = "head", progress: bool = True, warmup: int = 0,
+                  repeats: int = 1) -> EvalResult:
+    """prompts: dicts with `ids` (token ids) and `category`. `head`: a head or a proposer
+    (inference_eval/speculative.py). Acceptance comes from the first pass over the prompts (greedy:
+    every repeat is identical); tokens/s is the median over `repeats` passes after `warmup` prompts."""
     total = SpecStats(k=k)
     by_cat: dict[str, SpecStats] = {}
-    for p in tqdm(prompts, desc=f"evaluate {label}", disable=not progress):
-        _, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids)
-        total.merge(st)
-        by_cat.setdefault(p.get("category", "all"), SpecStats(k=k)).merge(st)
+    for p in prompts[:warmup]:
+        generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids)
+    speeds = []
+    for r in range(max(repeats, 1)):
+        seconds = new_tokens = 0
+        for p in tqdm(prompts, desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
+                      disable=not progress):
+            _, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids)
+            seconds, new_tokens = seconds + st.seconds, new_tokens + st.new_tokens
+            if r == 0:
+                total.merge(st)
+                by_cat.setdefault(p.get("category", "all"), SpecStats(k=k)).merge(st)
+        speeds.append(new_tokens / max(seconds, 1e-9))
     return EvalResult(label=label, k=k, tau=total.tau, alpha=total.alpha, target_passes=total.steps,
-                      new_tokens=total.new_tokens, tokens_per_s=total.new_tokens / max(total.seconds, 1e-9),
+                      new_tokens=total.new_tokens, tokens_per_s=statistics.median(speeds),
                       per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
 
 
-def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int]) -> float:
-    t0, n = time.perf_counter(), 0
-    for p in prompts:
-        n += len(generate_plain(target, p["ids"], max_new_tokens, stop_ids))
-    return n / (time.perf_counter() - t0)
+def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
+                       warmup: int = 0, repeats: int = 1) -> float:
+    """Plain greedy decoding speed: the median over `repeats` passes after `warmup` prompts."""
+    for p in prompts[:warmup]:
+        generate_plain(target, p["ids"], max_new_tokens, stop_ids)
+    speeds = []
+    for _ in range(max(repeats, 1)):
+        t0, n = time.perf_counter(), 0
+        for p in prompts:
+            n += len(generate_plain(target, p["ids"], max_new_tokens, stop_ids))
+        speeds.append(n / (time.perf_counter() - t0))
+    return statistics.median(speeds)
+
+
+def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[dict[str, Any]]:
+    """Held-out ShareGPT prompts: the conversations right after the training data's range
+    [skip, skip + max_samples), each up to its first assistant turn."""
+    from data.conversations import tokenize_prompt
+    from data.sources import load_conversations
+
+    held = dict(data_cfg)
+    held["skip"] = int(data_cfg.get("skip", 0)) + int(data_cfg.get("max_samples") or 0)
+    held["max_samples"] = num_prompts
+    out = []
+    for sid, messages in load_conversations(held).items:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        out.append({"ids": tokenize_prompt(tokenizer, messages[:first]), "category": "sharegpt", "id": sid})
+    return out
+
+
+def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[dict[str, Any]]:
+    """Prompts from a JSONL file: one object per line with `prompt` (a user message) or
+    `messages` / `conversations` (the prompt is everything before the first assistant turn);
+    optional `category` and `id`."""
+    from data.conversations import normalize_record, normalize_turns, tokenize_prompt
+
+    out = []
+    path = Path(path)
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            messages = [{"role": "user", "content": rec["prompt"]}]
+        else:
+            messages, reason = normalize_record(rec) if isinstance(rec, dict) else (None, "malformed")
+            if messages is None and isinstance(rec, dict) and reason == "no_assistant_turn":
+                messages = rec.get("messages") or None
+            if messages is None:
+                raise ValueError(f"{path}:{n}: no `prompt` string and no usable `messages`/`conversations` ({reason})")
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            messages = messages[:first]
+        if not messages:
+            raise ValueError(f"{path}:{n}: the prompt is empty (the record starts with an assistant turn)")
+        out.append({"ids": tokenize_prompt(tokenizer, messages), "category": str(rec.get("category", "jsonl")),
+                    "id": str(rec.get("id", n))})
+        if num_prompts and len(out) >= num_prompts:
+            break
+    return out
 
 
 def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=None, max_new_tokens: int = 64,
@@ -90,42 +160,91 @@ def stop_token_ids(tokenizer) -> set[int]:
     return ids
 
 
+def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str, Any]]:
+    ecfg = cfg.evaluate
+    n = ecfg.get("num_prompts")
+    if ecfg.dataset == "mtbench":
+        turns = [int(t) for t in ecfg.get("turns", [1])]
+        return [p for t in turns for p in mtbench_prompts(tokenizer, n, t, target, int(ecfg.max_new_tokens), stops)]
+    if ecfg.dataset == "sharegpt":
+        return sharegpt_prompts(tokenizer, cfg.data, n)
+    if ecfg.dataset == "jsonl":
+        if not ecfg.get("prompts_path"):
+            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path")
+        return jsonl_prompts(tokenizer, ecfg.prompts_path, n)
+    raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected mtbench, sharegpt (held-out) or jsonl")
+
+
 def run_evaluation(cfg: Any) -> dict[str, Any]:
-    """Evaluate the configured head checkpoints on the configured prompts; write a JSON report."""
+    """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
+    on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
     from transformers import AutoTokenizer
 
     from data.sources import resolve_target_dir
     from data.store import DTYPES
-    from heads.checkpoint import load_native
+    from heads.export import load_any
     from inference_eval.model import LlamaForCausalLM, tied_target
+    from inference_eval.speculative import DraftModelProposer
 
     ecfg = cfg.evaluate
+    if float(ecfg.get("temperature", 0.0)) != 0.0:
+        raise ValueError("evaluate.temperature > 0 needs rejection sampling, which the engine does not have yet "
+                         "(issue #5): only greedy acceptance is implemented")
+    if int(ecfg.get("batch_size", 1)) != 1:
+        raise ValueError("evaluate.batch_size must be 1: the engine decodes one sequence at a time "
+                         "(continuous batching is issue #5)")
     torch.manual_seed(int(cfg.seed))
     target_dir = resolve_target_dir(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype])
-    head_dtype = DTYPES[ecfg.head_dtype]
-    tied, _, _ = tied_target(target_dir, head_dtype)
-    if ecfg.dataset != "mtbench":
-        raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: only 'mtbench' is wired in this version")
+    tied, _, _ = tied_target(target_dir, DTYPES[ecfg.head_dtype])
     stops = stop_token_ids(tokenizer)
-    turns = [int(t) for t in ecfg.get("turns", [1])]
-    prompts = [p for t in turns for p in mtbench_prompts(tokenizer, ecfg.get("num_prompts"), t, target,
-                                                         int(ecfg.max_new_tokens), stops)]
+    prompts = load_prompts(cfg, tokenizer, target, stops)
+    if not prompts:
+        raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
+    k, max_new = int(ecfg.k), int(ecfg.max_new_tokens)
+    warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": ecfg.head_dtype,
-                              "dataset": ecfg.dataset, "turn": "+".join(map(str, turns)), "prompts": len(prompts), "k": int(ecfg.k),
-                              "max_new_tokens": int(ecfg.max_new_tokens), "temperature": 0.0, "batch_size": 1,
-                              "results": {}}
-    for label, path in ecfg.heads.items():
-        if not path:
+                              "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
+                              "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": 0.0,
+                              "batch_size": 1, "warmup": warmup, "repeats": repeats, "results": {}}
+    proposers: dict[str, Any] = {}
+    for label, path in (ecfg.get("heads") or {}).items():
+        if path:
+            proposers[label] = load_any(path, tied, target.args).eval()
+    for label, spec in (ecfg.get("draft_models") or {}).items():
+        if not spec:
             continue
-        head = load_native(path, tied, target.args).eval()
-        res = evaluate_head(target, head, prompts, int(ecfg.k), int(ecfg.max_new_tokens), stops, label,
-                            progress=cfg.get("progress", True))
+        if spec.get("path"):
+            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype])
+            if draft.args.vocab_size != target.args.vocab_size:
+                raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
+                                 f"{target.args.vocab_size} (a draft model must share the tokenizer)")
+        else:
+            draft = target.truncated(int(spec["layers"]))
+        proposers[label] = DraftModelProposer(draft, label)
+    for label, prop in proposers.items():
+        res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
+                            warmup=warmup, repeats=repeats)
         log.info(res.summary())
-        report["results"][label] = {**asdict(res), "checkpoint": str(path)}
+        entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
+        if isinstance(prop, DraftModelProposer):
+            entry["draft_layers"] = prop.draft.args.num_hidden_layers
+        else:
+            entry["checkpoint"] = str(ecfg.heads[label])
+            if ecfg.get("simulated_tau", True):
+                from train.validation import speculative_scores
+                kk = min(k, prop.max_depth or k)
+                sim = speculative_scores(target, prop, [p["ids"] for p in prompts], kk, max_new, stops)
+                entry["simulated_tau"] = sim["sim_tau"]
+                entry["teacher_forced_acc"] = sim["tf_acc"]
+                entry["simulated_minus_real_tau"] = sim["sim_tau"] - res.tau
+        report["results"][label] = entry
     if ecfg.get("plain_baseline"):
-        report["plain_tokens_per_s"] = plain_tokens_per_s(target, prompts, int(ecfg.max_new_tokens), stops)
+        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats)
+        report["plain_tokens_per_s"] = plain
+        for entry in report["results"].values():
+            entry["speedup"] = entry["tokens_per_s"] / plain
     write_report(report, Path(ecfg.report))
     return report
 
@@ -147,11 +266,19 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
              f"target {report['target']} ({report['target_dtype']}), greedy, k={k}, batch {report['batch_size']}, "
              f"{report['max_new_tokens']} new tokens", "",
-             "| head | τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s |",
-             "| --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- |"]
+             "| head | proposer | τ | simulated τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s | speedup |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- | --- |"]
+
+    def opt(r: dict, key: str, fmt: str) -> str:
+        return format(r[key], fmt) if r.get(key) is not None else "–"
+
     for label, r in results.items():
-        lines.append(f"| {label} | {r['tau']:.3f} | " + " | ".join(f"{a:.3f}" for a in r["alpha"])
-                     + f" | {r['tokens_per_s']:.1f} |")
+        lines.append(f"| {label} | {r.get('proposer', 'head')} | {r['tau']:.3f} | {opt(r, 'simulated_tau', '.3f')} | "
+                     + " | ".join(f"{a:.3f}" for a in r["alpha"])
+                     + f" | {r['tokens_per_s']:.1f} | {opt(r, 'speedup', '.2f')} |")
+    if report.get("plain_tokens_per_s"):
+        lines += ["", f"plain greedy decoding: {report['plain_tokens_per_s']:.1f} tok/s "
+                      f"(median of {report.get('repeats', 1)} passes after {report.get('warmup', 0)} warm-up prompts)"]
     cats = sorted({c for r in results.values() for c in r["per_category_tau"]})
     lines += ["", "τ per category:", "", "| head | " + " | ".join(cats) + " |",
               "| --- | " + " | ".join("---" for _ in cats) + " |"]

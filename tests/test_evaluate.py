@@ -61,7 +61,8 @@ def test_known_acceptance_patterns_and_report(target, tmp_path):
     assert all(f.exists() for f in files) and len(files) == 4
     assert json.loads(files[0].read_text())["results"]["perfect"]["tau"] == 4.0
     md = files[1].read_text()
-    assert "| perfect | 4.000 | 1.000 | 1.000 | 1.000 |" in md and "| never | 1.000 | 0.000 | 0.000 | 0.000 |" in md
+    assert "| perfect | head | 4.000 | – | 1.000 | 1.000 | 1.000 |" in md
+    assert "| never | head | 1.000 | – | 0.000 | 0.000 | 0.000 |" in md
     assert "| perfect | 4.000 | 4.000 |" in md  # per-category row
     assert files[2].read_bytes()[:4] == b"\x89PNG" and files[3].read_bytes()[:4] == b"\x89PNG"
 
@@ -84,3 +85,63 @@ def test_mtbench_turn2_uses_the_models_own_answer(target, tiny_target):
         assert p2["ids"][: len(p1["ids"]) - 3] == p1["ids"][: len(p1["ids"]) - 3]  # same turn-1 question
         assert answer in text and q["turns"][1] in text and text.index(answer) < text.index(q["turns"][1])
     assert [p["category"] for p in first] == [p["category"] for p in second] and len({p["category"] for p in first}) == 2
+
+
+def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tiny_target, tmp_path):
+    """run_evaluation on a native head, its eagle1-sglang export and a draft-model baseline, over a
+    prompts JSONL: the export scores exactly like the native checkpoint, simulated τ and speedups are
+    reported, and the Markdown table has every row."""
+    from heads.checkpoint import build_head, save_native
+    from heads.export import detect_format, export_head
+    from inference_eval.evaluate import run_evaluation
+    from inference_eval.model import tied_target
+    from tests.conftest import compose_config
+
+    tied, args, parts = tied_target(tiny_target)
+    head = build_head({"type": "eagle1", "init": "random"}, args, tied)
+    head.reset_parameters(0, parts.first_input_norm)
+    native = save_native(head, tmp_path / "native")
+    exported = export_head(head, {"eagle1-sglang": tmp_path / "sglang"}, tiny_target)["eagle1-sglang"]
+    assert detect_format(native) == "native" and detect_format(exported) == "eagle1-sglang"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "What is two plus two?", "category": "math"},
+        {"messages": [{"role": "user", "content": "Name a colour."}], "id": "m1"},
+        {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi!"}]}]) + "\n")
+    cfg = compose_config(tiny_overrides + [
+        "evaluate.dataset=jsonl", f"evaluate.prompts_path={prompts}", "evaluate.num_prompts=null", "evaluate.k=2",
+        "evaluate.max_new_tokens=10",
+        f"+evaluate.heads.native={native}", f"+evaluate.heads.sglang={exported}", "evaluate.heads.trained=null",
+        "evaluate.heads.untrained=null", "+evaluate.draft_models.layer1={layers: 1}", "evaluate.plain_baseline=true",
+        "evaluate.repeats=2", f"evaluate.report={tmp_path / 'eval.json'}"])
+    report = run_evaluation(cfg)
+    res = report["results"]
+    assert report["prompts"] == 3 and set(res) == {"native", "sglang", "layer1"}
+    assert res["native"]["tau"] == res["sglang"]["tau"] and res["native"]["alpha"] == res["sglang"]["alpha"]
+    assert res["layer1"]["proposer"] == "draft_model" and res["layer1"]["draft_layers"] == 1
+    assert res["native"]["per_category_tau"].keys() == {"math", "jsonl"}
+    a1, a2 = res["native"]["teacher_forced_acc"]
+    assert res["native"]["simulated_tau"] == pytest.approx(1 + a1 + a1 * a2)
+    assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / report["plain_tokens_per_s"]) for r in res.values())
+    md = (tmp_path / "eval.md").read_text()
+    assert "| layer1 | draft_model |" in md and "| sglang | eagle1 |" in md and "plain greedy decoding" in md
+    for bad, match in (("evaluate.temperature=0.7", "rejection sampling"), ("evaluate.batch_size=4", "batch_size")):
+        with pytest.raises(ValueError, match=match):
+            run_evaluation(compose_config(tiny_overrides + [bad]))
+
+
+def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
+    from transformers import AutoTokenizer
+
+    from data.conversations import tokenize_prompt
+    from data.sources import load_conversations
+    from inference_eval.evaluate import sharegpt_prompts
+    from tests.conftest import CONVERSATIONS, compose_config
+
+    cfg = compose_config(tiny_overrides + ["data.max_samples=8"])
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    got = sharegpt_prompts(tok, cfg.data, 3)
+    trained = {sid for sid, _ in load_conversations(cfg.data).items}
+    assert [p["id"] for p in got] == ["c8", "c9", "c10"] and not trained & {p["id"] for p in got}
+    first_user = [{"role": "user", "content": CONVERSATIONS[8]["conversations"][0]["value"]}]
+    assert got[0]["ids"] == tokenize_prompt(tok, first_user)
