@@ -21,7 +21,9 @@ same settings and thread count, the shards come out byte-identical.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -214,34 +216,83 @@ def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
     return ids
 
 
+def resolve_rank(pcfg: Any) -> tuple[int, int]:
+    """(rank, world_size) from `precompute.rank` / `precompute.world_size`; where those are null, from
+    the RANK / WORLD_SIZE environment variables (torchrun sets them), else 0 / 1."""
+    rank, world_size = pcfg.get("rank"), pcfg.get("world_size")
+    rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"precompute: rank {rank} of world_size {world_size} (precompute.rank / precompute.world_size "
+                         "or RANK / WORLD_SIZE): need 0 <= rank < world_size")
+    return rank, world_size
+
+
+def rank_of(sample_id: str, world_size: int) -> int:
+    """The rank that precomputes a sample: a stable hash of its id, so the partition depends on the id
+    and the world size only (not on the order, the other samples or the process)."""
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") % world_size
+
+
 def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
-    """The precompute entry point's body: target + data config → a complete store at cfg.store_dir."""
+    """The precompute entry point's body: target + data config → a complete store at cfg.store_dir.
+
+    With world_size > 1 (`resolve_rank`), this rank precomputes its share of the samples (`rank_of`)
+    into `<store_dir>/ranks/rank-<rank>/`, a store of its own, resumable like any; the rank that finds
+    every rank complete when it finishes writes the merged `<store_dir>/manifest.json`
+    (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
     from transformers import AutoTokenizer
 
     from data.sources import load_conversations, resolve_target_dir
-    from data.store import DTYPES, target_fingerprint
+    from data.store import (
+        DTYPES,
+        IncompleteRanksError,
+        check_rank_layout,
+        merge_rank_manifests,
+        rank_dir,
+        target_fingerprint,
+    )
     from inference_eval.model import LlamaForCausalLM
 
+    rank, world_size = resolve_rank(cfg.precompute)
+    check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)
     dtype = cfg.target.dtype
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     convs = load_conversations(cfg.data)
     rejected = Counter(convs.rejected)
-    samples = tokenize_all(tokenizer, convs.items, int(cfg.data.max_length), rejected)
-    if not samples:
+    items = [(sid, m) for sid, m in convs.items if rank_of(sid, world_size) == rank] if world_size > 1 else convs.items
+    samples = tokenize_all(tokenizer, items, int(cfg.data.max_length), rejected)
+    if not samples and (world_size == 1 or not convs.items):
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)})")
     model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype)
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
+    out_dir = Path(cfg.store_dir)
+    if world_size > 1:
+        source |= {"rank": rank, "world_size": world_size}
+        out_dir = rank_dir(cfg.store_dir, rank)
+        if not samples:
+            log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
+                        rank, world_size)
     aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
-    writer = StoreWriter(cfg.store_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
+    writer = StoreWriter(out_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
     stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
                        workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
     stats.rejected = rejected
     log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s); rejected %s; store %s",
              stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),
-             cfg.store_dir)
+             out_dir)
+    if world_size > 1:
+        try:
+            merged = merge_rank_manifests(cfg.store_dir)
+            log.info("precompute rank %d: every rank is complete; merged %d shards (%d samples) into %s", rank,
+                     len(merged["shards"]), sum(s["num_samples"] for s in merged["shards"]),
+                     Path(cfg.store_dir) / "manifest.json")
+        except IncompleteRanksError as e:
+            log.info("precompute rank %d of %d done; %s. The last rank to finish writes the merged manifest "
+                     "(or run `spechead precompute-merge %s`)", rank, world_size, e, cfg.store_dir)
     return Path(cfg.store_dir), stats

@@ -404,3 +404,112 @@ def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str) -> 
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "safetensors": safetensors.__version__},
     }
+
+
+# ------------------------------------------------------------------------------------ several ranks
+#
+# With precompute.world_size = W > 1, rank r writes a store of its own (manifest + shards, resumable
+# like any store) under `<root>/ranks/rank-<r:05d>/`, with `rank` and `world_size` in its manifest's
+# `source`. `merge_rank_manifests` then writes `<root>/manifest.json` listing every rank's shards by
+# their path relative to the root, so FeatureStore reads the merged store like a single-rank one.
+
+RANKS_DIR = "ranks"
+RANK_SOURCE_KEYS = ("rank", "world_size")  # in a rank store's `source`, dropped from the merged one
+
+
+class IncompleteRanksError(StoreError):
+    """A rank has not finished (or not started) yet: the merge has to wait for it."""
+
+
+def rank_dir(root: str | Path, rank: int) -> Path:
+    return Path(root) / RANKS_DIR / f"rank-{rank:05d}"
+
+
+def check_rank_layout(root: str | Path, world_size: int) -> None:
+    """Refuse to mix a single-rank store and a multi-rank one in one directory."""
+    root = Path(root)
+    manifest, ranks = root / "manifest.json", root / RANKS_DIR
+    if world_size > 1 and manifest.exists() and "ranks" not in _read_manifest(manifest):
+        raise StoreError(f"{manifest}: a single-rank store is already there; {world_size} ranks would write beside "
+                         "it: choose another store_dir or delete it")
+    if world_size == 1 and ranks.exists():
+        raise StoreError(f"{ranks}: this store is written by several ranks; rerun with the same "
+                         "precompute.world_size (a no-op once complete) or choose another store_dir")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: unreadable manifest ({e})") from e
+
+
+def merge_rank_manifests(root: str | Path) -> dict[str, Any]:
+    """Write `<root>/manifest.json` over the rank stores in `<root>/ranks/` and return it.
+
+    Every rank 0..world_size-1 must be complete (else IncompleteRanksError naming the rank
+    directories that are not) and all must share one schema, target fingerprint, hidden size, storage
+    dtype, captured layers and source (else StoreError naming the rank directory that differs from
+    rank 0); a sample id in two ranks or a listed shard file missing is a StoreError too. The merged
+    manifest lists the ranks' shards in rank order with paths relative to the root, their counts and
+    sha256, under a `ranks` entry (world size, directories) and `complete: true`. Concurrent merges
+    (two ranks finishing together) are serialised by a lock file and write the same manifest.
+    """
+    import fcntl
+
+    root = Path(root)
+    ranks = root / RANKS_DIR
+    if not ranks.is_dir():
+        raise StoreError(f"{ranks}: no rank directories; not a store written with precompute.world_size > 1")
+    with open(ranks / ".merge.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        manifests: dict[int, dict[str, Any]] = {}
+        for d in sorted(ranks.glob("rank-*")):
+            if (d / "manifest.json").exists():
+                manifests[int(d.name.split("-")[1])] = _read_manifest(d / "manifest.json")
+        sizes = {r: m.get("source", {}).get("world_size") for r, m in manifests.items()}
+        if not manifests:
+            raise IncompleteRanksError(f"{ranks}: no rank has finished a shard yet")
+        world_size = sizes[min(sizes)]
+        for r, m in manifests.items():
+            where = rank_dir(root, r)
+            if sizes[r] != world_size or m["source"].get("rank") != r or not 0 <= r < world_size:
+                raise StoreError(f"{where}: written as rank {m['source'].get('rank')} of {sizes[r]}, but "
+                                 f"{rank_dir(root, min(sizes))} says {world_size} ranks; a store holds one run: "
+                                 "delete the stray rank directory or choose another store_dir")
+        check_rank_layout(root, world_size)
+        missing = [r for r in range(world_size) if r not in manifests or not manifests[r].get("complete")]
+        if missing:
+            raise IncompleteRanksError("not every rank is complete: " + ", ".join(
+                f"{rank_dir(root, r)} ({'no manifest yet' if r not in manifests else 'incomplete'})" for r in missing))
+        first = manifests[0]
+        settings = [k for k in first if k not in ("shards", "complete", "source")]
+        common_source = {k: v for k, v in first["source"].items() if k not in RANK_SOURCE_KEYS}
+        shards: list[dict[str, Any]] = []
+        owner: dict[str, int] = {}
+        for r in range(world_size):
+            m, where = manifests[r], rank_dir(root, r)
+            source = {k: v for k, v in m["source"].items() if k not in RANK_SOURCE_KEYS}
+            diffs = [k for k in sorted(set(settings) | set(m) - {"shards", "complete", "source"})
+                     if m.get(k) != first.get(k)] + (["source"] if source != common_source else [])
+            if diffs:
+                raise StoreError(f"{where}: differs from {rank_dir(root, 0)} in {', '.join(diffs)}; the ranks of "
+                                 "one store must share the target and the settings: rerun that rank with the same "
+                                 "config (after deleting its directory)")
+            for shard in m["shards"]:
+                path = where / shard["file"]
+                if not path.exists():
+                    raise StoreError(f"{path}: shard listed in {where / 'manifest.json'} is missing; "
+                                     f"delete {where} and rerun rank {r}")
+                for sid in shard["sample_ids"]:
+                    if sid in owner:
+                        raise StoreError(f"{where}: sample {sid!r} is also in {rank_dir(root, owner[sid])}; the "
+                                         "ranks were not run over one partition: precompute the store again")
+                    owner[sid] = r
+                shards.append({**shard, "file": path.relative_to(root).as_posix()})
+        merged = {**{k: first[k] for k in settings}, "source": common_source, "shards": shards,
+                  "ranks": {"world_size": world_size,
+                            "dirs": [rank_dir(root, r).relative_to(root).as_posix() for r in range(world_size)]},
+                  "complete": True}
+        atomic_write_bytes(root / "manifest.json", json.dumps(merged, indent=1).encode())
+    return merged

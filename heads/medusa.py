@@ -89,11 +89,6 @@ class MedusaHead(DraftHead):
         return [self(hidden[:, :-1], depth=d) for d in range(1, depth + 1)]
 
     @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, k: int) -> list[int]:
-        """k greedy drafts from the target state of the last committed position ([1, 1, H])."""
-        return [int(self.logits(self(hidden, depth=j), j)[0, -1].argmax()) for j in range(1, k + 1)]
-
-    @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():

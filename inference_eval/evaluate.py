@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from inference_eval.speculative import SpecStats, generate_plain, generate_speculative
+from inference_eval.speculative import GREEDY, Sampling, SpecStats, generate_plain, generate_speculative
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +37,20 @@ class EvalResult:
 
 def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
                   stop_ids: set[int], label: str = "head", progress: bool = True, warmup: int = 0,
-                  repeats: int = 1) -> EvalResult:
+                  repeats: int = 1, sampling: Sampling = GREEDY) -> EvalResult:
     """prompts: dicts with `ids` (token ids) and `category`. `head`: a head or a proposer
     (inference_eval/speculative.py). Acceptance comes from the first pass over the prompts (greedy:
     every repeat is identical); tokens/s is the median over `repeats` passes after `warmup` prompts."""
     total = SpecStats(k=k)
     by_cat: dict[str, SpecStats] = {}
     for p in prompts[:warmup]:
-        generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids)
+        generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
     speeds = []
     for r in range(max(repeats, 1)):
         seconds = new_tokens = 0
         for p in tqdm(prompts, desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
                       disable=not progress):
-            _, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids)
+            _, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
             seconds, new_tokens = seconds + st.seconds, new_tokens + st.new_tokens
             if r == 0:
                 total.merge(st)
@@ -62,15 +62,15 @@ def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_t
 
 
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
-                       warmup: int = 0, repeats: int = 1) -> float:
-    """Plain greedy decoding speed: the median over `repeats` passes after `warmup` prompts."""
+                       warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY) -> float:
+    """Plain decoding speed: the median over `repeats` passes after `warmup` prompts."""
     for p in prompts[:warmup]:
-        generate_plain(target, p["ids"], max_new_tokens, stop_ids)
+        generate_plain(target, p["ids"], max_new_tokens, stop_ids, sampling)
     speeds = []
     for _ in range(max(repeats, 1)):
         t0, n = time.perf_counter(), 0
         for p in prompts:
-            n += len(generate_plain(target, p["ids"], max_new_tokens, stop_ids))
+            n += len(generate_plain(target, p["ids"], max_new_tokens, stop_ids, sampling))
         speeds.append(n / (time.perf_counter() - t0))
     return statistics.median(speeds)
 
@@ -187,9 +187,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     from inference_eval.speculative import DraftModelProposer
 
     ecfg = cfg.evaluate
-    if float(ecfg.get("temperature", 0.0)) != 0.0:
-        raise ValueError("evaluate.temperature > 0 needs rejection sampling, which the engine does not have yet "
-                         "(issue #5): only greedy acceptance is implemented")
+    temperature = float(ecfg.get("temperature", 0.0))
+    sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
+                        torch.Generator().manual_seed(int(cfg.seed)))
     if int(ecfg.get("batch_size", 1)) != 1:
         raise ValueError("evaluate.batch_size must be 1: the engine decodes one sequence at a time "
                          "(continuous batching is issue #5)")
@@ -206,7 +206,8 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": ecfg.head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
-                              "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": 0.0,
+                              "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": temperature,
+                              "top_p": sampling.top_p, "top_k": sampling.top_k,
                               "batch_size": 1, "warmup": warmup, "repeats": repeats, "results": {}}
     proposers: dict[str, Any] = {}
     for label, path in (ecfg.get("heads") or {}).items():
@@ -225,14 +226,14 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         proposers[label] = DraftModelProposer(draft, label)
     for label, prop in proposers.items():
         res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
-                            warmup=warmup, repeats=repeats)
+                            warmup=warmup, repeats=repeats, sampling=sampling)
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
         if isinstance(prop, DraftModelProposer):
             entry["draft_layers"] = prop.draft.args.num_hidden_layers
         else:
             entry["checkpoint"] = str(ecfg.heads[label])
-            if ecfg.get("simulated_tau", True):
+            if ecfg.get("simulated_tau", True) and sampling.greedy:  # teacher-forced top-1: a greedy notion
                 from train.validation import speculative_scores
                 kk = min(k, prop.max_depth or k)
                 sim = speculative_scores(target, prop, [p["ids"] for p in prompts], kk, max_new, stops)
@@ -241,7 +242,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
                 entry["simulated_minus_real_tau"] = sim["sim_tau"] - res.tau
         report["results"][label] = entry
     if ecfg.get("plain_baseline"):
-        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats)
+        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats, sampling)
         report["plain_tokens_per_s"] = plain
         for entry in report["results"].values():
             entry["speedup"] = entry["tokens_per_s"] / plain
@@ -264,7 +265,11 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     results = report["results"]
     k = report["k"]
     lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
-             f"target {report['target']} ({report['target_dtype']}), greedy, k={k}, batch {report['batch_size']}, "
+             f"target {report['target']} ({report['target_dtype']}), "
+             + ("greedy" if not report.get("temperature") else
+                f"temperature {report['temperature']} (top_p {report.get('top_p')}, top_k {report.get('top_k')}), "
+                "rejection sampling")
+             + f", k={k}, batch {report['batch_size']}, "
              f"{report['max_new_tokens']} new tokens", "",
              "| head | proposer | τ | simulated τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s | speedup |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- | --- |"]

@@ -1,4 +1,5 @@
-"""Greedy decoding, plain and speculative with a chain of k draft tokens from a head (DESIGN.md §5).
+"""Decoding, plain and speculative with k draft tokens from a head or a draft model (DESIGN.md §5):
+greedy, or sampled with lossless rejection sampling (`Sampling`, `accept_rejection`).
 
 KV-cached on both sides, batch 1. After each verification the head re-runs over the newly accepted
 positions with the *target's* hidden states, so its cache only ever holds step-1 entries computed
@@ -10,6 +11,8 @@ Indexing (t_0..t_m committed, t_m not yet seen by the target; both caches valid 
   draft j:  head(Ĥ^{j-1}, d_{j-1}) at position m+j-2            → d_j
   verify :  target([t_m, d_1..d_k]) at positions m..m+k          → g_0..g_k
   accept :  a = longest prefix with d_j == g_{j-1}; emit d_1..d_a, g_a
+            (sampling: d_j ~ q_j; accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); at the first
+            rejection emit a sample of norm(max(0, p_j − q_j)); if all k pass, a sample of p_k)
   refresh:  head(H_{m+j}, t_{m+j+1}) for j = 0..a at positions m..m+a
 
 EAGLE-3 heads read the captured aux layers instead of H and map draft ids to target ids (d2t);
@@ -73,15 +76,86 @@ def _finish(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple
     return tokens, len(tokens) >= max_new_tokens
 
 
+@dataclass
+class Sampling:
+    """Token selection, applied identically to draft and target distributions: temperature 0 is
+    greedy (argmax); otherwise softmax(logits / temperature) restricted to the top_k tokens (0: all)
+    and to the smallest set whose mass reaches top_p (1.0: all), renormalised."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits → [..., V] float32 probabilities after temperature, top-k and top-p."""
+        x = logits.float() / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        p = x.softmax(-1)
+        if self.top_p < 1.0:
+            sorted_p, order = p.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+            drop = (before >= self.top_p).scatter(-1, order, before >= self.top_p)
+            p = p.masked_fill(drop, 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A token from [V] logits, and its distribution (None when greedy)."""
+        if self.greedy:
+            return int(logits.argmax()), None
+        p = self.probs(logits)
+        return int(torch.multinomial(p, 1, generator=self.generator)), p
+
+
+GREEDY = Sampling()
+
+
+def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al., 2023; Chen et al., 2023): drafts d_j ~ q_j [k, V] are
+    checked against the target's p [k+1, V]. Returns (a, token): a drafts accepted, then `token`,
+    sampled from norm(max(0, p_a − q_a)) after a rejection or from p_k when all k were accepted. The
+    emitted tokens are distributed exactly as sampling from p, whatever q is."""
+    for j, d in enumerate(drafts):
+        u = torch.rand((), generator=generator)
+        if float(u) * float(q[j, d]) < float(p[j, d]):  # accept with probability min(1, p/q)
+            continue
+        residual = (p[j] - q[j]).clamp(min=0.0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p[j]
+        return j, int(torch.multinomial(residual, 1, generator=generator))
+    k = len(drafts)
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def full_vocab_logits(head, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
+    """A head's logits over the target vocabulary: −inf outside a sub-vocabulary (EAGLE-3's d2t)."""
+    logits = head.logits(hidden, depth)
+    ids = head.draft_ids
+    if ids is None:
+        return logits
+    out = logits.new_full((*logits.shape[:-1], head.args.vocab_size), float("-inf"))
+    out[..., ids] = logits
+    return out
+
+
 @torch.inference_mode()
-def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset()) -> list[int]:
+def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                   sampling: Sampling = GREEDY) -> list[int]:
     cache = target.new_cache(1, len(prompt) + max_new_tokens + 1)
     out = target(torch.tensor([prompt]), cache=cache, logits="last")
-    new = [int(out.logits[0, -1].argmax())]
+    new = [sampling.pick(out.logits[0, -1])[0]]
     pos = len(prompt)
     while not _finish(new, max_new_tokens, stop_ids)[1]:
         out = target(torch.tensor([[new[-1]]]), cache=cache, start=pos, logits="last")
-        new.append(int(out.logits[0, -1].argmax()))
+        new.append(sampling.pick(out.logits[0, -1])[0])
         pos += 1
     return _finish(new, max_new_tokens, stop_ids)[0]
 
@@ -106,22 +180,25 @@ def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache,
     return state[:, -1:] if last_only else state
 
 
-def draft_chain(head, state: torch.Tensor, k: int, m: int, cache,
-                forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[int] | None = None,
+                sampling: Sampling = GREEDY) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """d_1 from the state at position m-1, then Ĥ^j = head(Ĥ^{j-1}, d_{j-1}) at RoPE position m+j-2
-    and d_j = argmax. One shared cache: depth j writes slot m+j-2 (after the depth-1 entries ≤ m-1
-    and depths 2..j-1); separate modules: module j writes slot m of its own cache. `forced` feeds
-    those tokens instead of the drafts (teacher forcing, for tests). Returns the drafts and the states."""
-    drafts = [int(head.to_target_ids(head.logits(state)[0, -1].argmax()))]
-    h, states = state, [state]
+    and d_j picked from its logits (argmax, or sampled). One shared cache: depth j writes slot m+j-2
+    (after the depth-1 entries ≤ m-1 and depths 2..j-1); separate modules: module j writes slot m of
+    its own cache. `forced` feeds those tokens instead of the drafts (teacher forcing, for tests).
+    Returns the drafts, the states and (sampling) the draft distributions q_j over the target vocabulary."""
+    d, q = sampling.pick(full_vocab_logits(head, state)[0, -1])
+    drafts, qs, h, states = [d], [q], state, [state]
     for j in range(2, k + 1):
         pos = m + j - 2
         slot = m if head.separate_modules else pos
         tok = forced[j - 2] if forced is not None else drafts[-1]
         h = head(h, torch.tensor([[tok]]), torch.tensor([[pos]]), cache, slot, depth=j)
         states.append(h)
-        drafts.append(int(head.to_target_ids(head.logits(h, depth=j)[0, -1].argmax())))
-    return drafts, states
+        d, q = sampling.pick(full_vocab_logits(head, h, depth=j)[0, -1])
+        drafts.append(d)
+        qs.append(q)
+    return drafts, states, qs
 
 
 class HeadProposer:
@@ -148,10 +225,14 @@ class HeadProposer:
         else:  # a parallel head drafts from the target state of the last committed position
             self.state = out.hidden[:, -1:]
 
-    def propose(self, k: int, m: int, committed: list[int]) -> list[int]:
+    def propose(self, k: int, m: int, committed: list[int], sampling: Sampling = GREEDY
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
         if self.head.chain:
-            return draft_chain(self.head, self.state, k, m, self.cache)[0]
-        return self.head.draft(self.state, k)
+            drafts, _, qs = draft_chain(self.head, self.state, k, m, self.cache, sampling=sampling)
+            return drafts, qs
+        picks = [sampling.pick(full_vocab_logits(self.head, self.head(self.state, depth=j), j)[0, -1])
+                 for j in range(1, k + 1)]
+        return [d for d, _ in picks], [q for _, q in picks]
 
     def update(self, vout, emitted: list[int], a: int, m: int) -> None:
         """After verification of positions m..m+k: a drafts accepted, `emitted` = t_{m+1}..t_{m+a+1}."""
@@ -180,7 +261,8 @@ class DraftModelProposer:
     def start(self, out, prompt: list[int], first: int, max_len: int) -> None:
         self.cache, self.fed = self.draft.new_cache(1, max_len), []
 
-    def propose(self, k: int, m: int, committed: list[int]) -> list[int]:
+    def propose(self, k: int, m: int, committed: list[int], sampling: Sampling = GREEDY
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
         keep = 0
         for a, b in zip(self.fed, committed):
             if a != b:
@@ -190,12 +272,15 @@ class DraftModelProposer:
         feed = committed[keep:]
         out = self.draft(torch.tensor([feed]), cache=self.cache, start=keep, logits="last")
         self.fed = committed[:]
-        drafts = [int(out.logits[0, -1].argmax())]
+        d, q = sampling.pick(out.logits[0, -1])
+        drafts, qs = [d], [q]
         for _ in range(k - 1):
             out = self.draft(torch.tensor([[drafts[-1]]]), cache=self.cache, start=len(self.fed), logits="last")
             self.fed.append(drafts[-1])
-            drafts.append(int(out.logits[0, -1].argmax()))
-        return drafts
+            d, q = sampling.pick(out.logits[0, -1])
+            drafts.append(d)
+            qs.append(q)
+        return drafts, qs
 
     def update(self, vout, emitted: list[int], a: int, m: int) -> None:
         return None
@@ -208,9 +293,11 @@ def as_proposer(x):
 
 @torch.inference_mode()
 def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int] = frozenset()) -> tuple[list[int], SpecStats]:
-    """Greedy speculative decoding of `prompt` with `head` (a head from heads/, or a proposer:
-    HeadProposer / DraftModelProposer): output equal to `generate_plain`'s, plus acceptance stats."""
+                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY
+                         ) -> tuple[list[int], SpecStats]:
+    """Speculative decoding of `prompt` with `head` (a head from heads/, or a proposer:
+    HeadProposer / DraftModelProposer), plus acceptance stats. Greedy: output equal to
+    `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s (rejection sampling)."""
     proposer = as_proposer(head)
     proposer.check(k)
     stats = SpecStats(k=k)
@@ -220,18 +307,22 @@ def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens
     capture = proposer.capture_layers
     tcache = target.new_cache(1, max_len)
     out = target(torch.tensor([prompt]), cache=tcache, logits="last", capture_layers=capture)
-    new = [int(out.logits[0, -1].argmax())]
+    new = [sampling.pick(out.logits[0, -1])[0]]
     proposer.start(out, prompt, new[0], max_len)
     while not _finish(new, max_new_tokens, stop_ids)[1]:
-        drafts = proposer.propose(k, m, prompt + new)
+        drafts, qs = proposer.propose(k, m, prompt + new, sampling)
         verify_in = torch.tensor([[new[-1]] + drafts])  # [1, k+1]
         vout = target(verify_in, cache=tcache, start=m, logits="all", capture_layers=capture)
-        g = vout.logits[0].argmax(-1)  # [k+1]
-        a = accept_greedy(torch.tensor(drafts), g)
+        if sampling.greedy:
+            g = vout.logits[0].argmax(-1)  # [k+1]
+            a = accept_greedy(torch.tensor(drafts), g)
+            last = int(g[a])
+        else:
+            a, last = accept_rejection(drafts, torch.stack(qs), sampling.probs(vout.logits[0]), sampling.generator)
         for d in range(min(a + 1, k)):
             stats.reached[d] += 1
             stats.accepted[d] += int(d < a)
-        emitted = drafts[:a] + [int(g[a])]
+        emitted = drafts[:a] + [last]
         stats.steps += 1
         stats.emitted += len(emitted)
         new.extend(emitted)

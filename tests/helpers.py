@@ -33,7 +33,7 @@ class StubHead:
     drafters that only override `__call__`, `logits` and `new_cache`."""
 
     layers = [None]
-    kind, chain, capture_layers, separate_modules, max_depth = "stub", True, (), False, None
+    kind, chain, capture_layers, separate_modules, max_depth, draft_ids = "stub", True, (), False, None, None
 
     def target_input(self, hidden, aux=None):
         return hidden

@@ -125,9 +125,15 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / report["plain_tokens_per_s"]) for r in res.values())
     md = (tmp_path / "eval.md").read_text()
     assert "| layer1 | draft_model |" in md and "| sglang | eagle1 |" in md and "plain greedy decoding" in md
-    for bad, match in (("evaluate.temperature=0.7", "rejection sampling"), ("evaluate.batch_size=4", "batch_size")):
-        with pytest.raises(ValueError, match=match):
-            run_evaluation(compose_config(tiny_overrides + [bad]))
+    with pytest.raises(ValueError, match="batch_size"):
+        run_evaluation(compose_config(tiny_overrides + ["evaluate.batch_size=4"]))
+    sampled = run_evaluation(compose_config(tiny_overrides + [
+        "evaluate.dataset=jsonl", f"evaluate.prompts_path={prompts}", "evaluate.k=2", "evaluate.max_new_tokens=10",
+        f"+evaluate.heads.native={native}", "evaluate.heads.trained=null", "evaluate.heads.untrained=null",
+        "evaluate.temperature=0.7", "evaluate.top_k=20", f"evaluate.report={tmp_path / 'sampled.json'}"]))
+    assert sampled["temperature"] == 0.7 and sampled["top_k"] == 20
+    assert sampled["results"]["native"]["tau"] >= 1.0 and "simulated_tau" not in sampled["results"]["native"]
+    assert "temperature 0.7" in (tmp_path / "sampled.md").read_text()
 
 
 def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):

@@ -1,0 +1,304 @@
+"""Regeneration (self-distillation): replace every assistant turn by the target's own reply.
+
+A head trained on the target's own outputs learns the distribution it will be asked to draft at
+inference time, not the one of whoever wrote the dataset's answers. For each conversation of the
+configured data source, the turns are rebuilt in order: system and user turns are kept, and each
+assistant turn is replaced by what the target generates from the conversation so far (rendered with
+its chat template, `data/conversations.py` `tokenize_prompt`), until a stop token (EOS / end of turn,
+`inference_eval/evaluate.py` `stop_token_ids`) or `max_new_tokens`.
+
+Backend: HF transformers `generate` on the target checkpoint, batched with left padding and an
+attention mask. The project's engine (inference_eval/) decodes batch 1 only today; HF `generate` is
+the sanctioned backend until the engine gets batching (DESIGN.md §5: ~131 tok/s at batch 8 vs ~20 at
+batch 1 for SmolLM2-135M on 2 cores). The checkpoint's own `generation_config.json` is ignored: the
+settings are exactly the `regenerate:` config.
+
+Batching and determinism: conversations are cut, in input order, into groups of `batch_size`; a
+group advances in lockstep, one `generate` call per assistant-turn index for the conversations that
+still have such a turn. Groups are a function of the full conversation list and `batch_size` only,
+and sampling draws from a generator seeded per (seed, group, turn index), so a group computes the same
+replies whenever it runs.
+
+Output: JSONL, one ShareGPT record per conversation (`{"id", "conversations": [{"from", "value"}],
+"regenerated": {settings + per-record counts}}`), read back by `data.source=jsonl data.path=<file>`.
+A conversation stops early (`regenerated.stopped`) at an empty reply (`empty_reply`: an empty answer
+would be dropped as blank on load and merge the surrounding user turns), at an assistant turn whose
+prompt already has `max_prompt_tokens` tokens (`prompt_too_long`: precompute truncates at
+`data.max_length`, so later turns would never be trained on) or where the chat template refuses the
+conversation (`template_error`); the trailing user turn it keeps is dropped on load, and a record
+with no reply at all is rejected there as `no_assistant_turn`.
+
+Resume: every finished group's records are appended as lines, flushed and fsynced. A rerun skips the
+ids already in the file and regenerates a group that was written only in part whole (writing only
+its missing records), so the file comes out identical to an uninterrupted run's. A last line without
+its newline (killed mid-write) is dropped by rewriting the file atomically without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+FROM = {"system": "system", "user": "human", "assistant": "gpt"}  # normalised role -> ShareGPT speaker
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def as_meta(self) -> dict[str, Any]:
+        """What decides the replies: greedy ignores top_p, top_k and the seed."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": 0.0} if self.greedy else asdict(self)
+
+    def generation_config(self, stop_ids: set[int], pad_id: int):
+        from transformers import GenerationConfig
+
+        sampling = {} if self.greedy else {"temperature": float(self.temperature), "top_p": float(self.top_p),
+                                           "top_k": int(self.top_k)}
+        return GenerationConfig(max_new_tokens=int(self.max_new_tokens), do_sample=not self.greedy,
+                                eos_token_id=sorted(stop_ids), pad_token_id=pad_id, **sampling)
+
+
+@dataclass
+class Reply:
+    ids: list[int]  # the reply's tokens, without the stop token
+    stopped: bool  # ended by a stop token (False: cut at max_new_tokens)
+
+    @property
+    def new_tokens(self) -> int:  # what the target generated, stop token included
+        return len(self.ids) + int(self.stopped)
+
+
+def derived_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed for (seed, keys...), stable across runs and platforms."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *keys))).encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def generate_replies(model, prompts: list[list[int]], settings: GenerationSettings, stop_ids: set[int],
+                     pad_id: int, seed: int | None = None) -> list[Reply]:
+    """One batched HF `generate` over `prompts` (token ids), left-padded with an attention mask.
+    Sampling draws from torch's RNG seeded with `seed` inside a forked RNG state (the caller's
+    global RNG is left as it was)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        input_ids[row, width - len(p):] = torch.tensor(p)
+        attention_mask[row, width - len(p):] = 1
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.inference_mode():
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             generation_config=settings.generation_config(stop_ids, pad_id))
+    replies = []
+    for row in out[:, width:].tolist():
+        stop = next((j for j, t in enumerate(row) if t in stop_ids), None)
+        replies.append(Reply(row[:stop], True) if stop is not None else Reply(row, False))
+    return replies
+
+
+@dataclass
+class RegenerateStats:
+    conversations: int = 0  # written by this run
+    replies: int = 0  # assistant turns in the records written
+    cut: int = 0  # ... of which cut at max_new_tokens
+    tokens: int = 0  # generated (stop tokens included; empty replies and a resumed group's rewritten part too)
+    skipped_done: int = 0  # already in the output file
+    rejected: dict[str, int] = field(default_factory=dict)  # by the data source
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def regenerate_group(model, tokenizer, group: list[tuple[str, list[dict]]], group_index: int,
+                     settings: GenerationSettings, stop_ids: set[int], pad_id: int, max_prompt_tokens: int,
+                     meta: dict[str, Any], on_generate=None) -> list[dict[str, Any]]:
+    """The regenerated records of one group of conversations, in the group's order."""
+    from jinja2 import TemplateError
+
+    from data.conversations import tokenize_prompt
+
+    rebuilt: list[list[dict]] = [[] for _ in group]
+    cursor = [0] * len(group)  # next source message of each conversation
+    counts = [{"new_tokens": 0, "cut": 0, "stopped": None} for _ in group]
+    live = list(range(len(group)))
+    turn = 0
+    while live:
+        prompts, rows = [], []
+        for c in live:
+            source = group[c][1]
+            while cursor[c] < len(source) and source[cursor[c]]["role"] != "assistant":
+                rebuilt[c].append(dict(source[cursor[c]]))  # system / user turns are kept as they are
+                cursor[c] += 1
+            if cursor[c] == len(source):
+                continue  # every assistant turn done
+            try:
+                prompt = tokenize_prompt(tokenizer, rebuilt[c])
+            except TemplateError as e:  # e.g. a template that insists on strict user/assistant alternation
+                log.warning("conversation %r: the chat template refuses it (%s); kept up to here", group[c][0], e)
+                counts[c]["stopped"] = "template_error"
+                continue
+            if len(prompt) >= max_prompt_tokens:
+                counts[c]["stopped"] = "prompt_too_long"
+                continue
+            prompts.append(prompt)
+            rows.append(c)
+        replies = generate_replies(model, prompts, settings, stop_ids, pad_id,
+                                   seed=None if settings.greedy else derived_seed(settings.seed, group_index, turn)) \
+            if prompts else []
+        if on_generate is not None and replies:
+            on_generate(replies)
+        live = []
+        for c, reply in zip(rows, replies):
+            counts[c]["new_tokens"] += reply.new_tokens
+            text = tokenizer.decode(reply.ids, skip_special_tokens=True)
+            if not text.strip():
+                counts[c]["stopped"] = "empty_reply"
+                continue
+            counts[c]["cut"] += int(not reply.stopped)
+            rebuilt[c].append({"role": "assistant", "content": text})
+            cursor[c] += 1  # past the source's assistant turn it replaces
+            live.append(c)
+        turn += 1
+    return [{"id": sid, "conversations": [{"from": FROM[m["role"]], "value": m["content"]} for m in messages],
+             "regenerated": {**meta, **count}}
+            for (sid, _), messages, count in zip(group, rebuilt, counts)]
+
+
+def finished_ids(path: Path, meta: dict[str, Any]) -> set[str]:
+    """Ids of the records already in `path`. A last line without its newline (a write killed midway)
+    is dropped by rewriting the file atomically without it; a record written with other settings, or a
+    complete line that is not a JSON record, is an error naming the file and line."""
+    from data.store import atomic_write_bytes
+
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]
+    if len(keep) < len(data):
+        log.warning("%s: dropping a truncated last line (%d bytes, an interrupted write)", path, len(data) - len(keep))
+        atomic_write_bytes(path, keep)
+    done = set()
+    for n, line in enumerate(keep.splitlines(), 1):
+        try:
+            record = json.loads(line)
+            sid, stored = record["id"], record["regenerated"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a regenerated record ({e}); not a file this stage wrote — "
+                             "choose another regenerate.out or delete it") from e
+        diffs = {k: (stored.get(k), v) for k, v in meta.items() if stored.get(k) != v}
+        if diffs:
+            detail = ", ".join(f"{k}: stored {a!r}, now {b!r}" for k, (a, b) in diffs.items())
+            raise ValueError(f"{path}:{n}: record {sid!r} was regenerated with other settings ({detail}); resuming "
+                             "would mix them in one file: choose another regenerate.out or delete it")
+        done.add(str(sid))
+    return done
+
+
+def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, list[dict]]], out: Path,
+                             settings: GenerationSettings, batch_size: int, max_prompt_tokens: int,
+                             meta: dict[str, Any], progress: bool = True) -> RegenerateStats:
+    """Regenerate `conversations` (sample id, normalised messages) into the JSONL file `out`,
+    resuming from the records it already holds."""
+    from inference_eval.evaluate import stop_token_ids
+
+    stop_ids = stop_token_ids(tokenizer)
+    if not stop_ids:
+        raise ValueError("the tokenizer has no EOS / end-of-turn token: replies could only stop at max_new_tokens")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = finished_ids(out, meta)
+    groups = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
+    todo = [(g, group) for g, group in enumerate(groups) if any(sid not in done for sid, _ in group)]
+    stats = RegenerateStats(skipped_done=sum(sid in done for sid, _ in conversations))
+    bar = tqdm(total=len(conversations) - stats.skipped_done, unit="conv", desc="regenerate", disable=not progress)
+    t0 = time.perf_counter()
+
+    def on_generate(replies: list[Reply]) -> None:
+        stats.tokens += sum(r.new_tokens for r in replies)
+        bar.set_postfix(tok_s=f"{stats.tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+
+    try:
+        with open(out, "ab") as f:
+            for g, group in todo:
+                records = regenerate_group(model, tokenizer, group, g, settings, stop_ids, pad_id, max_prompt_tokens,
+                                           meta, on_generate)
+                new = [r for r in records if r["id"] not in done]  # a partly written group: only its missing ones
+                f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in new))
+                f.flush()
+                os.fsync(f.fileno())
+                stats.conversations += len(new)
+                stats.replies += sum(m["from"] == "gpt" for r in new for m in r["conversations"])
+                stats.cut += sum(r["regenerated"]["cut"] for r in new)
+                bar.update(len(new))
+    finally:
+        bar.close()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def settings_from_config(rcfg: Any) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=int(rcfg.max_new_tokens), temperature=float(rcfg.temperature),
+                              top_p=float(rcfg.get("top_p") or 1.0), top_k=int(rcfg.get("top_k") or 0),
+                              seed=int(rcfg.seed))
+
+
+def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
+    """The regenerate entry point's body: target + data config + `regenerate:` → the JSONL at
+    `regenerate.out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from data.sources import load_conversations, resolve_target_dir
+    from data.store import DTYPES, target_fingerprint
+
+    rcfg = cfg.regenerate
+    settings = settings_from_config(rcfg)
+    batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
+    if batch_size < 1 or settings.max_new_tokens < 1:
+        raise ValueError(f"regenerate.batch_size ({batch_size}) and max_new_tokens ({settings.max_new_tokens}) "
+                         "must be at least 1")
+    target_dir = resolve_target_dir(cfg.target)
+    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    meta = {"target": cfg.target.name, "target_sha256": hashlib.sha256(
+                "".join(fp[k] for k in ("config_sha256", "weights_sha256", "tokenizer_sha256")).encode()).hexdigest(),
+            "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
+            "max_prompt_tokens": max_prompt_tokens}
+    convs = load_conversations(cfg.data)
+    if not convs.items:
+        raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
+    device = torch.device(rcfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
+    model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
+    out = Path(rcfg.out)
+    stats = regenerate_conversations(model, tokenizer, convs.items, out, settings, batch_size, max_prompt_tokens,
+                                     meta, progress=cfg.get("progress", True))
+    stats.rejected = dict(convs.rejected)
+    log.info("regenerate: %d conversations (%d already in the file), %d replies (%d cut at max_new_tokens), "
+             "%d tokens in %.1fs (%.1f tok/s); rejected by the source %s; out %s", stats.conversations,
+             stats.skipped_done, stats.replies, stats.cut, stats.tokens, stats.seconds, stats.tokens_per_s,
+             stats.rejected, out)
+    return out, stats

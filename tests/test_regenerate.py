@@ -1,0 +1,203 @@
+"""Regeneration on tiny targets: batched left-padded greedy replies are plain HF greedy replies, the
+JSONL is a data source precompute reads, a killed run resumes into the same file, and sampling with
+a seed is reproducible."""
+
+import json
+
+import pytest
+import torch
+
+from data.regenerate import GenerationSettings, generate_replies, regenerate
+from tests.conftest import CONVERSATIONS, compose_config, make_hf_model
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def text_target(tmp_path_factory):
+    """A tiny random Llama whose greedy replies depend on the prompt and sometimes stop. tiny_target
+    cannot serve here: with tied embeddings at HF's init scale the argmax repeats the last prompt
+    token (ChatML's newline: every reply blank, whatever the prompt or a padding bug), and its ids past
+    the tokenizer's 259 decode to nothing. So: untied, vocabulary = the tokenizer's, init std 0.4, and
+    the end-of-turn row of lm_head scaled up so that some replies end before max_new_tokens and
+    others are cut there."""
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("text_target")
+    tok = make_tiny_tokenizer("chatml")
+    model = make_hf_model("llama", seed=2, tie_word_embeddings=False, vocab_size=len(tok), initializer_range=0.4)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 3
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _plain_greedy(model, prompt, stops):
+    """A plain batch-1 HF greedy generate (no padding, no mask), cut at the first stop token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=sorted(stops), pad_token_id=min(stops))[0, len(prompt):].tolist()
+    return out[:next((j for j, t in enumerate(out) if t in stops), len(out))]
+
+
+def _overrides(tiny_overrides, target, out, *extra):
+    return compose_config([*tiny_overrides, f"target.path={target}", f"regenerate.out={out}",
+                           f"regenerate.max_new_tokens={MAX_NEW}", "regenerate.batch_size=5", *extra])
+
+
+def test_left_padded_batch_equals_plain_greedy_generate(text_target):
+    from data.conversations import normalize_record, tokenize_prompt
+    from inference_eval.evaluate import stop_token_ids
+
+    model, tok = _load(text_target)
+    stops = stop_token_ids(tok)
+    convs = [normalize_record(CONVERSATIONS[i])[0] for i in (0, 5, 10, 11)]
+    prompts = [tokenize_prompt(tok, convs[0][:1]), tokenize_prompt(tok, convs[1][:3]),
+               tokenize_prompt(tok, convs[2][:1]), tokenize_prompt(tok, convs[3][:3])]
+    assert len({len(p) for p in prompts}) == len(prompts)  # every row but the longest is left-padded
+    settings = GenerationSettings(max_new_tokens=MAX_NEW)
+    batched = generate_replies(model, prompts, settings, stops, tok.pad_token_id)
+    alone = [generate_replies(model, [p], settings, stops, tok.pad_token_id)[0] for p in prompts]
+    plain = [_plain_greedy(model, p, stops) for p in prompts]
+    assert [r.ids for r in batched] == [r.ids for r in alone] == plain
+    assert len({tuple(p) for p in plain}) == len(plain)  # replies differ by prompt: a row mix-up would show
+
+
+def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tmp_path):
+    """Each regenerated turn of conversations batched 5 at a time is what plain batch-1 HF greedy
+    generation gives for the conversation so far (earlier turns regenerated)."""
+    from data.conversations import ROLE_MAP, tokenize_prompt
+    from inference_eval.evaluate import stop_token_ids
+
+    out, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl"))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [c["id"] for c in CONVERSATIONS] and stats.conversations == len(records)
+
+    model, tok = _load(text_target)
+    stops = stop_token_ids(tok)
+    replies = 0
+    for record, source in zip(records, CONVERSATIONS):
+        turns = record["conversations"]
+        humans = [t for t in turns if t["from"] == "human"]
+        assert humans == [t for t in source["conversations"] if t["from"] == "human"][:len(humans)]
+        messages = [{"role": ROLE_MAP[t["from"]], "content": t["value"]} for t in turns]
+        for j, m in enumerate(messages):
+            if m["role"] == "assistant":
+                expected = _plain_greedy(model, tokenize_prompt(tok, messages[:j]), stops)
+                assert m["content"] == tok.decode(expected, skip_special_tokens=True)
+                assert m["content"] != source["conversations"][j]["value"]  # the target's, not the dataset's
+                replies += 1
+        assert record["regenerated"]["stopped"] is None and len(turns) == len(source["conversations"])
+        assert record["regenerated"]["temperature"] == 0.0 and record["regenerated"]["max_new_tokens"] == MAX_NEW
+    assert replies == stats.replies == 2 * len(records)
+    assert 0 < stats.cut < replies  # some replies ended at the end-of-turn token, others at max_new_tokens
+
+
+def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_target, tiny_target, tmp_path):
+    """A prompt of max_prompt_tokens ends its conversation before the reply (`prompt_too_long`); an
+    empty reply ends it too (`empty_reply`), and a conversation left without any reply is counted as
+    `no_assistant_turn` when the file is read back."""
+    from transformers import AutoTokenizer
+
+    from data.conversations import normalize_record, tokenize_prompt
+    from data.sources import load_conversations
+
+    tok = AutoTokenizer.from_pretrained(text_target)
+    first_turn = max(len(tokenize_prompt(tok, normalize_record(c)[0][:1])) for c in CONVERSATIONS)
+    out, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "short.jsonl",
+                                       f"regenerate.max_prompt_tokens={first_turn + 1}"))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["regenerated"]["stopped"] == "prompt_too_long" for r in records)
+    assert [[t["from"] for t in r["conversations"]] for r in records] == [["human", "gpt", "human"]] * len(records)
+    convs = load_conversations(compose_config([*tiny_overrides, f"data.path={out}"]).data)
+    assert [len(m) for _, m in convs.items] == [2] * len(records)  # the unanswered user turn is dropped
+
+    # tiny_target's greedy replies repeat ChatML's newline (see text_target): blank, each conversation ends there
+    out, stats = regenerate(_overrides(tiny_overrides, tiny_target, tmp_path / "empty.jsonl"))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["regenerated"]["stopped"] == "empty_reply" for r in records)
+    assert [r["conversations"] for r in records] == [c["conversations"][:1] for c in CONVERSATIONS]
+    assert stats.replies == 0 and stats.tokens > 0
+    convs = load_conversations(compose_config([*tiny_overrides, f"data.path={out}"]).data)
+    assert convs.items == [] and convs.rejected == {"no_assistant_turn": len(records)}
+
+
+def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_target, tmp_path):
+    from data.precompute import run_precompute
+    from data.sources import load_conversations
+    from data.store import FeatureStore
+
+    out, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl"))
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    cfg = compose_config([*tiny_overrides, f"target.path={text_target}", f"data.path={out}",
+                          f"store_dir={tmp_path / 'store'}"])
+    convs = load_conversations(cfg.data)
+    answered = [sid for sid, r in records.items() if any(t["from"] == "gpt" for t in r["conversations"])]
+    assert [sid for sid, _ in convs.items] == answered and len(answered) >= len(CONVERSATIONS) - 2
+    for sid, messages in convs.items:
+        replies = [t["value"] for t in records[sid]["conversations"] if t["from"] == "gpt"]
+        assert [m["content"] for m in messages if m["role"] == "assistant"] == replies
+    store_dir, stats = run_precompute(cfg)
+    assert stats.samples == len(answered)
+    store = FeatureStore(store_dir)
+    assert sorted(sid for s in store.manifest["shards"] for sid in s["sample_ids"]) == sorted(answered)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_resume_after_a_kill_gives_the_same_file(tiny_overrides, text_target, tmp_path, mode):
+    """A kill after 7 lines and half of the 8th (inside the second group of 5): the rerun drops the
+    half line, regenerates that group whole, writes only its missing records and the rest."""
+    sampling = ["regenerate.temperature=1.0", "regenerate.top_k=50", "regenerate.seed=7"] if mode == "sampled" else []
+    ref, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "ref.jsonl", *sampling))
+    lines = ref.read_bytes().splitlines(keepends=True)
+    assert len(lines) == len(CONVERSATIONS)
+    killed = tmp_path / "killed.jsonl"
+    killed.write_bytes(b"".join(lines[:7]) + lines[7][:len(lines[7]) // 2])
+    out, stats = regenerate(_overrides(tiny_overrides, text_target, killed, *sampling))
+    assert stats.skipped_done == 7 and stats.conversations == len(CONVERSATIONS) - 7
+    assert out.read_bytes() == ref.read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))
+    _, again = regenerate(_overrides(tiny_overrides, text_target, killed, *sampling))  # complete: nothing to do
+    assert again.conversations == 0 and again.tokens == 0 and out.read_bytes() == ref.read_bytes()
+    with pytest.raises(ValueError, match=rf"{killed}:1: record 'c0' was regenerated with other settings "
+                                         r"\(max_new_tokens: stored 12, now 5"):
+        regenerate(_overrides(tiny_overrides, text_target, killed, *sampling, "regenerate.max_new_tokens=5"))
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_overrides, text_target, tmp_path):
+    def run(name, seed):
+        out, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / name, "regenerate.temperature=1.0",
+                                       "regenerate.top_p=0.95", f"regenerate.seed={seed}"))
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
+    assert first == again
+    assert [r["conversations"] for r in first] != [r["conversations"] for r in other]  # the seed matters
+    assert {k: first[0]["regenerated"][k] for k in ("temperature", "top_p", "top_k", "seed")} == \
+        {"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 3}
+
+
+def test_script_prints_its_summary(tiny_overrides, text_target, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "cli.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", "regenerate", *tiny_overrides,
+                           f"target.path={text_target}", f"regenerate.out={out}", "regenerate.max_new_tokens=4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"regenerate conversations={len(CONVERSATIONS)} tokens=") and last.endswith(f" out={out}")
+    tokens = int(last.split("tokens=")[1].split()[0])
+    assert 0 < tokens <= 4 * 2 * len(CONVERSATIONS)
+    assert len(out.read_text().splitlines()) == len(CONVERSATIONS)
