@@ -266,6 +266,9 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     if not samples and (world_size == 1 or not convs.items):
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)})")
     model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
+    if int(cfg.data.max_length) > model.args.max_position_embeddings:
+        raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
+                         f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype)
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}

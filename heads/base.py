@@ -119,12 +119,14 @@ class DraftHead(nn.Module):
 
     def step_unrolled(self, x: torch.Tensor, positions: torch.Tensor,
                       base: tuple[torch.Tensor, torch.Tensor] | None,
-                      extras: list[tuple[torch.Tensor, torch.Tensor]], depth: int = 1
+                      extras: list[tuple[torch.Tensor, torch.Tensor]], depth: int = 1,
+                      mask: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`step` for the training-time test (heads/unroll.py): all rows at once, each attending what
-        the engine's draft cache would hold at this depth (Attention.forward_unrolled)."""
+        the engine's draft cache would hold at this depth (Attention.forward_unrolled); `mask` [B, T, T]
+        for packed rows."""
         cos, sin = self.rotary(positions, x.dtype)
-        return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras)
+        return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras, mask)
 
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
         return F.linear(self.features(hidden, depth), self.lm_head_weight)

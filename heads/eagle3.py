@@ -78,9 +78,9 @@ class Eagle3Layer(nn.Module):
         h = g + self.self_attn(a_in, cos, sin, kv, start, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward_unrolled(self, x, cos, sin, base, extras):
+    def forward_unrolled(self, x, cos, sin, base, extras, mask=None):
         a_in, g = self._split(x)
-        a, kv = self.self_attn.forward_unrolled(a_in, cos, sin, base, extras)
+        a, kv = self.self_attn.forward_unrolled(a_in, cos, sin, base, extras, mask)
         h = g + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 

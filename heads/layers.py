@@ -187,24 +187,27 @@ class Attention(nn.Module):
 
     def forward_unrolled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          base: tuple[torch.Tensor, torch.Tensor] | None,
-                         extras: list[tuple[torch.Tensor, torch.Tensor]]
+                         extras: list[tuple[torch.Tensor, torch.Tensor]],
+                         mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Attention of the training-time test (DESIGN.md §4). Row i of depth d attends the depth-1
         keys of positions ≤ i (`base`, causal) and the keys that depths 2..d-1 produced *at row i*
         (`extras`, one per depth, diagonal) plus its own — the draft KV cache of the engine at draft
-        step d. With `base=None` (depth 1) this is plain causal attention. Returns the output and
-        this call's (k, v) for the deeper depths."""
+        step d. With `base=None` (depth 1) this is plain causal attention. `mask` [B, T, T] (packed
+        rows: causal within each sample) replaces the causal mask. Returns the output and this call's
+        (k, v) for the deeper depths."""
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if base is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None,
+                                                 is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
         rep = self.n_heads // self.n_kv
         k_base, v_base = (z.repeat_interleave(rep, dim=1) for z in base)  # [B, nH, T, d]
         diag = [(ke.repeat_interleave(rep, dim=1), ve.repeat_interleave(rep, dim=1)) for ke, ve in [*extras, (k, v)]]
         scale = self.head_dim ** -0.5
         scores = (q @ k_base.transpose(-1, -2)) * scale  # [B, nH, T, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if mask is None else mask[:, None]
         scores = scores.masked_fill(~causal, float("-inf"))
         diag_scores = torch.stack([(q * ke).sum(-1) * scale for ke, _ in diag], dim=-1)  # [B, nH, T, n]
         probs = torch.cat([scores, diag_scores], dim=-1).float().softmax(-1).to(q.dtype)
@@ -244,10 +247,10 @@ class DecoderLayer(nn.Module):
 
     def forward_unrolled(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          base: tuple[torch.Tensor, torch.Tensor] | None,
-                         extras: list[tuple[torch.Tensor, torch.Tensor]]
+                         extras: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One depth of the training-time test; see Attention.forward_unrolled."""
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        a, kv = self.self_attn.forward_unrolled(h, cos, sin, base, extras)
+        a, kv = self.self_attn.forward_unrolled(h, cos, sin, base, extras, mask)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv

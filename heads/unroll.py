@@ -20,25 +20,37 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _step(head, x, positions, base, extras, depth):
+def _step(head, x, positions, base, extras, depth, mask):
     """One decoder step of the unroll; recomputed in backward when `head.gradient_checkpointing` is on
     (set by the training module): activations inside the layer are then not kept for backward."""
     if getattr(head, "gradient_checkpointing", False) and torch.is_grad_enabled():
-        return checkpoint(head.step_unrolled, x, positions, base, extras, depth, use_reentrant=False)
-    return head.step_unrolled(x, positions, base, extras, depth)
+        return checkpoint(head.step_unrolled, x, positions, base, extras, depth, mask, use_reentrant=False)
+    return head.step_unrolled(x, positions, base, extras, depth, mask)
+
+
+def packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[B, T] sample index per token (packed rows) → [B, T, T] bool: causal within each sample."""
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    return causal & (segments[:, :, None] == segments[:, None, :])
 
 
 def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
-           aux: torch.Tensor | None = None) -> list[torch.Tensor]:
+           aux: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+           segments: torch.Tensor | None = None) -> list[torch.Tensor]:
     """hidden [B, T, H] (target H_0..H_{T-1}), input_ids [B, T], aux [B, T, K·H] or None →
-    [Ĥ^1, …, Ĥ^D], each [B, T-1, H]; row i of Ĥ^d estimates H_{i+d}."""
+    [Ĥ^1, …, Ĥ^D], each [B, T-1, H]; row i of Ĥ^d estimates H_{i+d}. Packed rows pass `positions`
+    (restarting at 0 in each sample) and `segments` (sample index per token): attention then stays
+    inside each sample, and rows whose i+d crosses into the next sample are garbage the loss masks."""
     if hasattr(head, "unroll"):
         return head.unroll(hidden, input_ids, depth, aux)
     if head.max_depth is not None and depth > head.max_depth:
         raise ValueError(f"depth {depth} exceeds the head's {head.max_depth} modules (module d drafts depth d)")
     b, t, _ = hidden.shape
     rows = t - 1
-    base_pos = torch.arange(rows, device=hidden.device).expand(b, rows)
+    base_pos = (positions[:, :-1] if positions is not None
+                else torch.arange(rows, device=hidden.device).expand(b, rows))
+    mask = packed_mask(segments[:, :-1]) if segments is not None else None
     target_state = head.target_input(hidden[:, :-1], aux[:, :-1] if aux is not None else None).to(head.dtype)
     next_tokens = input_ids[:, 1:]  # t_{i+1}
     state = target_state
@@ -48,10 +60,10 @@ def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
         tokens[:, : max(t - d, 0)] = input_ids[:, d:]  # t_{i+d}
         if head.separate_modules and d > 1:
             # module d's own cache: its pass over (H_j, t_{j+1}) at every position, causal
-            _, base = _step(head, head.fuse(target_state, head.embed(next_tokens), d), base_pos, None, [], d)
+            _, base = _step(head, head.fuse(target_state, head.embed(next_tokens), d), base_pos, None, [], d, mask)
             extras = []
         x = head.fuse(state, head.embed(tokens), d)
-        state, kv = _step(head, x, base_pos + (d - 1), base, extras, d)
+        state, kv = _step(head, x, base_pos + (d - 1), base, extras, d, mask)
         if base is None:
             base = kv
         elif not head.separate_modules:

@@ -269,3 +269,42 @@ def test_gradient_checkpointing_same_gradients_with_recompute(tiny_target, monke
         torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-5)
     # depth 1, then a base pass and a query for depths 2 and 3: 5 steps, each recomputed in backward
     assert counts == [5, 10]
+
+
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "medusa"])
+def test_packed_rows_score_like_separate_samples(tiny_target, name):
+    """Three samples packed in one row (per-sample positions, attention inside each sample) give the
+    same loss sums and agreement counts, per depth, as the three samples batched with padding."""
+    from train.data import collate, collate_packed
+    from train.module import DraftHeadModule
+
+    head = make(tiny_target, name)
+    g = torch.Generator().manual_seed(11)
+    samples = []
+    for t in (9, 14, 6):
+        s = {"input_ids": torch.randint(0, 512, (t,), generator=g), "loss_mask": torch.rand(t, generator=g) > 0.3,
+             "hidden": torch.randn(t, 64, generator=g)}
+        if head.capture_layers:
+            s["aux_hidden"] = torch.randn(t, head.state_size, generator=g)
+        samples.append(s)
+    module = DraftHeadModule(head, depth=3, kl_chunk_size=8)
+    packed, padded = collate_packed(samples), collate(samples)
+    assert packed["input_ids"].shape == (1, 29) and packed["positions"][0, 9].item() == 0
+    with torch.no_grad():
+        a, b = module.compute_loss(packed), module.compute_loss(padded)
+    for d in (1, 2, 3):
+        assert int(a[f"agree_count_d{d}"]) == int(b[f"agree_count_d{d}"])
+        n = int(a[f"n_count_d{d}"])
+        assert n == int(b[f"n_count_d{d}"]) > 0
+        for part in ("kl", "reg"):
+            assert float(a[f"{part}_d{d}"]) * n == pytest.approx(float(b[f"{part}_d{d}"]) * n, rel=1e-4, abs=1e-5)
+
+
+def test_packing_batches_fit_the_budget():
+    from train.data import TokenBudgetBatches
+
+    lengths = [5, 40, 17, 3, 60, 22, 9, 31, 12, 70]
+    batches = list(TokenBudgetBatches(lengths, 64, shuffle=True, seed=0, packing=True))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 64 or len(b) == 1 for b in batches)
+    assert len(batches) < len(list(TokenBudgetBatches(lengths, 64, shuffle=True, seed=0)))  # fewer, fuller rows

@@ -56,3 +56,21 @@ def test_train_entry_trains_and_saves(tiny_overrides, tiny_target):
     untrained = load_native(cfg.train.untrained_dir, tied, args)
     assert not torch.equal(probe_logits(trained), probe_logits(untrained))
     assert torch.equal(probe_logits(untrained), probe_logits(init_head(cfg, tiny_target)))
+
+
+def test_training_with_packed_rows(tiny_overrides):
+    from data.precompute import run_precompute
+    from tests.conftest import compose_config
+    from train.data import FeatureDataModule
+
+    cfg = compose_config(tiny_overrides + ["train.data.packing=true", "train.data.batch_tokens=512",
+                                           "trainer.max_epochs=2", "train.engine_validation.enabled=false"])
+    run_precompute(cfg)
+    dm = FeatureDataModule(cfg.store_dir, None, batch_tokens=512, val_fraction=0.2, packing=True)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert all(b["input_ids"].shape[0] == 1 and b["input_ids"].shape[1] <= 512 for b in batches)
+    assert max(int(b["segments"].max()) for b in batches) >= 1  # several samples in one row
+    assert sum(int(b["segments"].max()) + 1 for b in batches) == len(dm.train_idx)
+    _, metrics = run_training(cfg)
+    assert 0.0 <= metrics["val/acc_d1"] <= 1.0 and metrics["train/loss"] == metrics["train/loss"]  # finite

@@ -66,10 +66,11 @@ def test_callback_logs_engine_tau_during_training(tiny_overrides, tiny_target, t
     cfg = compose_config(tiny_overrides + ["trainer.max_epochs=2", "train.engine_validation.every_n_steps=2",
                                            "train.engine_validation.prompts=2", "train.engine_validation.conversations=2",
                                            "train.engine_validation.max_new_tokens=6", "train.engine_validation.k=2",
-                                           "train.module.depth=2"])
+                                           "train.module.depth=2", "train.engine_validation.temperature=0.8"])
     run_precompute(cfg)
     _, metrics = run_training(cfg)
     assert metrics["engine_val/tau"] >= 1.0 and 0.0 <= metrics["engine_val/acc_d1"] <= 1.0
+    assert metrics["engine_val/tau_sampled"] >= 1.0 and 0.0 <= metrics["engine_val/alpha_sampled_1"] <= 1.0
     assert metrics["engine_val/gap_acc_d1"] < 1e-6 and metrics["engine_val/gap_acc_d2"] < 1e-6  # float32: same numbers
     rows = list(csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))))
     logged = [r for r in rows if r.get("engine_val/tau")]

@@ -1,5 +1,6 @@
 """The data module over the feature store: a held-out split by sample, token-budget batches of
-length-sorted samples (little padding), right padding with a `valid` mask.
+length-sorted samples (little padding), right padding with a `valid` mask — or, with `packing`,
+one unpadded row per batch holding several samples with per-sample positions (`collate_packed`).
 
 Batching is ours, not Lightning's: the train batches are sharded over data-parallel ranks here
 (Lightning cannot inject a DistributedSampler under a custom batch_sampler, so the trainer runs with
@@ -41,10 +42,11 @@ class TokenBudgetBatches:
     `start` batches of the current epoch are skipped by the next pass only (set on resume)."""
 
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int,
-                 num_replicas: int = 1, rank: int = 0) -> None:
+                 num_replicas: int = 1, rank: int = 0, packing: bool = False) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
+        self.packing = packing  # a batch is one row of samples whose total length fits batch_tokens
         self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
         self.start = 0
@@ -73,7 +75,9 @@ class TokenBudgetBatches:
             longest = 0
             for i in chunk:
                 longest_if = max(longest, self.lengths[i])
-                if cur and longest_if * (len(cur) + 1) > self.batch_tokens:
+                size_if = (sum(self.lengths[j] for j in cur) + self.lengths[i] if self.packing
+                           else longest_if * (len(cur) + 1))
+                if cur and size_if > self.batch_tokens:
                     batches.append(cur)
                     cur, longest_if = [], self.lengths[i]
                 cur.append(i)
@@ -133,12 +137,24 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several samples in one row, no padding: `positions` restart at 0 in each sample and `segments`
+    numbers them, so attention stays inside a sample and no loss row crosses into the next one."""
+    out = {key: torch.cat([s[key] for s in samples])[None] for key in samples[0]}
+    out["valid"] = torch.ones_like(out["loss_mask"])
+    out["positions"] = torch.cat([torch.arange(s["input_ids"].shape[0]) for s in samples])[None]
+    out["segments"] = torch.cat([torch.full((s["input_ids"].shape[0],), j) for j, s in enumerate(samples)])[None]
+    return out
+
+
 class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
-                 batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0) -> None:
+                 batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0,
+                 packing: bool = False) -> None:
         super().__init__()
         self.store_dir, self.expected_fingerprint = store_dir, expected_fingerprint
         self.batch_tokens, self.val_fraction, self.seed, self.num_workers = batch_tokens, val_fraction, seed, num_workers
+        self.packing = packing
 
     def setup(self, stage: str | None = None) -> None:
         self.store = FeatureStore(self.store_dir, self.expected_fingerprint)
@@ -151,9 +167,9 @@ class FeatureDataModule(L.LightningDataModule):
 
     def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0) -> PositionedLoader:
         lengths = [self.lengths[i] for i in idx]
-        batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank)
-        return PositionedLoader(_Subset(self.store, idx), collate_fn=collate, num_workers=self.num_workers,
-                                batch_sampler=batches)
+        batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank, self.packing)
+        return PositionedLoader(_Subset(self.store, idx), collate_fn=collate_packed if self.packing else collate,
+                                num_workers=self.num_workers, batch_sampler=batches)
 
     def train_dataloader(self) -> PositionedLoader:
         trainer = self.trainer

@@ -46,13 +46,17 @@ class DraftHeadModule(L.LightningModule):
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
         t = hidden.shape[1]
         aux = batch.get("aux_hidden")
-        outs = unroll(self.head, hidden, ids, hp.depth, aux.to(self.head.dtype) if aux is not None else None)
+        segments = batch.get("segments")  # packed rows (train/data.py collate_packed)
+        outs = unroll(self.head, hidden, ids, hp.depth, aux.to(self.head.dtype) if aux is not None else None,
+                      batch.get("positions"), segments)
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
         for d, pred in enumerate(outs, start=1):
             rows = max(t - d - 1, 0)
             mask = loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
+            if segments is not None:  # row i and its target t_{i+d+1} must be one sample
+                mask = mask & (segments[:, d + 1:] == segments[:, :rows])
             n = mask.sum()
             sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
             reg_target = self.head.regression_target(sel_tgt)

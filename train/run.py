@@ -87,7 +87,8 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
             target_dir, cfg.target.dtype, ev.get("every_n_steps"), int(ev.conversations), ev.get("max_rows"),
             int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
             bool(mcfg.normed_regression), float(mcfg.w_hidden), float(mcfg.w_kl), float(mcfg.depth_decay),
-            plot_dir=Path(cfg.run_dir) / "engine_val")
+            plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
+            top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed))
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

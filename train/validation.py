@@ -15,7 +15,8 @@ training ends, on global rank 0:
    bf16 rounding (batched vs single-sequence kernels) and the documented tolerance is
    `tolerance` (default 0.02) in top-1 agreement. A larger gap is logged as a warning: it is a bug
    (store, engine or unroll), not noise.
-2. **speculative generation, in the engine** — greedy speculative decoding of held-out prompts
+2. **speculative generation, in the engine** — greedy speculative decoding (and, with
+   `temperature > 0`, sampled decoding with rejection sampling: `engine_val/tau_sampled`) of held-out prompts
    (each conversation up to its first assistant token) with k drafts: τ and α_d (a per-position plot
    goes to wandb, or to a PNG beside the run), next to the *simulated* τ = 1 + Σ_d Π_{j≤d} acc_j from
    teacher-forced agreement along the target's own greedy continuation of the same prompts.
@@ -35,7 +36,8 @@ import lightning as L
 import torch
 
 from heads.unroll import unroll
-from inference_eval.speculative import SpecStats, draft_chain, generate_plain, generate_speculative, refresh
+from inference_eval.speculative import (Sampling, SpecStats, draft_chain, generate_plain, generate_speculative,
+                                        refresh)
 from train.losses import fused_linear_kl, hidden_regression
 
 log = logging.getLogger(__name__)
@@ -179,13 +181,15 @@ class EngineValidation(L.Callback):
                  conversations: int = 4, max_rows: int | None = 64, depth: int = 3, prompts: int = 4, k: int = 3,
                  max_new_tokens: int = 32, tolerance: float = 0.02, normed_regression: bool = True,
                  w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
-                 plot_dir: str | Path | None = None) -> None:
+                 plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0) -> None:
         self.target_dir, self.target_dtype = Path(target_dir), target_dtype
         self.every, self.conversations, self.max_rows = every_n_steps, conversations, max_rows
         self.depth, self.prompts, self.k, self.max_new_tokens = depth, prompts, k, max_new_tokens
         self.tolerance, self.normed = tolerance, normed_regression
         self.w_hidden, self.w_kl, self.depth_decay = w_hidden, w_kl, depth_decay
         self.plot_dir = Path(plot_dir) if plot_dir is not None else None
+        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
         self._target = self._stops = None
         self._last_step = -1
         self.results: list[dict[str, float]] = []
@@ -278,6 +282,13 @@ class EngineValidation(L.Callback):
             m["engine_val/sim_tau"] = spec["sim_tau"]
             m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
             m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
+            if self.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
+                sampling = Sampling(self.temperature, self.top_p, self.top_k, torch.Generator().manual_seed(self.seed))
+                total = SpecStats(k=k)
+                for p in prompts:
+                    total.merge(generate_speculative(target, head, p, k, self.max_new_tokens, self._stops, sampling)[1])
+                m["engine_val/tau_sampled"] = total.tau
+                m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
         log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
         return m
 
