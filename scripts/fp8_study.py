@@ -1,0 +1,76 @@
+"""What fp8 feature storage does to the trained head (issue: feature store, DESIGN.md §6).
+
+The same conversations are precomputed twice — `bfloat16` and `fp8` (e4m3 + a per-token scale) —
+and the configured head is trained on each with the same batches, steps, schedule and seed. Both
+heads are then scored on the *bf16* store's held-out split (top-1 agreement per depth, the
+training-time-test unroll) and on MT-Bench through the engine (τ, greedy).
+
+    python -m scripts.fp8_study run_name=fp8_study            # the demo's data and training settings
+
+Writes `<run_dir>/fp8_study.json`; last line `fp8_study acc_d1_bf16=… acc_d1_fp8=… tau_bf16=… tau_fp8=…
+bytes_per_token_bf16=… bytes_per_token_fp8=…`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from data.precompute import run_precompute
+    from data.sources import resolve_target_dir
+    from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
+    from heads.checkpoint import load_native
+    from inference_eval.evaluate import run_evaluation
+    from inference_eval.model import tied_target
+    from train.data import FeatureDataModule
+    from train.module import heldout_agreement
+    from train.run import run_training
+
+    target_dir = resolve_target_dir(cfg.target)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    depth = int(cfg.get("fp8_study", {}).get("eval_depth", 3))
+    results = {}
+    for dtype in ("bfloat16", "fp8"):
+        c = cfg.copy()
+        with open_dict(c):
+            c.store_dir = f"{cfg.run_dir}/features_{dtype}"
+            c.head_dir = f"{cfg.run_dir}/head_{dtype}"
+            c.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints_{dtype}"
+            c.train.untrained_dir = None
+            c.precompute.store_dtype = dtype
+            c.evaluate.heads = {dtype: c.head_dir}
+            c.evaluate.report = f"{cfg.run_dir}/eval_{dtype}.json"
+        store_dir, _ = run_precompute(c)
+        if not (Path(c.head_dir) / "config.json").exists():
+            run_training(c)
+        store = FeatureStore(store_dir)
+        tokens = sum(s["num_tokens"] for s in store.manifest["shards"])
+        size = sum((Path(store_dir) / s["file"]).stat().st_size for s in store.manifest["shards"])
+        report = json.loads(Path(c.evaluate.report).read_text()) if Path(c.evaluate.report).exists() else run_evaluation(c)
+        results[dtype] = {"store": str(store_dir), "bytes_per_token": size / tokens, "head": c.head_dir,
+                          "tau": report["results"][dtype]["tau"], "alpha": report["results"][dtype]["alpha"]}
+    # held-out agreement of both heads on the bf16 store's validation split (the accurate features)
+    dm = FeatureDataModule(f"{cfg.run_dir}/features_bfloat16", fingerprint,
+                           **OmegaConf.to_container(cfg.train.data, resolve=True))
+    dm.setup("validate")
+    tied, args, _ = tied_target(target_dir)
+    for dtype, r in results.items():
+        r["heldout"] = heldout_agreement(load_native(r["head"], tied, args), dm.val_dataloader(), depth)
+    out = Path(cfg.run_dir) / "fp8_study.json"
+    atomic_write_bytes(out, json.dumps({"results": results, "heldout_conversations": len(dm.val_idx)}, indent=2).encode())
+    b, f = results["bfloat16"], results["fp8"]
+    print(f"fp8_study report={out}")
+    print(" ".join(["fp8_study"] + [f"acc_d{d + 1}_{n}={r['heldout']['acc'][d]:.4f}" for n, r in (("bf16", b), ("fp8", f))
+                                     for d in range(depth)]
+                   + [f"tau_bf16={b['tau']:.3f}", f"tau_fp8={f['tau']:.3f}",
+                      f"bytes_per_token_bf16={b['bytes_per_token']:.1f}", f"bytes_per_token_fp8={f['bytes_per_token']:.1f}"]))
+
+
+if __name__ == "__main__":
+    main()
