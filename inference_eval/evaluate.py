@@ -81,8 +81,12 @@ def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[
     from data.conversations import tokenize_prompt
     from data.sources import load_conversations
 
+    if data_cfg.get("max_samples") is None:
+        raise ValueError("evaluate.dataset=sharegpt takes the conversations after the training range "
+                         "[data.skip, data.skip + data.max_samples); data.max_samples is null (the whole source "
+                         "was used for training), so nothing is held out")
     held = dict(data_cfg)
-    held["skip"] = int(data_cfg.get("skip", 0)) + int(data_cfg.get("max_samples") or 0)
+    held["skip"] = int(data_cfg.get("skip", 0)) + int(data_cfg.max_samples)
     held["max_samples"] = num_prompts
     out = []
     for sid, messages in load_conversations(held).items:
@@ -95,7 +99,7 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
     """Prompts from a JSONL file: one object per line with `prompt` (a user message) or
     `messages` / `conversations` (the prompt is everything before the first assistant turn);
     optional `category` and `id`."""
-    from data.conversations import normalize_record, normalize_turns, tokenize_prompt
+    from data.conversations import normalize_record, tokenize_prompt
 
     out = []
     path = Path(path)
@@ -109,12 +113,17 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             messages = [{"role": "user", "content": rec["prompt"]}]
         else:
-            messages, reason = normalize_record(rec) if isinstance(rec, dict) else (None, "malformed")
-            if messages is None and isinstance(rec, dict) and reason == "no_assistant_turn":
-                messages = rec.get("messages") or None
+            # a prompt need not have an answer: normalise the turns with a placeholder reply appended,
+            # then keep everything before the first assistant turn
+            padded = dict(rec) if isinstance(rec, dict) else {}
+            for key, role, content, reply in (("conversations", "from", "value", "gpt"),
+                                              ("messages", "role", "content", "assistant")):
+                if isinstance(padded.get(key), list):
+                    padded[key] = [*padded[key], {role: reply, content: "…"}]
+            messages, reason = normalize_record(padded)
             if messages is None:
                 raise ValueError(f"{path}:{n}: no `prompt` string and no usable `messages`/`conversations` ({reason})")
-            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
             messages = messages[:first]
         if not messages:
             raise ValueError(f"{path}:{n}: the prompt is empty (the record starts with an assistant turn)")
@@ -236,7 +245,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             if ecfg.get("simulated_tau", True) and sampling.greedy:  # teacher-forced top-1: a greedy notion
                 from train.validation import speculative_scores
                 kk = min(k, prop.max_depth or k)
-                sim = speculative_scores(target, prop, [p["ids"] for p in prompts], kk, max_new, stops)
+                sim = speculative_scores(target, prop, [p["ids"] for p in prompts], kk, max_new, stops,
+                                         strict=target.dtype == torch.float32)
+                entry["lossless_mismatches"] = sim["mismatches"]
                 entry["simulated_tau"] = sim["sim_tau"]
                 entry["teacher_forced_acc"] = sim["tf_acc"]
                 entry["simulated_minus_real_tau"] = sim["sim_tau"] - res.tau

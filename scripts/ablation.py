@@ -38,6 +38,23 @@ def head_config(cfg: DictConfig, name: str) -> DictConfig:
     return out
 
 
+def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
+    """The aux layers the compared heads read (EAGLE-3's); the heads must agree on them."""
+    from data.sources import resolve_target_dir
+    from heads.eagle3 import default_aux_layers
+    from inference_eval.model import target_args
+
+    wanted = set()
+    for name in heads:
+        h = OmegaConf.load(CONF / "head" / f"{name}.yaml")
+        if h.get("type") == "eagle3":
+            wanted.add(tuple(h.get("aux_layers") or
+                             default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers)))
+    if len(wanted) > 1:
+        raise ValueError(f"ablation heads read different aux layers {sorted(wanted)}: one store cannot serve them")
+    return wanted.pop() if wanted else ()
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from data.precompute import run_precompute
@@ -52,6 +69,10 @@ def main(cfg: DictConfig) -> None:
 
     t0 = time.perf_counter()
     acfg = cfg.ablation
+    aux = store_aux_layers(cfg, list(acfg.heads))
+    if aux:  # the shared store must hold what an eagle3 head reads
+        with open_dict(cfg):
+            cfg.precompute.aux_layers = list(aux)
     store, pstats = run_precompute(cfg)
     print(f"ablation store: {pstats.samples} conversations, {pstats.tokens} tokens → {store}")
     target_dir = resolve_target_dir(cfg.target)

@@ -151,3 +151,23 @@ def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
     assert [p["id"] for p in got] == ["c8", "c9", "c10"] and not trained & {p["id"] for p in got}
     first_user = [{"role": "user", "content": CONVERSATIONS[8]["conversations"][0]["value"]}]
     assert got[0]["ids"] == tokenize_prompt(tok, first_user)
+
+
+def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from data.conversations import tokenize_prompt
+    from inference_eval.evaluate import jsonl_prompts, sharegpt_prompts
+    from tests.conftest import compose_config
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    with pytest.raises(ValueError, match="nothing is held out"):
+        sharegpt_prompts(tok, compose_config(tiny_overrides + ["data.max_samples=null"]).data, 3)
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "there"}]})
+                 + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:2: .*unknown_role"):
+        jsonl_prompts(tok, f, None)
+    f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "there"}]}) + "\n")
+    (got,) = jsonl_prompts(tok, f, None)  # a prompt-only record, its two user turns merged as for training
+    assert got["ids"] == tokenize_prompt(tok, [{"role": "user", "content": "hi\n\nthere"}])

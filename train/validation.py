@@ -150,17 +150,28 @@ def first_reply_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> list[int] 
 
 @torch.no_grad()
 def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_tokens: int,
-                       stop_ids: set[int], normed: bool = True) -> dict[str, Any]:
+                       stop_ids: set[int], normed: bool = True, strict: bool = True) -> dict[str, Any]:
     """Real τ / α_d of greedy speculative decoding, and the simulated τ from teacher-forced agreement
-    along the target's own greedy continuation of the same prompts."""
+    along the target's own greedy continuation of the same prompts.
+
+    Speculative and plain greedy outputs must be equal token for token. In float32 (`strict`) a
+    difference raises; in bf16 the target's k+1-token verification and its 1-token decode round
+    differently, so a near-tie can flip the argmax and the outputs part: those prompts are counted
+    (`mismatches`) and logged, not raised."""
     total = SpecStats(k=k)
     tf = [DepthScores() for _ in range(k)]
+    mismatches = 0
     for p in prompts:
         cont = generate_plain(target, p, max_new_tokens, stop_ids)
         out, st = generate_speculative(target, head, p, k, max_new_tokens, stop_ids)
         if out != cont:
-            raise AssertionError(f"speculative output differs from plain greedy output on a held-out prompt "
-                                 f"(first {min(len(out), len(cont))} tokens compared): the engine is not lossless")
+            at = next((i for i, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
+            msg = f"speculative output differs from plain greedy output at new token {at} of a {len(p)}-token prompt"
+            if strict:
+                raise AssertionError(msg + " (float32): the engine is not lossless")
+            log.warning("%s (%s target: a near-tie rounded differently in verification and decode)", msg,
+                        target.dtype)
+            mismatches += 1
         total.merge(st)
         seq = torch.tensor(p + cont)
         mask = torch.zeros(seq.shape[0], dtype=torch.bool)
@@ -173,7 +184,7 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
         survive *= s.acc
         sim += survive
     return {"tau": total.tau, "alpha": total.alpha, "sim_tau": sim, "tf_acc": [s.acc for s in tf],
-            "new_tokens": total.new_tokens, "seconds": total.seconds}
+            "new_tokens": total.new_tokens, "seconds": total.seconds, "mismatches": mismatches}
 
 
 class EngineValidation(L.Callback):
@@ -229,6 +240,9 @@ class EngineValidation(L.Callback):
         head.eval()
         try:
             metrics = self.evaluate(head, dm.store, dm.val_idx)
+        except Exception:  # a validation bug must not cost the training run: report it loudly, go on
+            log.exception("engine validation failed at step %d; training continues", trainer.global_step)
+            metrics = {"engine_val/failed": 1.0}
         finally:
             head.train(was_training)
         metrics["step"] = trainer.global_step
@@ -277,8 +291,10 @@ class EngineValidation(L.Callback):
                             d + 1, e.acc, r.acc, self.tolerance)
         m["engine_val/loss"] = total
         if prompts:
-            spec = speculative_scores(target, head, prompts, k, self.max_new_tokens, self._stops, self.normed)
+            spec = speculative_scores(target, head, prompts, k, self.max_new_tokens, self._stops, self.normed,
+                                      strict=target.dtype == torch.float32)
             m["engine_val/tau"] = spec["tau"]
+            m["engine_val/lossless_mismatch"] = spec["mismatches"]
             m["engine_val/sim_tau"] = spec["sim_tau"]
             m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
             m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
