@@ -37,7 +37,7 @@ class EvalResult:
 
 def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
                   stop_ids: set[int], label: str = "head", progress: bool = True, warmup: int = 0,
-                  repeats: int = 1, sampling: Sampling = GREEDY) -> EvalResult:
+                  repeats: int = 1, sampling: Sampling = GREEDY, outputs: list | None = None) -> EvalResult:
     """prompts: dicts with `ids` (token ids) and `category`. `head`: a head or a proposer
     (inference_eval/speculative.py). Acceptance comes from the first pass over the prompts (greedy:
     every repeat is identical); tokens/s is the median over `repeats` passes after `warmup` prompts."""
@@ -50,9 +50,11 @@ def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_t
         seconds = new_tokens = 0
         for p in tqdm(prompts, desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
                       disable=not progress):
-            _, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
+            out, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
             seconds, new_tokens = seconds + st.seconds, new_tokens + st.new_tokens
             if r == 0:
+                if outputs is not None:
+                    outputs.append(out)
                 total.merge(st)
                 by_cat.setdefault(p.get("category", "all"), SpecStats(k=k)).merge(st)
         speeds.append(new_tokens / max(seconds, 1e-9))
@@ -234,8 +236,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             draft = target.truncated(int(spec["layers"]))
         proposers[label] = DraftModelProposer(draft, label)
     for label, prop in proposers.items():
+        outputs: list[list[int]] = []
         res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
-                            warmup=warmup, repeats=repeats, sampling=sampling)
+                            warmup=warmup, repeats=repeats, sampling=sampling, outputs=outputs)
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
         if isinstance(prop, DraftModelProposer):
@@ -243,14 +246,13 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         else:
             entry["checkpoint"] = str(ecfg.heads[label])
             if ecfg.get("simulated_tau", True) and sampling.greedy:  # teacher-forced top-1: a greedy notion
-                from train.validation import speculative_scores
-                kk = min(k, prop.max_depth or k)
-                sim = speculative_scores(target, prop, [p["ids"] for p in prompts], kk, max_new, stops,
-                                         strict=target.dtype == torch.float32)
-                entry["lossless_mismatches"] = sim["mismatches"]
-                entry["simulated_tau"] = sim["sim_tau"]
-                entry["teacher_forced_acc"] = sim["tf_acc"]
-                entry["simulated_minus_real_tau"] = sim["sim_tau"] - res.tau
+                from train.validation import simulated_tau
+
+                # along the decoded continuations: greedy speculative output is the target's greedy output
+                sim, accs = simulated_tau(target, prop, [p["ids"] for p in prompts], outputs, k)
+                entry["simulated_tau"] = sim
+                entry["teacher_forced_acc"] = accs
+                entry["simulated_minus_real_tau"] = sim - res.tau
         report["results"][label] = entry
     if ecfg.get("plain_baseline"):
         plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats, sampling)

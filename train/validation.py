@@ -159,8 +159,7 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
     differently, so a near-tie can flip the argmax and the outputs part: those prompts are counted
     (`mismatches`) and logged, not raised."""
     total = SpecStats(k=k)
-    tf = [DepthScores() for _ in range(k)]
-    mismatches = 0
+    mismatches, conts = 0, []
     for p in prompts:
         cont = generate_plain(target, p, max_new_tokens, stop_ids)
         out, st = generate_speculative(target, head, p, k, max_new_tokens, stop_ids)
@@ -173,18 +172,31 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
                         target.dtype)
             mismatches += 1
         total.merge(st)
+        conts.append(cont)
+    sim, accs = simulated_tau(target, head, prompts, conts, k, normed)
+    return {"tau": total.tau, "alpha": total.alpha, "sim_tau": sim, "tf_acc": accs,
+            "new_tokens": total.new_tokens, "seconds": total.seconds, "mismatches": mismatches}
+
+
+@torch.no_grad()
+def simulated_tau(target, head, prompts: list[list[int]], continuations: list[list[int]], k: int,
+                  normed: bool = True) -> tuple[float, list[float]]:
+    """τ simulated from teacher-forced agreement: the head's top-1 agreement per depth d = 1..k along
+    each prompt's greedy continuation (scored rows: those predicting a continuation token), pooled,
+    then 1 + Σ_d Π_{j≤d} acc_j — what τ would be if acceptance at each depth were independent."""
+    tf = [DepthScores() for _ in range(k)]
+    for p, cont in zip(prompts, continuations):
         seq = torch.tensor(p + cont)
         mask = torch.zeros(seq.shape[0], dtype=torch.bool)
         mask[len(p):] = True
         rows = select_rows(mask, None)
-        for d, s in enumerate(engine_teacher_forced(target, head, seq, mask, k, rows, normed)):
-            tf[d].add(s)
+        for d, sc in enumerate(engine_teacher_forced(target, head, seq, mask, k, rows, normed)):
+            tf[d].add(sc)
     sim, survive = 1.0, 1.0
-    for s in tf:
-        survive *= s.acc
+    for sc in tf:
+        survive *= sc.acc
         sim += survive
-    return {"tau": total.tau, "alpha": total.alpha, "sim_tau": sim, "tf_acc": [s.acc for s in tf],
-            "new_tokens": total.new_tokens, "seconds": total.seconds, "mismatches": mismatches}
+    return sim, [sc.acc for sc in tf]
 
 
 class EngineValidation(L.Callback):
