@@ -59,7 +59,7 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
 def main(cfg: DictConfig) -> None:
     from data.precompute import run_precompute
     from data.sources import resolve_target_dir
-    from data.store import atomic_write_bytes, target_fingerprint
+    from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
     from heads.checkpoint import load_native
     from inference_eval.evaluate import run_evaluation
     from inference_eval.model import tied_target
@@ -73,8 +73,11 @@ def main(cfg: DictConfig) -> None:
     if aux:  # the shared store must hold what an eagle3 head reads
         with open_dict(cfg):
             cfg.precompute.aux_layers = list(aux)
-    store, pstats = run_precompute(cfg)
-    print(f"ablation store: {pstats.samples} conversations, {pstats.tokens} tokens → {store}")
+    store, _ = run_precompute(cfg)  # resumes: a finished store is reused as is
+    manifest = FeatureStore(store).manifest
+    store_conversations = sum(s["num_samples"] for s in manifest["shards"])
+    store_tokens = sum(s["num_tokens"] for s in manifest["shards"])
+    print(f"ablation store: {store_conversations} conversations, {store_tokens} tokens → {store}")
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
     results: dict[str, dict] = {}
@@ -91,6 +94,9 @@ def main(cfg: DictConfig) -> None:
         dm.setup("validate")
         tied, args, _ = tied_target(target_dir)
         head = load_native(head_dir, tied, args)
+        limit = acfg.get("heldout_conversations")  # a cost bound: the first n held-out conversations
+        if limit is not None:
+            dm.val_idx = dm.val_idx[: int(limit)]
         held = heldout_agreement(head, dm.val_dataloader(), int(acfg.eval_depth))
         entry = {"head": OmegaConf.to_container(hc.head, resolve=True), "checkpoint": str(head_dir),
                  "train_seconds": train_s, "final_metrics": metrics, "heldout": held,
@@ -108,13 +114,13 @@ def main(cfg: DictConfig) -> None:
                                     "per_category_tau": r["per_category_tau"], "prompts": report["prompts"]}
             print(f"ablation {name} k={k} tau={r['tau']:.3f}")
         results[name] = entry
-    summary = {"run_name": cfg.run_name, "store": str(store), "store_tokens": pstats.tokens,
-               "store_conversations": pstats.samples, "seed": int(cfg.seed), "trainer": OmegaConf.to_container(cfg.trainer, resolve=True),
+    summary = {"run_name": cfg.run_name, "store": str(store), "store_tokens": store_tokens,
+               "store_conversations": store_conversations, "seed": int(cfg.seed), "trainer": OmegaConf.to_container(cfg.trainer, resolve=True),
                "train": OmegaConf.to_container(cfg.train, resolve=True),
                "evaluate": {"dataset": cfg.evaluate.dataset, "num_prompts": cfg.evaluate.num_prompts,
                             "max_new_tokens": cfg.evaluate.max_new_tokens, "turns": list(cfg.evaluate.turns)},
                "results": results}
-    out = Path(cfg.run_dir) / "ablation.json"
+    out = Path(cfg.run_dir) / acfg.get("out", "ablation.json")
     atomic_write_bytes(out, json.dumps(summary, indent=2, default=str).encode())
     atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
     print(f"ablation report={out} md={out.with_suffix('.md')}")
