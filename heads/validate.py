@@ -306,6 +306,17 @@ def _check_own_tensors(infos: dict[str, TensorInfo], expected: dict[str, tuple[i
     _check_finite(infos, own, problems)
 
 
+def _check_against_target(a: LlamaArgs, cfg: dict[str, Any], tcfg: dict[str, Any] | None,
+                          problems: list[str]) -> None:
+    """A draft sized like the target (hidden, vocab), with the target's RoPE and positions."""
+    if tcfg is not None:
+        ta = LlamaArgs.from_hf_config(tcfg)
+        for field in ("hidden_size", "vocab_size"):
+            if getattr(a, field) != getattr(ta, field):
+                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
+    _check_positions(cfg, tcfg, problems)
+
+
 def _check_eagle_draft_config(cfg: dict[str, Any], arch: str, what: str, problems: list[str]) -> None:
     """What every EAGLE draft config shares: a one-layer Llama, untied, SiLU, no q/k norms (§9)."""
     if cfg.get("architectures") != [arch]:
@@ -333,12 +344,7 @@ def _check_eagle1(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], t
     a = _args(cfg, problems, "the export's")
     if a is None:
         return
-    if tcfg is not None:
-        ta = LlamaArgs.from_hf_config(tcfg)
-        for field in ("hidden_size", "vocab_size"):
-            if getattr(a, field) != getattr(ta, field):
-                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
-    _check_positions(cfg, tcfg, problems)
+    _check_against_target(a, cfg, tcfg, problems)
     expected = eagle1_shapes(a, bias=not vllm)
     if "layers.0.input_layernorm.weight" in infos:
         problems.append("layers.0.input_layernorm.weight is present: EAGLE-1's layer 0 has no input norm "
@@ -484,12 +490,7 @@ def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
     a = _args(cfg, problems, "the export's")
     if a is None or ids is None or vd is None:
         return
-    if tcfg is not None:
-        ta = LlamaArgs.from_hf_config(tcfg)
-        for field in ("hidden_size", "vocab_size"):
-            if getattr(a, field) != getattr(ta, field):
-                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
-    _check_positions(cfg, tcfg, problems)
+    _check_against_target(a, cfg, tcfg, problems)
     if vd > a.vocab_size:
         problems.append(f"draft_vocab_size {vd} exceeds vocab_size {a.vocab_size}")
     expected = eagle3_shapes(a, len(ids), vd)
