@@ -171,6 +171,8 @@ class Attention(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
+        if hasattr(kv, "attend"):  # a paged cache layer (inference_eval/paged.py): packed rows, own masks
+            return self.o_proj(kv.attend(q, k, v, self.n_kv != self.n_heads).transpose(1, 2).reshape(b, t, -1))
         if kv is not None:
             k_cache, v_cache = kv
             k_cache[:, :, start:start + t] = k

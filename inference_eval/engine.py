@@ -1,0 +1,642 @@
+"""The batched engine (DESIGN.md §5): one scheduler and one page allocation for the target and its
+drafter, continuous batching, preemption with recompute, and speculative rounds for a whole batch.
+
+    engine = Engine(target, proposer=head, k=3, max_batch=8)
+    rid = engine.add_request(prompt_ids, max_new_tokens=256, stop_ids={eos})
+    results = engine.run()            # {rid: Result(tokens, stats, preemptions)}
+
+A step of the scheduler:
+1. **admit** — waiting requests whose arrival step has come join, first come first served (a
+   preempted request first), while the batch has room, their pages fit and the prefill token budget
+   lasts; their prompts (or, after preemption, prompt + output so far) run as one packed varlen
+   prefill; a new request samples its first token from it; the drafter prefills from the target's
+   states of the same pass;
+2. **reserve** — every running sequence gets the pages for the positions the round will write
+   (`lookahead`: k + 1 for a chain, the tree's size for a tree) before anything runs; when the pool
+   runs dry the most recently admitted sequence is preempted (its pages freed, its tokens kept) and
+   re-admitted later by recomputing its prefix, which gives the same output;
+3. **round** — plain decode (one token per sequence), or a speculative round: the proposer drafts for
+   every sequence at once, the target verifies all of them in one packed pass, acceptance runs per
+   sequence (greedy, or rejection sampling with each request's own `Sampling`), the drafter updates
+   from the target's states; a sequence that emits a stop id or reaches `max_new_tokens` leaves and
+   frees its pages.
+
+Positions and slots: a running sequence has committed tokens t_0..t_m; the target's cache holds
+positions < m (t_m is fed by the next round). Every pool uses the sequence's block table, so a
+head's or a draft model's cache entry for position p sits in the same slot as the target's.
+
+Proposers for the engine: `PagedHeadProposer` (chain heads mtp/eagle1/eagle3 and medusa),
+`PagedDraftModelProposer` (any LM with the target's tokenizer), `PagedTreeProposer` (EAGLE-2
+dynamic trees from a chain head, greedy). `engine_proposer(x)` wraps a head or a model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
+from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_rejection, full_vocab_logits
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    sampling: Sampling
+    arrival: int
+    table: BlockTable
+    stats: SpecStats
+    output: list[int] = field(default_factory=list)
+    cached: int = 0  # the target's cache holds positions < cached (= m while running)
+    state: torch.Tensor | None = None  # the proposer's state for this sequence
+    fed: int = 0  # draft model: positions < fed are in its cache
+    preemptions: int = 0
+    done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def m(self) -> int:
+        return len(self.prompt) + len(self.output) - 1
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    stats: SpecStats
+    preemptions: int
+
+
+@dataclass
+class Tree:
+    """A draft tree of one sequence: node i has `tokens[i]`, `parents[i]` (−1: the root t_m, else a
+    node index < i) and `depths[i]` (1 for children of the root)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+    def ancestry(self) -> torch.Tensor:
+        """[N+1, N+1] bool, row/col 0 the root: entry (i, j) true when j is i or one of its ancestors."""
+        n = len(self.tokens)
+        m = torch.eye(n + 1, dtype=torch.bool)
+        m[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                m[i + 1] |= m[p + 1]
+        return m
+
+
+def _target_state(head, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    return head.target_input(hidden, torch.cat(aux, dim=-1) if head.capture_layers else None)
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(hidden))
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache; see the module docstring."""
+
+    def __init__(self, target, proposer=None, k: int = 1, block_size: int = 16, num_blocks: int | None = None,
+                 max_batch: int = 8, max_seq_len: int | None = None, prefill_tokens: int = 8192) -> None:
+        self.target = target
+        a = target.args
+        self.device = target.model.embed_tokens.weight.device
+        self.block_size, self.max_batch, self.prefill_tokens = block_size, max_batch, prefill_tokens
+        if num_blocks is None:
+            num_blocks = max_batch * math.ceil((max_seq_len or a.max_position_embeddings) / block_size)
+        self.num_blocks = num_blocks
+        self.alloc = BlockAllocator(num_blocks)
+        self.pool = KVPool(a.num_hidden_layers, num_blocks, block_size, a.num_key_value_heads, a.head_dim,
+                           target.dtype, self.device)
+        self.proposer = engine_proposer(proposer) if proposer is not None else None
+        self.k = k
+        if self.proposer is not None:
+            self.proposer.check(k)
+            self.proposer.attach(self)
+            self.k = self.proposer.stats_depth(k)
+        self.lookahead = self.proposer.lookahead(k) if self.proposer is not None else 1
+        self.capture = self.proposer.capture_layers if self.proposer is not None else ()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.steps = 0
+        self.stats = SpecStats(k=self.k)
+        self.preemptions = 0
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt: list[int], max_new_tokens: int, stop_ids=frozenset(),
+                    sampling: Sampling = GREEDY, arrival: int = 0) -> int:
+        if not prompt:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        need = self._blocks_for(len(prompt) + max_new_tokens + self.lookahead)
+        if need > self.num_blocks:
+            raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks "
+                             f"of {self.block_size}; the pool has {self.num_blocks}")
+        rid = self._next_id
+        self._next_id += 1
+        self.waiting.append(Request(rid, list(prompt), max_new_tokens, frozenset(stop_ids), sampling, arrival,
+                                    BlockTable(self.block_size, self.device), SpecStats(k=self.k)))
+        return rid
+
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @torch.inference_mode()
+    def run(self) -> dict[int, Result]:
+        """Step until every request has finished; their results by request id."""
+        t0 = time.perf_counter()
+        while self.has_work:
+            self.step()
+        self.stats.seconds += time.perf_counter() - t0
+        out = {rid: Result(r.output, r.stats, r.preemptions) for rid, r in sorted(self.finished.items())}
+        self.stats.new_tokens = sum(len(r.tokens) for r in out.values())
+        return out
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self._admit()
+        if self.running:
+            self._reserve()
+        if self.running:
+            if self.proposer is None:
+                self._decode()
+            elif self.proposer.tree:
+                self._tree_round()
+            else:
+                self._chain_round()
+        self.steps += 1
+
+    # ---- scheduling ------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        admitted, budget = [], self.prefill_tokens
+        free = self.alloc.num_free
+        for req in [r for r in self.waiting if r.arrival <= self.steps]:  # queue order: preempted first
+            if len(self.running) + len(admitted) >= self.max_batch:
+                break
+            feed = len(req.tokens) if not req.output else len(req.tokens) - 1
+            need = self._blocks_for(feed + 1 + self.lookahead)
+            if need > free or (admitted and feed > budget):
+                break
+            self.waiting.remove(req)
+            req.table.extend(self.alloc.allocate(need))
+            free -= need
+            budget -= feed
+            admitted.append(req)
+        if admitted:
+            self._prefill(admitted)
+
+    def _reserve(self) -> None:
+        for req in list(self.running):
+            if req not in self.running:
+                continue
+            need = self._blocks_for(req.m + self.lookahead) - len(req.table.blocks)
+            while need > self.alloc.num_free:
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    raise OutOfBlocks(f"request {req.rid} alone needs {need} more blocks, "
+                                      f"{self.alloc.num_free} are free")
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req in self.running and need > 0:
+                req.table.extend(self.alloc.allocate(need))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.alloc.release(req.table.clear())
+        req.cached, req.state, req.fed = 0, None, 0
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish_check(self, req: Request) -> None:
+        out, done = _finish(req.output, req.max_new_tokens, req.stop_ids)
+        req.output = out
+        if done:
+            req.done = True
+            self.running.remove(req)
+            self.alloc.release(req.table.clear())
+            if self.proposer is not None:
+                self.proposer.release(req)
+            self.finished[req.rid] = req
+
+    # ---- forward passes --------------------------------------------------------------------------------
+    def forward(self, model, pool: KVPool, ids: list[list[int]], positions: list[list[int]],
+                slices: list[SeqSlice], capture: tuple[int, ...] = ()):
+        """One packed pass of `model` over the rows of several sequences (logits are left to the caller)."""
+        dev = self.device
+        flat_ids = torch.tensor([t for row in ids for t in row], device=dev)[None]
+        flat_pos = torch.tensor([p for row in positions for p in row], device=dev)[None]
+        cache = PagedCache(pool, PagedBatch(slices, dev))
+        return model(flat_ids, flat_pos, cache=cache, logits="none", capture_layers=capture)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        feeds = [r.tokens if not r.output else r.tokens[:-1] for r in reqs]
+        slices = [SeqSlice(r.table, 0, len(f)) for r, f in zip(reqs, feeds)]
+        out = self.forward(self.target, self.pool, feeds, [list(range(len(f))) for f in feeds], slices, self.capture)
+        rows, r0 = [], 0
+        for f in feeds:
+            rows.append((r0, r0 + len(f)))
+            r0 += len(f)
+        fresh = [i for i, r in enumerate(reqs) if not r.output]
+        if fresh:
+            logits = _logits(self.target, out.hidden[0, [rows[i][1] - 1 for i in fresh]])
+            for j, i in enumerate(fresh):
+                reqs[i].output.append(reqs[i].sampling.pick(logits[j])[0])
+        for r, f in zip(reqs, feeds):
+            r.cached = len(f)
+        self.running.extend(reqs)
+        if self.proposer is not None:
+            self.proposer.prefill(reqs, out, rows)
+        for r in list(reqs):
+            self._finish_check(r)
+
+    def _decode(self) -> None:
+        reqs = list(self.running)
+        out = self.forward(self.target, self.pool, [[r.tokens[-1]] for r in reqs], [[r.m] for r in reqs],
+                           [SeqSlice(r.table, r.m, 1) for r in reqs])
+        logits = _logits(self.target, out.hidden[0])
+        for i, r in enumerate(reqs):
+            r.cached = r.m + 1
+            r.output.append(r.sampling.pick(logits[i])[0])
+            r.stats.steps += 1
+            r.stats.emitted += 1
+            self.stats.steps += 1
+            self.stats.emitted += 1
+            self._finish_check(r)
+
+    def _count(self, req: Request, a: int, emitted: int) -> None:
+        for st in (req.stats, self.stats):
+            for d in range(min(a + 1, self.k)):
+                st.reached[d] += 1
+                st.accepted[d] += int(d < a)
+            st.steps += 1
+            st.emitted += emitted
+
+    def _chain_round(self) -> None:
+        reqs, k = list(self.running), self.k
+        drafts, qs = self.proposer.propose(reqs, k)
+        ids = [[r.tokens[-1]] + d for r, d in zip(reqs, drafts)]
+        vout = self.forward(self.target, self.pool, ids, [list(range(r.m, r.m + k + 1)) for r in reqs],
+                            [SeqSlice(r.table, r.m, k + 1) for r in reqs], self.capture)
+        logits = _logits(self.target, vout.hidden[0]).view(len(reqs), k + 1, -1)
+        greedy = all(r.sampling.greedy for r in reqs)
+        argmax = logits.argmax(-1)  # [B, k+1]
+        accepted, emitted = [], []
+        for i, r in enumerate(reqs):
+            if r.sampling.greedy:
+                g = argmax[i].tolist()
+                a = 0
+                while a < k and drafts[i][a] == g[a]:
+                    a += 1
+                last = g[a]
+            else:
+                a, last = accept_rejection(drafts[i], torch.stack(qs[i]), r.sampling.probs(logits[i]),
+                                           r.sampling.generator)
+            accepted.append(a)
+            emitted.append(drafts[i][:a] + [last])
+        rows = [(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(reqs))]
+        self.proposer.update(reqs, vout, rows, accepted, emitted, argmax if greedy else None)
+        for r, a, e in zip(reqs, accepted, emitted):
+            self._count(r, a, len(e))
+            r.cached = r.m + a + 1
+            r.output.extend(e)
+            self._finish_check(r)
+
+    def _tree_round(self) -> None:
+        reqs = list(self.running)
+        trees = self.proposer.propose_tree(reqs)
+        ids = [[r.tokens[-1]] + t.tokens for r, t in zip(reqs, trees)]
+        positions = [[r.m] + [r.m + d for d in t.depths] for r, t in zip(reqs, trees)]
+        slices = [SeqSlice(r.table, r.m, len(t.tokens) + 1, mask=t.ancestry().to(self.device))
+                  for r, t in zip(reqs, trees)]
+        vout = self.forward(self.target, self.pool, ids, positions, slices, self.capture)
+        argmax = _logits(self.target, vout.hidden[0]).argmax(-1).tolist()
+        rows, r0, paths, emitted = [], 0, [], []
+        for r, t in zip(reqs, trees):
+            children: dict[int, dict[int, int]] = {}
+            for i, (tok, p) in enumerate(zip(t.tokens, t.parents)):
+                children.setdefault(p + 1, {}).setdefault(tok, i + 1)
+            cur, path = 0, []
+            while (nxt := children.get(cur, {}).get(argmax[r0 + cur])) is not None:
+                path.append(nxt)
+                cur = nxt
+            paths.append(path)
+            emitted.append([t.tokens[p - 1] for p in path] + [argmax[r0 + cur]])
+            rows.append((r0, r0 + len(t.tokens) + 1))
+            r0 += len(t.tokens) + 1
+            if path != list(range(1, len(path) + 1)):  # move the accepted nodes' entries to m+1..m+a
+                src = r.table.slots[[r.m + p for p in path]]
+                dst = r.table.slots[r.m + 1: r.m + 1 + len(path)]
+                self.pool.copy_slots(src, dst)
+        self.proposer.update_tree(reqs, vout, rows, paths, emitted)
+        for r, path, e in zip(reqs, paths, emitted):
+            self._count(r, len(path), len(e))
+            r.cached = r.m + len(path) + 1
+            r.output.extend(e)
+            self._finish_check(r)
+
+
+# ---- proposers ---------------------------------------------------------------------------------------
+class ChainProposer:
+    """What chain proposers share: k drafts per round, k + 1 positions written, their own KV pool over
+    the engine's block tables."""
+
+    tree = False
+
+    def check(self, k: int) -> None:
+        return None
+
+    def stats_depth(self, k: int) -> int:
+        return k
+
+    def lookahead(self, k: int) -> int:
+        return k + 1
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
+        e = self.engine
+        return KVPool(num_layers, e.num_blocks, e.block_size, args.num_key_value_heads, args.head_dim, dtype, e.device)
+
+
+class PagedHeadProposer(ChainProposer):
+    """A head from heads/ in the engine. Chain heads keep their KV cache in a pool over the engine's
+    block tables: the depth-1 entries of every committed position (computed from the target's states),
+    then the current round's deeper draft steps (slot m+j-2 at depth j; separate MTP modules write
+    slot m of their own layer). Medusa drafts from the target's state at the last committed position.
+
+    Greedy rounds refresh the head over all k+1 verified positions with the target's argmax tokens —
+    a fixed shape that does not wait for the acceptance length (for the positions up to the accepted
+    one these are exactly the emitted tokens; entries beyond are overwritten before they are read) —
+    and pick the state at the accepted position: the seed's k = 1 schedule (verify 2 tokens, re-run
+    the draft on the same batch) is the k = 1 case."""
+
+    def __init__(self, head) -> None:
+        self.head = head
+        self.capture_layers = head.capture_layers
+
+    def check(self, k: int) -> None:
+        if self.head.max_depth is not None and k > self.head.max_depth:
+            raise ValueError(f"k={k} draft tokens, but the {self.head.kind} head defines {self.head.max_depth} draft steps")
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pool = self._pool(self.head.num_cache_layers, self.head.args, self.head.dtype) if self.head.chain else None
+
+    def release(self, req: Request) -> None:
+        req.state = None
+
+    def _head(self, states: torch.Tensor, tokens: list[list[int]], positions: list[list[int]],
+              slices: list[SeqSlice], depth: int = 1) -> torch.Tensor:
+        dev = self.engine.device
+        flat_tok = torch.tensor([t for row in tokens for t in row], device=dev)[None]
+        flat_pos = torch.tensor([p for row in positions for p in row], device=dev)[None]
+        cache = PagedCache(self.pool, PagedBatch(slices, dev))
+        return self.head(states, flat_tok, flat_pos, cache, 0, depth=depth)
+
+    def _refresh(self, reqs: list[Request], states: torch.Tensor, tokens: list[list[int]], base: list[int]
+                 ) -> torch.Tensor:
+        """Depth-1 head pass over (target state, next token) rows at positions base.. (every module)."""
+        positions = [list(range(b, b + len(t))) for b, t in zip(base, tokens)]
+        slices = [SeqSlice(r.table, b, len(t)) for r, b, t in zip(reqs, base, tokens)]
+        out = self._head(states, tokens, positions, slices)
+        if self.head.separate_modules:
+            for d in range(2, len(self.head.layers) + 1):
+                self._head(states, tokens, positions, slices, depth=d)
+        return out[0]
+
+    def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
+        if not self.head.chain:
+            for r, (_, e) in zip(reqs, rows):
+                r.state = out.hidden[0, e - 1]
+            return
+        states = _target_state(self.head, out.hidden, out.aux)
+        h = self._refresh(reqs, states, [r.tokens[1: r.cached + 1] for r in reqs], [0] * len(reqs))
+        for r, (_, e) in zip(reqs, rows):
+            r.state = h[e - 1]
+
+    def _pick(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], list]:
+        picks = [r.sampling.pick(logits[i]) for i, r in enumerate(reqs)]
+        return [d for d, _ in picks], [q for _, q in picks]
+
+    def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
+        head = self.head
+        h = torch.stack([r.state for r in reqs])[None]  # [1, B, S]
+        if not head.chain:
+            cols = [self._pick(reqs, full_vocab_logits(head, head(h, depth=j), j)[0]) for j in range(1, k + 1)]
+        else:
+            cols = [self._pick(reqs, full_vocab_logits(head, h)[0])]
+            for j in range(2, k + 1):
+                pos = [[r.m + j - 2] for r in reqs]
+                slices = [SeqSlice(r.table, r.m if head.separate_modules else r.m + j - 2, 1) for r in reqs]
+                h = self._head(h, [[d] for d in cols[-1][0]], pos, slices, depth=j)
+                cols.append(self._pick(reqs, full_vocab_logits(head, h, depth=j)[0]))
+        drafts = [[c[0][i] for c in cols] for i in range(len(reqs))]
+        qs = [[c[1][i] for c in cols] for i in range(len(reqs))]
+        return drafts, qs
+
+    def update(self, reqs: list[Request], vout, rows: list[tuple[int, int]], accepted: list[int],
+               emitted: list[list[int]], argmax: torch.Tensor | None) -> None:
+        if not self.head.chain:
+            for r, (s, _), a in zip(reqs, rows, accepted):
+                r.state = vout.hidden[0, s + a]
+            return
+        states = _target_state(self.head, vout.hidden, vout.aux)  # [1, N, S]
+        if argmax is not None:  # greedy: fixed shape, all k+1 positions
+            h = self._refresh(reqs, states, argmax.tolist(), [r.m for r in reqs])
+            for r, (s, _), a in zip(reqs, rows, accepted):
+                r.state = h[s + a]
+            return
+        idx = [i for (s, _), a in zip(rows, accepted) for i in range(s, s + a + 1)]
+        h = self._refresh(reqs, states[:, idx], emitted, [r.m for r in reqs])
+        end = 0
+        for r, e in zip(reqs, emitted):
+            end += len(e)
+            r.state = h[end - 1]
+
+
+class PagedTreeProposer(PagedHeadProposer):
+    """EAGLE-2's dynamic draft tree from a chain head (greedy acceptance). Level 1 holds the head's
+    top-`topk` tokens after t_m; each further level expands the `topk` nodes of the previous level
+    with the highest cumulative log-probability (one head pass for all of them, each attending only its
+    own ancestors through a tree mask) into their top-`topk` children, up to `depth` levels; the
+    `total` nodes of highest cumulative log-probability (always closed under ancestors) are verified
+    by the target in one pass with a tree mask, and the longest path matching the target's argmax is
+    accepted; its cache entries are moved to the contiguous positions m+1..m+a."""
+
+    tree = True
+
+    def __init__(self, head, depth: int = 4, topk: int = 4, total: int = 16) -> None:
+        if not head.chain:
+            raise ValueError(f"a draft tree needs a chain head, not {head.kind}")
+        super().__init__(head)
+        self.depth, self.topk, self.total = depth, topk, total
+        if min(depth, topk, total) < 1:
+            raise ValueError(f"tree depth/topk/total must be ≥ 1, got {depth}/{topk}/{total}")
+
+    def check(self, k: int) -> None:
+        super().check(self.depth)
+
+    def stats_depth(self, k: int) -> int:
+        return self.depth
+
+    def lookahead(self, k: int) -> int:
+        return max(self.total + 1, self.topk * (self.depth - 1) + 1)
+
+    def propose_tree(self, reqs: list[Request]) -> list[Tree]:
+        head, kk = self.head, self.topk
+        b = len(reqs)
+        logp = full_vocab_logits(head, torch.stack([r.state for r in reqs])[None])[0].float().log_softmax(-1)
+        top = logp.topk(kk, dim=-1)
+        # per sequence: node lists (token, parent, depth, score); node ids are list indices
+        tok = [top.indices[i].tolist() for i in range(b)]
+        par = [[-1] * kk for _ in range(b)]
+        dep = [[1] * kk for _ in range(b)]
+        score = [top.values[i].tolist() for i in range(b)]
+        frontier = [list(range(kk)) for _ in range(b)]  # nodes to expand at this level
+        entry: list[dict[int, int]] = [{} for _ in range(b)]  # node → head-cache entry (slot m + entry)
+        parent_state = [torch.stack([reqs[i].state] * kk) for i in range(b)]  # [K, S] per sequence
+        written = 0
+        for level in range(1, self.depth):
+            masks = []
+            for i in range(b):
+                m = torch.zeros(kk, written + kk, dtype=torch.bool)
+                for row, node in enumerate(frontier[i]):
+                    m[row, written + row] = True
+                    entry[i][node] = written + row
+                    if not head.separate_modules:
+                        p = par[i][node]
+                        while p >= 0:
+                            m[row, entry[i][p]] = True
+                            p = par[i][p]
+                masks.append(m.to(self.engine.device))
+            h = self._head(torch.cat(parent_state)[None],
+                           [[tok[i][n] for n in frontier[i]] for i in range(b)],
+                           [[reqs[i].m + level - 1] * kk for i in range(b)],
+                           [SeqSlice(reqs[i].table, reqs[i].m, kk, written, masks[i]) for i in range(b)],
+                           depth=level + 1)[0].view(b, kk, -1)
+            written += kk
+            child = full_vocab_logits(head, h, depth=level + 1).float().log_softmax(-1).topk(kk, dim=-1)
+            for i in range(b):
+                new, states = [], {}
+                for row, node in enumerate(frontier[i]):
+                    for c in range(kk):
+                        tok[i].append(int(child.indices[i, row, c]))
+                        par[i].append(node)
+                        dep[i].append(level + 1)
+                        score[i].append(score[i][node] + float(child.values[i, row, c]))
+                        new.append(len(tok[i]) - 1)
+                        states[len(tok[i]) - 1] = h[i, row]
+                frontier[i] = sorted(new, key=lambda n, s=score[i]: (-s[n], n))[:kk]
+                parent_state[i] = torch.stack([states[n] for n in frontier[i]])
+        trees = []
+        for i in range(b):
+            keep = sorted(range(len(tok[i])), key=lambda n, s=score[i], d=dep[i]: (-s[n], d[n], n))[: self.total]
+            keep.sort(key=lambda n: (dep[i][n], n))  # parents before children
+            index = {n: j for j, n in enumerate(keep)}
+            trees.append(Tree([tok[i][n] for n in keep],
+                              [index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep],
+                              [dep[i][n] for n in keep]))
+        return trees
+
+    def update_tree(self, reqs: list[Request], vout, rows: list[tuple[int, int]], paths: list[list[int]],
+                    emitted: list[list[int]]) -> None:
+        states = _target_state(self.head, vout.hidden, vout.aux)
+        idx = [s + p for (s, _), path in zip(rows, paths) for p in [0, *path]]
+        h = self._refresh(reqs, states[:, idx], emitted, [r.m for r in reqs])
+        end = 0
+        for r, e in zip(reqs, emitted):
+            end += len(e)
+            r.state = h[end - 1]
+
+
+class PagedDraftModelProposer(ChainProposer):
+    """A small LM with the target's tokenizer as the drafter, its cache in a pool over the engine's
+    block tables. Positions < `fed` of a sequence are in its cache; a round feeds the committed tokens
+    from `fed` to t_m (varlen, packed), then k-1 single-token steps; after acceptance the drafts that
+    were accepted stay cached and the rejected ones are overwritten by the next feed."""
+
+    capture_layers = ()
+
+    def __init__(self, draft) -> None:
+        self.draft = draft
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pool = self._pool(self.draft.args.num_hidden_layers, self.draft.args, self.draft.dtype)
+
+    def release(self, req: Request) -> None:
+        req.fed = 0
+
+    def prefill(self, reqs: list[Request], out, rows) -> None:
+        for r in reqs:
+            r.fed = 0
+
+    def _pick(self, reqs, hidden):
+        logits = _logits(self.draft, hidden)
+        picks = [r.sampling.pick(logits[i]) for i, r in enumerate(reqs)]
+        return [d for d, _ in picks], [q for _, q in picks]
+
+    def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
+        eng = self.engine
+        feeds = [r.tokens[r.fed: r.m + 1] for r in reqs]
+        out = eng.forward(self.draft, self.pool, feeds, [list(range(r.fed, r.m + 1)) for r in reqs],
+                          [SeqSlice(r.table, r.fed, len(f)) for r, f in zip(reqs, feeds)])
+        ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
+        cols = [self._pick(reqs, out.hidden[0, ends])]
+        for j in range(2, k + 1):
+            out = eng.forward(self.draft, self.pool, [[d] for d in cols[-1][0]], [[r.m + j - 1] for r in reqs],
+                              [SeqSlice(r.table, r.m + j - 1, 1) for r in reqs])
+            cols.append(self._pick(reqs, out.hidden[0]))
+        for r in reqs:
+            r.fed = r.m + 1
+        return [[c[0][i] for c in cols] for i in range(len(reqs))], [[c[1][i] for c in cols] for i in range(len(reqs))]
+
+    def update(self, reqs: list[Request], vout, rows, accepted: list[int], emitted, argmax) -> None:
+        k = self.engine.k
+        for r, a in zip(reqs, accepted):
+            r.fed = r.m + 1 + min(a, k - 1)
+
+
+def engine_proposer(x, tree: dict | None = None):
+    """A proposer for the engine: as is, a draft LM (has `lm_head`) → draft model, a head → head (or
+    a tree over it when `tree` gives depth/topk/total)."""
+    if hasattr(x, "attach"):
+        return x
+    if hasattr(x, "lm_head") and hasattr(x, "model"):
+        return PagedDraftModelProposer(x)
+    if tree:
+        return PagedTreeProposer(x, **tree)
+    return PagedHeadProposer(x)
+
+
+def engine_generate(target, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 1,
+                    stop_ids=frozenset(), sampling: Sampling | list[Sampling] = GREEDY,
+                    arrivals: list[int] | None = None, **engine_kw) -> tuple[list[list[int]], Engine]:
+    """Run `prompts` through one Engine; outputs in prompt order, and the engine (stats, preemptions)."""
+    eng = Engine(target, proposer, k=k, **engine_kw)
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    rids = [eng.add_request(p, max_new_tokens, stop_ids, s, (arrivals or [0] * len(prompts))[i])
+            for i, (p, s) in enumerate(zip(prompts, samplings))]
+    results = eng.run()
+    return [results[r].tokens for r in rids], eng

@@ -1,0 +1,202 @@
+"""Paged KV cache (DESIGN.md §5): a pool of fixed-size blocks per layer, per-sequence block tables,
+slot mapping, and the attention metadata of one packed (varlen) forward.
+
+A slot is `block * block_size + offset`; position p of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size`. The target, the draft head and a draft model
+each own a `KVPool` (their own layers) over the *same* block ids: one allocation per sequence serves
+all of them, so the draft advances in lock-step with the target.
+
+A forward runs the rows of several sequences packed into one `[1, N]` batch (no padding in the
+linear layers). `SeqSlice` says, for one sequence, where its rows go and what they see:
+
+- keys at positions `< base` (the committed context) are all visible;
+- the `n` new rows are written at positions `base + offset .. base + offset + n - 1`;
+- keys at positions `base .. base + offset + n - 1` are visible through `mask` `[n, offset + n]`
+  (None: every earlier one and causal among the new rows) — the tree attention of a draft tree,
+  or a draft step that must see only its own ancestors.
+
+Attention is pure torch: for decode and verification (few rows per sequence) the queries and each
+sequence's keys are gathered into one padded `[B, ...]` SDPA call; for a prefill-sized forward each
+sequence is one SDPA call over exactly its own keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """A free list of block ids (lowest id first)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be ≥ 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks requested, {len(self._free)} free of {self.num_blocks}")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+        if len(set(self._free)) != len(self._free):
+            raise RuntimeError("a block was released twice")
+
+
+class KVPool:
+    """Keys and values of `num_layers` layers in `num_blocks × block_size` slots: `[slots, n_kv, d]`."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_blocks * block_size, n_kv, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move the entries of slots `src` to slots `dst` in every layer (tree compaction)."""
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+class BlockTable:
+    """The blocks of one sequence, and its position → slot map."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.block_size = block_size
+        self.blocks: list[int] = []
+        self.slots = torch.empty(0, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def extend(self, blocks: list[int]) -> None:
+        self.blocks.extend(blocks)
+        new = torch.tensor(blocks, dtype=torch.long, device=self.slots.device)[:, None] * self.block_size
+        self.slots = torch.cat([self.slots, (new + torch.arange(self.block_size, device=new.device)).flatten()])
+
+    def clear(self) -> list[int]:
+        blocks, self.blocks = self.blocks, []
+        self.slots = self.slots[:0]
+        return blocks
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's rows in a packed forward; see the module docstring."""
+
+    table: BlockTable
+    base: int
+    n: int
+    offset: int = 0
+    mask: torch.Tensor | None = None  # [n, offset + n] bool
+
+    @property
+    def end(self) -> int:
+        return self.base + self.offset + self.n
+
+
+class PagedBatch:
+    """Attention metadata of one packed forward, built once and shared by every layer."""
+
+    # a forward whose padded query block would be this much larger than its rows runs per sequence
+    PAD_LIMIT = 2.0
+
+    def __init__(self, seqs: list[SeqSlice], device: torch.device | str = "cpu",
+                 per_sequence: bool | None = None) -> None:
+        self.seqs = seqs
+        for s in seqs:
+            if s.end > s.table.capacity:
+                raise OutOfBlocks(f"a sequence needs slots up to position {s.end}, its blocks hold {s.table.capacity}")
+            if s.mask is not None and tuple(s.mask.shape) != (s.n, s.offset + s.n):
+                raise ValueError(f"mask shape {tuple(s.mask.shape)}, expected {(s.n, s.offset + s.n)}")
+        self.num_rows = sum(s.n for s in seqs)
+        self.write_slots = torch.cat([s.table.slots[s.base + s.offset: s.end] for s in seqs])
+        b, t_max, k_max = len(seqs), max(s.n for s in seqs), max(s.end for s in seqs)
+        self.per_sequence = (b > 1 and b * t_max > self.PAD_LIMIT * self.num_rows) if per_sequence is None \
+            else per_sequence
+        self.masks = [self._mask(s, s.end, device) for s in seqs]
+        if self.per_sequence:
+            self.row_start = [0]
+            for s in seqs:
+                self.row_start.append(self.row_start[-1] + s.n)
+            self.key_slots = [s.table.slots[: s.end] for s in seqs]
+            return
+        kv_idx = torch.zeros(b, k_max, dtype=torch.long, device=device)
+        q_idx = torch.full((b, t_max), self.num_rows, dtype=torch.long, device=device)  # row N: a zero row
+        mask = torch.zeros(b, 1, t_max, k_max, dtype=torch.bool, device=device)
+        mask[:, 0, :, 0] = True  # padded query rows see one key (no NaN); their output is dropped
+        unpad, row = [], 0
+        for i, s in enumerate(seqs):
+            kv_idx[i, : s.end] = s.table.slots[: s.end]
+            q_idx[i, : s.n] = torch.arange(row, row + s.n, device=device)
+            mask[i, 0, : s.n] = False
+            mask[i, 0, : s.n, : s.end] = self.masks[i]
+            unpad.append(torch.arange(i * t_max, i * t_max + s.n, device=device))
+            row += s.n
+        self.kv_idx, self.q_idx, self.mask, self.unpad = kv_idx, q_idx, mask, torch.cat(unpad)
+        self.t_max = t_max
+
+    @staticmethod
+    def _mask(s: SeqSlice, end: int, device) -> torch.Tensor:
+        m = torch.zeros(s.n, end, dtype=torch.bool, device=device)
+        m[:, : s.base] = True
+        if s.mask is None:
+            m[:, s.base:] = torch.ones(s.n, s.offset + s.n, dtype=torch.bool, device=device).tril(s.offset)
+        else:
+            m[:, s.base:] = s.mask.to(device)
+        return m
+
+
+class PagedLayer:
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch) -> None:
+        self.k_pool, self.v_pool, self.batch = k_pool, v_pool, batch
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q [1, nH, N, d], k/v [1, nKV, N, d] of the packed rows → attention output [1, nH, N, d];
+        the rows' keys and values are written to their slots first."""
+        meta = self.batch
+        self.k_pool.index_copy_(0, meta.write_slots, k[0].transpose(0, 1))
+        self.v_pool.index_copy_(0, meta.write_slots, v[0].transpose(0, 1))
+        if meta.per_sequence:
+            outs = []
+            for i, s in enumerate(meta.seqs):
+                qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
+                ks = self.k_pool[meta.key_slots[i]].transpose(0, 1)[None]
+                vs = self.v_pool[meta.key_slots[i]].transpose(0, 1)[None]
+                causal = s.base == 0 and s.offset == 0 and s.mask is None
+                outs.append(F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=None if causal else meta.masks[i], is_causal=causal, enable_gqa=gqa))
+            return torch.cat(outs, dim=2)
+        n_heads, d = q.shape[1], q.shape[3]
+        rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
+        qb = rows[meta.q_idx].transpose(1, 2)  # [B, nH, T, d]
+        kb = self.k_pool[meta.kv_idx].transpose(1, 2)  # [B, nKV, K, d]
+        vb = self.v_pool[meta.kv_idx].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(-1, n_heads, d)[meta.unpad]  # [N, nH, d]
+        return out.transpose(0, 1)[None]
+
+
+class PagedCache:
+    """What a model's forward takes as `cache`: `layer(i)` gives layer i's paged view of this batch."""
+
+    def __init__(self, pool: KVPool, batch: PagedBatch) -> None:
+        self.pool, self.batch = pool, batch
+
+    def layer(self, i: int) -> PagedLayer:
+        return PagedLayer(self.pool.k[i], self.pool.v[i], self.batch)

@@ -1,0 +1,309 @@
+"""The batched engine (inference_eval/engine.py, paged.py): paged attention == contiguous attention,
+continuous batching with requests joining at different steps, preemption + recompute, and
+speculative rounds for a batch (heads, draft model, tree) — every output equal to plain greedy
+decoding token for token, acceptance equal to the batch-1 reference loop, and sampling that keeps
+the target's distribution."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from inference_eval.engine import Engine, PagedTreeProposer, Tree, engine_generate
+from inference_eval.model import LlamaForCausalLM, tied_target
+from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
+from inference_eval.speculative import (DraftModelProposer, Sampling, generate_plain, generate_speculative)
+from tests.conftest import make_hf_model
+
+ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 13]
+
+
+def _train(path, batch, head_cfg, steps=60):
+    from heads.checkpoint import build_head
+    from tests.helpers import train_on_batch
+    from train.module import DraftHeadModule
+
+    tied, args, parts = tied_target(path)
+    head = build_head(head_cfg, args, tied)
+    if hasattr(head, "set_draft_vocab"):
+        head.set_draft_vocab(torch.bincount(batch["input_ids"].flatten(), minlength=args.vocab_size))
+    head.reset_parameters(0, parts.first_input_norm)
+    torch.manual_seed(0)
+    train_on_batch(DraftHeadModule(head, kl_chunk_size=64, depth=3), batch, steps, lr=1e-2)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory):
+    """A tiny random Llama whose greedy continuations do not repeat (weights at std 0.3), and an mtp
+    head trained for a few steps on its own continuations of 16 prompts — it drafts those
+    continuations well but not perfectly, so rounds accept and reject."""
+    path = tmp_path_factory.mktemp("varied_target")
+    make_hf_model("llama", seed=0, tie_word_embeddings=True, initializer_range=0.3).save_pretrained(path)
+    target = LlamaForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    starts = [torch.randint(0, 512, (4,), generator=g).tolist() for _ in range(16)]
+    ids = torch.tensor([s + generate_plain(target, s, 60) for s in starts])
+    with torch.no_grad():
+        out = target(ids, logits="none", capture_layers=(1,))
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    batch = {"input_ids": ids, "loss_mask": ones, "valid": ones, "hidden": out.hidden, "aux_hidden": out.aux[0]}
+    head = _train(path, batch, {"type": "mtp"})
+    prompts = [ids[i, : 4 + 5 * i].tolist() for i in range(8)]  # 4..39 tokens, continuations seen in training
+    return target, head, prompts, path, batch
+
+
+@pytest.fixture(scope="module")
+def reference(varied):
+    target, _, prompts, *_ = varied
+    return [generate_plain(target, p, 20) for p in prompts]
+
+
+def _pool_and_tables(target, lengths, block_size=4, num_blocks=64):
+    a = target.args
+    pool = KVPool(a.num_hidden_layers, num_blocks, block_size, a.num_key_value_heads, a.head_dim, target.dtype)
+    alloc = BlockAllocator(num_blocks)
+    tables = []
+    for n in lengths:
+        t = BlockTable(block_size)
+        t.extend(alloc.allocate(-(-n // block_size)))
+        tables.append(t)
+    return pool, tables
+
+
+@pytest.mark.parametrize("prefill_per_sequence", [True, False])
+def test_paged_attention_equals_contiguous(varied, prefill_per_sequence):
+    """Prefill (per-sequence path), then decode and multi-token verification (padded batch path),
+    for sequences of different lengths scattered over non-contiguous blocks, against the contiguous
+    cache one sequence at a time."""
+    target, _, prompts, *_ = varied
+    seqs = [prompts[1], prompts[7], prompts[0]]
+    steps = [[7], [8, 9, 10], [11, 12]]  # rows fed after the prefill, per step
+    pool, tables = _pool_and_tables(target, [len(s) + 6 for s in seqs])
+    tables[0].blocks.reverse()
+    tables[0].slots = torch.cat([torch.arange(b * 4, b * 4 + 4) for b in tables[0].blocks])
+    got = []
+    ids = torch.tensor([t for s in seqs for t in s])[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    batch = PagedBatch([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)], per_sequence=prefill_per_sequence)
+    assert batch.per_sequence == prefill_per_sequence
+    assert PagedBatch([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)]).per_sequence  # 3·39 > 2·52 rows
+    got.append(target(ids, pos, cache=PagedCache(pool, batch)).logits[0])
+    lens = [len(s) for s in seqs]
+    for rows in steps:
+        n = len(rows)
+        ids = torch.tensor(rows * 3)[None]
+        pos = torch.cat([torch.arange(m, m + n) for m in lens])[None]
+        batch = PagedBatch([SeqSlice(t, m, n) for t, m in zip(tables, lens)])
+        assert not batch.per_sequence
+        got.append(target(ids, pos, cache=PagedCache(pool, batch)).logits[0])
+        lens = [m + n for m in lens]
+    for i, s in enumerate(seqs):
+        cache = target.new_cache(1, 64)
+        want = [target(torch.tensor([s]), cache=cache).logits[0]]
+        m = len(s)
+        for rows in steps:
+            want.append(target(torch.tensor([rows]), cache=cache, start=m).logits[0])
+            m += len(rows)
+        mine = [got[0][sum(map(len, seqs[:i])): sum(map(len, seqs[: i + 1]))]]
+        mine += [g[i * len(r): (i + 1) * len(r)] for g, r in zip(got[1:], steps)]
+        torch.testing.assert_close(torch.cat(mine), torch.cat(want), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_mask_attention_equals_separate_branches(varied):
+    """Two branches verified in one pass through a tree mask give each branch's own logits."""
+    target, _, prompts, *_ = varied
+    ctx = prompts[2]
+    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2])  # root→5→6, root→7→8
+    pool, (table,) = _pool_and_tables(target, [len(ctx) + 8])
+    target(torch.tensor([ctx]), torch.arange(len(ctx))[None],
+           cache=PagedCache(pool, PagedBatch([SeqSlice(table, 0, len(ctx))])))
+    m, root = len(ctx), 99
+    batch = PagedBatch([SeqSlice(table, m, 5, mask=tree.ancestry())])
+    pos = torch.tensor([[m, m + 1, m + 2, m + 1, m + 2]])
+    got = target(torch.tensor([[root, 5, 6, 7, 8]]), pos, cache=PagedCache(pool, batch)).logits[0]
+    for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
+        want = target(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
+        torch.testing.assert_close(got[[0, *rows]], want, atol=1e-4, rtol=1e-4)
+
+
+def test_block_allocator_and_errors(varied):
+    target = varied[0]
+    alloc = BlockAllocator(3)
+    assert alloc.allocate(2) == [0, 1] and alloc.num_free == 1
+    with pytest.raises(OutOfBlocks):
+        alloc.allocate(2)
+    alloc.release([0, 1])
+    with pytest.raises(RuntimeError, match="twice"):
+        alloc.release([0])
+    eng = Engine(target, num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="needs 6 blocks"):
+        eng.add_request(list(range(10)), 10)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add_request([], 4)
+
+
+@pytest.mark.parametrize("max_batch", [8, 3])
+def test_continuous_batching_plain_equals_reference(varied, reference, max_batch):
+    target, _, prompts, *_ = varied
+    out, eng = engine_generate(target, prompts, 20, arrivals=ARRIVALS, max_batch=max_batch, block_size=8)
+    assert out == reference
+    assert eng.stats.steps == sum(len(o) - 1 for o in out)  # one target pass per token after the prefill
+
+
+def test_stop_ids_and_lengths(varied, reference):
+    target, _, prompts, *_ = varied
+    stop = {reference[0][5]}
+    out, _ = engine_generate(target, prompts, 20, stop_ids=stop, arrivals=ARRIVALS)
+    for o, r in zip(out, reference):
+        cut = next((i + 1 for i, t in enumerate(r) if t in stop), len(r))
+        assert o == r[:cut]
+    lengths = [3, 20, 1, 7, 12, 2, 9, 5]
+    eng = Engine(varied[0], max_batch=4)
+    rids = [eng.add_request(p, n) for p, n in zip(prompts, lengths)]
+    res = eng.run()
+    assert [res[r].tokens for r in rids] == [r[:n] for r, n in zip(reference, lengths)]
+    assert eng.alloc.num_free == eng.num_blocks  # every page came back
+
+
+@pytest.mark.parametrize("proposer", [None, "head", "draft_model"])
+def test_preemption_and_recompute_give_identical_output(varied, reference, proposer):
+    target, head, prompts, *_ = varied
+    drafter = {"head": head, "draft_model": target.truncated(1), None: None}[proposer]
+    out, eng = engine_generate(target, prompts, 20, proposer=drafter, k=2, block_size=4, num_blocks=30)
+    assert eng.preemptions >= 3 and out == reference
+    # sampled: each request's own generator continues where it stopped, so the output is identical too
+    def run(num_blocks):
+        samplings = [Sampling(0.9, top_k=20, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+        return engine_generate(target, prompts, 20, proposer=drafter, k=2, sampling=samplings,
+                               block_size=4, num_blocks=num_blocks)
+    (small, eng), (big, _) = run(30), run(200)
+    assert eng.preemptions >= 1 and small == big and small != reference
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_head_speculative_batch_equals_plain_and_batch1(varied, reference, k):
+    target, head, prompts, *_ = varied
+    out, eng = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=ARRIVALS, block_size=8)
+    assert out == reference
+    ref = [generate_speculative(target, head, p, k, 20)[1] for p in prompts]
+    assert eng.stats.accepted == [sum(x) for x in zip(*[s.accepted for s in ref])]
+    assert eng.stats.steps == sum(s.steps for s in ref)
+    assert 0 < eng.stats.alpha[0] < 1 and eng.stats.tau > 1.5  # rounds both accept and reject
+
+
+def test_draft_model_batch(varied, reference):
+    target, _, prompts, *_ = varied
+    for k in (1, 3):
+        draft = target.truncated(1)
+        out, eng = engine_generate(target, prompts, 20, proposer=draft, k=k, arrivals=ARRIVALS)
+        assert out == reference
+        ref = [generate_speculative(target, DraftModelProposer(draft), p, k, 20)[1] for p in prompts]
+        assert eng.stats.accepted == [sum(x) for x in zip(*[s.accepted for s in ref])]
+    full = target.truncated(target.args.num_hidden_layers)  # the target drafting for itself
+    out, eng = engine_generate(target, prompts, 2 * 4 + 1, proposer=full, k=3, arrivals=ARRIVALS)
+    assert out == [r[:9] for r in reference] and eng.stats.tau == 4.0
+
+
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "medusa", "eagle1"])
+def test_head_family_batch(varied, reference, name):
+    """Every head family, trained like the mtp head: lossless in a batch, and the same acceptance as
+    the batch-1 loop."""
+    target, _, prompts, path, batch = varied
+    cfg = {"mtp3": {"type": "mtp", "num_modules": 3}, "eagle1": {"type": "eagle1"},
+           "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 300},
+           "medusa": {"type": "medusa", "num_heads": 3}}[name]
+    head = _train(path, batch if name == "eagle3" else {k: v for k, v in batch.items() if k != "aux_hidden"}, cfg)
+    out, eng = engine_generate(target, prompts, 20, proposer=head, k=3, arrivals=ARRIVALS)
+    assert out == reference
+    ref = [generate_speculative(target, head, p, 3, 20)[1] for p in prompts]
+    assert eng.stats.accepted == [sum(x) for x in zip(*[s.accepted for s in ref])]
+    assert eng.stats.tau > (1.3 if name != "medusa" else 1.03), eng.stats  # medusa learns least in 60 steps
+
+
+class OracleTree:
+    """A tree proposer that knows each request's greedy continuation: decoy branches first, the true
+    path last, so the accepted nodes are never the first rows and the cache must be compacted."""
+
+    tree, capture_layers = True, ()
+
+    def __init__(self, continuations, depth=3):
+        self.cont, self.depth = continuations, depth
+
+    def check(self, k):
+        return None
+
+    def stats_depth(self, k):
+        return self.depth
+
+    def lookahead(self, k):
+        return 3 * self.depth + 1
+
+    def attach(self, engine):
+        self.vocab = engine.target.args.vocab_size
+
+    def prefill(self, reqs, out, rows):
+        return None
+
+    def release(self, req):
+        return None
+
+    def propose_tree(self, reqs):
+        trees = []
+        for r in reqs:
+            true = self.cont[r.rid][len(r.output): len(r.output) + self.depth]
+            toks, parents, depths = [], [], []
+            for j, t in enumerate(true):  # decoy children of the root, then of each true node
+                toks.append((t + 1) % self.vocab)
+                parents.append(-1)
+                depths.append(1)
+            prev = -1
+            for j, t in enumerate(true):
+                wrong = j == len(true) - 1 and r.rid % 2  # odd requests: the last true node is wrong
+                toks.append((t + 7) % self.vocab if wrong else t)
+                parents.append(prev)
+                depths.append(j + 1)
+                prev = len(toks) - 1
+            trees.append(Tree(toks, parents, depths))
+        return trees
+
+    def update_tree(self, reqs, vout, rows, paths, emitted):
+        return None
+
+
+def test_tree_verification_compacts_the_cache(varied, reference):
+    target, _, prompts, *_ = varied
+    full = [r + [0] * 8 for r in reference]
+    out, eng = engine_generate(target, prompts, 20, proposer=OracleTree(full), arrivals=ARRIVALS)
+    assert out == reference
+    assert eng.stats.tau > 2.5  # paths of 2-3 accepted nodes, stored after the decoys
+
+
+def test_eagle_tree_proposer(varied, reference):
+    target, head, prompts, *_ = varied
+    chain, ceng = engine_generate(target, prompts, 20, proposer=head, k=3)
+    tree = PagedTreeProposer(head, depth=3, topk=3, total=10)
+    out, eng = engine_generate(target, prompts, 20, proposer=tree, arrivals=ARRIVALS)
+    assert out == reference and chain == reference
+    assert eng.stats.tau > ceng.stats.tau  # the tree's extra branches catch some of the chain's misses
+    with pytest.raises(ValueError, match="chain head"):
+        PagedTreeProposer(type("Parallel", (), {"chain": False, "kind": "medusa"})())
+
+
+@pytest.mark.parametrize("proposer", ["head", "draft_model"])
+def test_engine_sampling_matches_the_targets_joint_distribution(tiny_target, proposer):
+    from tests.test_heads_family import make
+    from tests.test_sampling import _exact, chi2, chi2_critical
+
+    target = LlamaForCausalLM.from_pretrained(tiny_target)
+    prompt = [5, 17, 42, 9]
+    exact = _exact(target, prompt, Sampling(temperature=0.8, top_k=6))
+    drafter = make(tiny_target, "mtp3") if proposer == "head" else target.truncated(1)
+    n = 1000
+    sampling = Sampling(temperature=0.8, top_k=6, generator=torch.Generator().manual_seed(0))
+    out, eng = engine_generate(target, [prompt] * n, 3, proposer=drafter, k=2, sampling=sampling, max_batch=32,
+                               num_blocks=32 * 2)
+    counts = Counter(tuple(o[:2]) for o in out)
+    stat, df = chi2(counts, exact, n)
+    assert stat < chi2_critical(df), (stat, df)
+    assert sum(eng.stats.reached) - sum(eng.stats.accepted) > n // 4  # the residual path ran often
