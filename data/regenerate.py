@@ -7,11 +7,12 @@ assistant turn is replaced by what the target generates from the conversation so
 its chat template, `data/conversations.py` `tokenize_prompt`), until a stop token (EOS / end of turn,
 `inference_eval/evaluate.py` `stop_token_ids`) or `max_new_tokens`.
 
-Backend: HF transformers `generate` on the target checkpoint, batched with left padding and an
-attention mask. The project's engine (inference_eval/) decodes batch 1 only today; HF `generate` is
-the sanctioned backend until the engine gets batching (DESIGN.md §5: ~131 tok/s at batch 8 vs ~20 at
-batch 1 for SmolLM2-135M on 2 cores). The checkpoint's own `generation_config.json` is ignored: the
-settings are exactly the `regenerate:` config.
+Backend (`regenerate.backend`): `engine` — the project's engine (inference_eval/engine.py: paged KV
+cache, continuous batching, each request its own sampler), the default (`auto`) for Llama-family
+targets; `hf` — HF transformers `generate`, batched with left padding and an attention mask, for any
+other family. The checkpoint's own `generation_config.json` is ignored: the settings are exactly the
+`regenerate:` config. Both backends give the target's greedy replies; sampled replies differ between
+backends (different random streams), so the backend is part of the settings a resumed file must match.
 
 Batching and determinism: conversations are cut, in input order, into groups of `batch_size`; a
 group advances in lockstep, one `generate` call per assistant-turn index for the conversations that
@@ -96,9 +97,14 @@ def derived_seed(seed: int, *keys: int) -> int:
 
 def generate_replies(model, prompts: list[list[int]], settings: GenerationSettings, stop_ids: set[int],
                      pad_id: int, seed: int | None = None) -> list[Reply]:
-    """One batched HF `generate` over `prompts` (token ids), left-padded with an attention mask.
-    Sampling draws from torch's RNG seeded with `seed` inside a forked RNG state (the caller's
-    global RNG is left as it was)."""
+    """The replies to `prompts` (token ids), batched: through the engine when `model` is the engine's
+    target (each prompt sampling from its own generator, seeded from `seed` and its row), else one HF
+    `generate`, left-padded with an attention mask, drawing from torch's RNG seeded with `seed` inside
+    a forked RNG state (the caller's global RNG is left as it was)."""
+    from inference_eval.model import LlamaForCausalLM
+
+    if isinstance(model, LlamaForCausalLM):
+        return _engine_replies(model, prompts, settings, stop_ids, seed)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -116,6 +122,37 @@ def generate_replies(model, prompts: list[list[int]], settings: GenerationSettin
         stop = next((j for j, t in enumerate(row) if t in stop_ids), None)
         replies.append(Reply(row[:stop], True) if stop is not None else Reply(row, False))
     return replies
+
+
+def _engine_replies(model, prompts: list[list[int]], settings: GenerationSettings, stop_ids: set[int],
+                    seed: int | None) -> list[Reply]:
+    from inference_eval.engine import engine_generate
+    from inference_eval.speculative import GREEDY, Sampling
+
+    device = model.model.embed_tokens.weight.device
+    samplings = [GREEDY if settings.greedy else
+                 Sampling(settings.temperature, settings.top_p, settings.top_k,
+                          generator=torch.Generator(device).manual_seed(derived_seed(seed or 0, row)))
+                 for row in range(len(prompts))]
+    outs, _ = engine_generate(model, prompts, settings.max_new_tokens, stop_ids=stop_ids, sampling=samplings,
+                              max_batch=len(prompts), max_seq_len=max(map(len, prompts)) + settings.max_new_tokens + 2)
+    return [Reply(o[:-1], True) if o and o[-1] in stop_ids else Reply(o, False) for o in outs]
+
+
+def resolve_backend(backend: str | None, target_dir: Path) -> str:
+    """`auto` → `engine` for a Llama-family checkpoint (what inference_eval/model.py implements), else `hf`."""
+    backend = backend or "auto"
+    if backend not in ("auto", "engine", "hf"):
+        raise ValueError(f"regenerate.backend={backend!r}: expected auto, engine or hf")
+    if backend != "auto":
+        return backend
+    from inference_eval.model import target_args
+
+    try:
+        target_args(target_dir)
+    except ValueError:
+        return "hf"
+    return "engine"
 
 
 @dataclass
@@ -285,14 +322,19 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     meta = {"target": cfg.target.name, "target_sha256": hashlib.sha256(
                 "".join(fp[k] for k in ("config_sha256", "weights_sha256", "tokenizer_sha256")).encode()).hexdigest(),
             "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
-            "max_prompt_tokens": max_prompt_tokens}
+            "max_prompt_tokens": max_prompt_tokens, "backend": resolve_backend(rcfg.get("backend"), target_dir)}
     convs = load_conversations(cfg.data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
     device = torch.device(rcfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
-    model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
+    if meta["backend"] == "engine":
+        from inference_eval.model import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
+        model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
     out = Path(rcfg.out)
     stats = regenerate_conversations(model, tokenizer, convs.items, out, settings, batch_size, max_prompt_tokens,
                                      meta, progress=cfg.get("progress", True))

@@ -63,9 +63,55 @@ def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_t
                       per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
 
 
+def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
+                     stop_ids: set[int], batch_size: int, label: str = "head", warmup: int = 0, repeats: int = 1,
+                     sampling: Sampling = GREEDY, outputs: list | None = None) -> EvalResult:
+    """`evaluate_head` through the batched engine (inference_eval/engine.py): every prompt queued at
+    once, `batch_size` sequences decoded together (continuous batching). `proposer`: None (plain
+    decoding), a head, a draft LM, or an engine proposer (e.g. a PagedTreeProposer); k is the tree's
+    depth for a tree. tokens/s = all new tokens / wall time, median over `repeats` passes."""
+    ids = [p["ids"] for p in prompts]
+    max_len = max(map(len, ids)) + max_new_tokens + 2
+    if warmup:
+        run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+    speeds, first = [], None
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+        speeds.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t0))
+        first = first or (results, eng)
+    results, eng = first
+    by_cat: dict[str, SpecStats] = {}
+    for p, r in zip(prompts, results):
+        by_cat.setdefault(p.get("category", "all"), SpecStats(k=eng.k)).merge(r.stats)
+        if outputs is not None:
+            outputs.append(r.tokens)
+    return EvalResult(label=label, k=eng.k, tau=eng.stats.tau, alpha=eng.stats.alpha, target_passes=eng.stats.steps,
+                      new_tokens=sum(len(r.tokens) for r in results), tokens_per_s=statistics.median(speeds),
+                      per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
+
+
+def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
+               batch_size: int, sampling: Sampling, max_len: int):
+    from inference_eval.engine import Engine
+
+    eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + eng_margin(proposer, k))
+    rids = [eng.add_request(p, max_new_tokens, stop_ids, sampling) for p in prompts]
+    done = eng.run()
+    return [done[r] for r in rids], eng
+
+
+def eng_margin(proposer, k: int) -> int:
+    return getattr(proposer, "total", 0) + 4 * k + 8
+
+
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
-                       warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY) -> float:
-    """Plain decoding speed: the median over `repeats` passes after `warmup` prompts."""
+                       warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY, batch_size: int = 1) -> float:
+    """Plain decoding speed: the median over `repeats` passes after `warmup` prompts (batch_size > 1:
+    through the batched engine)."""
+    if batch_size > 1:
+        return evaluate_batched(target, None, prompts, 1, max_new_tokens, stop_ids, batch_size, "plain", warmup,
+                                repeats, sampling).tokens_per_s
     for p in prompts[:warmup]:
         generate_plain(target, p["ids"], max_new_tokens, stop_ids, sampling)
     speeds = []
@@ -201,9 +247,14 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     temperature = float(ecfg.get("temperature", 0.0))
     sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
                         torch.Generator().manual_seed(int(cfg.seed)))
-    if int(ecfg.get("batch_size", 1)) != 1:
-        raise ValueError("evaluate.batch_size must be 1: the engine decodes one sequence at a time "
-                         "(continuous batching is issue #5)")
+    batch_size = int(ecfg.get("batch_size", 1))
+    mode = ecfg.get("proposer", "chain")
+    if batch_size < 1 or mode not in ("chain", "tree"):
+        raise ValueError(f"evaluate.batch_size={batch_size} (≥ 1) / evaluate.proposer={mode!r} (chain or tree)")
+    tree = dict(ecfg.get("tree") or {}) if mode == "tree" else None
+    if tree is not None and not sampling.greedy:
+        raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")
+    batched = batch_size > 1 or tree is not None
     torch.manual_seed(int(cfg.seed))
     target_dir = resolve_target_dir(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -214,12 +265,16 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
     k, max_new = int(ecfg.k), int(ecfg.max_new_tokens)
+    if tree is not None:  # a tree's draft depth plays the part of k
+        tree = {key: int(v) for key, v in tree.items()}
+        k = tree.setdefault("depth", 4)
     warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": ecfg.head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
                               "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": temperature,
                               "top_p": sampling.top_p, "top_k": sampling.top_k,
-                              "batch_size": 1, "warmup": warmup, "repeats": repeats, "results": {}}
+                              "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": warmup,
+                              "repeats": repeats, "results": {}}
     proposers: dict[str, Any] = {}
     for label, path in (ecfg.get("heads") or {}).items():
         if path:
@@ -237,25 +292,34 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         proposers[label] = DraftModelProposer(draft, label)
     for label, prop in proposers.items():
         outputs: list[list[int]] = []
-        res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
-                            warmup=warmup, repeats=repeats, sampling=sampling, outputs=outputs)
+        if batched:
+            from inference_eval.engine import PagedTreeProposer
+
+            is_head = not isinstance(prop, DraftModelProposer)
+            engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
+                           else prop if is_head else prop.draft)
+            res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
+                                   repeats, sampling, outputs)
+        else:
+            res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
+                                warmup=warmup, repeats=repeats, sampling=sampling, outputs=outputs)
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
         if isinstance(prop, DraftModelProposer):
             entry["draft_layers"] = prop.draft.args.num_hidden_layers
         else:
             entry["checkpoint"] = str(ecfg.heads[label])
-            if ecfg.get("simulated_tau", True) and sampling.greedy:  # teacher-forced top-1: a greedy notion
+            if ecfg.get("simulated_tau", True) and sampling.greedy and tree is None:  # teacher-forced top-1: a greedy notion
                 from train.validation import simulated_tau
 
                 # along the decoded continuations: greedy speculative output is the target's greedy output
-                sim, accs = simulated_tau(target, prop, [p["ids"] for p in prompts], outputs, k)
+                sim, accs = simulated_tau(target, prop, [p["ids"] for p in prompts], outputs, res.k)
                 entry["simulated_tau"] = sim
                 entry["teacher_forced_acc"] = accs
                 entry["simulated_minus_real_tau"] = sim - res.tau
         report["results"][label] = entry
     if ecfg.get("plain_baseline"):
-        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats, sampling)
+        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats, sampling, batch_size)
         report["plain_tokens_per_s"] = plain
         for entry in report["results"].values():
             entry["speedup"] = entry["tokens_per_s"] / plain
@@ -282,7 +346,8 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
              + ("greedy" if not report.get("temperature") else
                 f"temperature {report['temperature']} (top_p {report.get('top_p')}, top_k {report.get('top_k')}), "
                 "rejection sampling")
-             + f", k={k}, batch {report['batch_size']}, "
+             + (f", tree (depth {k}, topk {report['tree'].get('topk')}, {report['tree'].get('total')} nodes)"
+                if report.get("tree") else f", k={k}") + f", batch {report.get('batch_size', 1)}, "
              f"{report['max_new_tokens']} new tokens", "",
              "| head | proposer | τ | simulated τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s | speedup |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- | --- |"]

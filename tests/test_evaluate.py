@@ -125,8 +125,21 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / report["plain_tokens_per_s"]) for r in res.values())
     md = (tmp_path / "eval.md").read_text()
     assert "| layer1 | draft_model |" in md and "| sglang | eagle1 |" in md and "plain greedy decoding" in md
-    with pytest.raises(ValueError, match="batch_size"):
-        run_evaluation(compose_config(tiny_overrides + ["evaluate.batch_size=4"]))
+    base = [o for o in cfg_overrides(tiny_overrides, prompts, native, tmp_path)]
+    batched = run_evaluation(compose_config(base + ["evaluate.batch_size=3", "+evaluate.draft_models.layer1={layers: 1}",
+                                                    "evaluate.plain_baseline=true"]))
+    assert batched["batch_size"] == 3
+    for label in ("native", "layer1"):  # the batched engine accepts exactly what the batch-1 loop accepts
+        assert batched["results"][label]["alpha"] == pytest.approx(res[label]["alpha"])
+        assert batched["results"][label]["tau"] == pytest.approx(res[label]["tau"])
+    assert batched["results"]["native"]["simulated_tau"] == pytest.approx(res["native"]["simulated_tau"])
+    tree = run_evaluation(compose_config(base + ["evaluate.proposer=tree", "evaluate.tree={depth: 2, topk: 3, total: 6}"]))
+    assert tree["proposer"] == "tree" and tree["results"]["native"]["k"] == 2
+    assert tree["results"]["native"]["tau"] >= 1.0 and "simulated_tau" not in tree["results"]["native"]
+    with pytest.raises(ValueError, match="batch_size=0"):
+        run_evaluation(compose_config(base + ["evaluate.batch_size=0"]))
+    with pytest.raises(ValueError, match="verifies greedily"):
+        run_evaluation(compose_config(base + ["evaluate.proposer=tree", "evaluate.temperature=0.5"]))
     sampled = run_evaluation(compose_config(tiny_overrides + [
         "evaluate.dataset=jsonl", f"evaluate.prompts_path={prompts}", "evaluate.k=2", "evaluate.max_new_tokens=10",
         f"+evaluate.heads.native={native}", "evaluate.heads.trained=null", "evaluate.heads.untrained=null",
@@ -134,6 +147,13 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     assert sampled["temperature"] == 0.7 and sampled["top_k"] == 20
     assert sampled["results"]["native"]["tau"] >= 1.0 and "simulated_tau" not in sampled["results"]["native"]
     assert "temperature 0.7" in (tmp_path / "sampled.md").read_text()
+
+
+def cfg_overrides(tiny_overrides, prompts, native, tmp_path):
+    return tiny_overrides + [
+        "evaluate.dataset=jsonl", f"evaluate.prompts_path={prompts}", "evaluate.num_prompts=null", "evaluate.k=2",
+        "evaluate.max_new_tokens=10", f"+evaluate.heads.native={native}", "evaluate.heads.trained=null",
+        "evaluate.heads.untrained=null", f"evaluate.report={tmp_path / 'batched.json'}"]
 
 
 def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):

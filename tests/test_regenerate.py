@@ -68,16 +68,23 @@ def test_left_padded_batch_equals_plain_greedy_generate(text_target):
     alone = [generate_replies(model, [p], settings, stops, tok.pad_token_id)[0] for p in prompts]
     plain = [_plain_greedy(model, p, stops) for p in prompts]
     assert [r.ids for r in batched] == [r.ids for r in alone] == plain
+    from inference_eval.model import LlamaForCausalLM
+
+    engine = generate_replies(LlamaForCausalLM.from_pretrained(text_target), prompts, settings, stops, tok.pad_token_id)
+    assert [r.ids for r in engine] == plain and [r.stopped for r in engine] == [r.stopped for r in batched]
     assert len({tuple(p) for p in plain}) == len(plain)  # replies differ by prompt: a row mix-up would show
 
 
-def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tmp_path):
-    """Each regenerated turn of conversations batched 5 at a time is what plain batch-1 HF greedy
-    generation gives for the conversation so far (earlier turns regenerated)."""
+@pytest.mark.parametrize("backend", ["auto", "hf"])
+def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tmp_path, backend):
+    """Each regenerated turn of conversations batched 5 at a time (through the engine — `auto` on a
+    Llama target — or HF generate) is what plain batch-1 HF greedy generation gives for the
+    conversation so far (earlier turns regenerated)."""
     from data.conversations import ROLE_MAP, tokenize_prompt
     from inference_eval.evaluate import stop_token_ids
 
-    out, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl"))
+    out, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl",
+                                       f"regenerate.backend={backend}"))
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in records] == [c["id"] for c in CONVERSATIONS] and stats.conversations == len(records)
 
@@ -97,6 +104,7 @@ def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tm
                 replies += 1
         assert record["regenerated"]["stopped"] is None and len(turns) == len(source["conversations"])
         assert record["regenerated"]["temperature"] == 0.0 and record["regenerated"]["max_new_tokens"] == MAX_NEW
+        assert record["regenerated"]["backend"] == {"auto": "engine", "hf": "hf"}[backend]
     assert replies == stats.replies == 2 * len(records)
     assert 0 < stats.cut < replies  # some replies ended at the end-of-turn token, others at max_new_tokens
 
