@@ -391,9 +391,24 @@ class PagedHeadProposer(ChainProposer):
     and pick the state at the accepted position: the seed's k = 1 schedule (verify 2 tokens, re-run
     the draft on the same batch) is the k = 1 case."""
 
-    def __init__(self, head) -> None:
+    def __init__(self, head, draft_vocab: torch.Tensor | None = None) -> None:
         self.head = head
         self.capture_layers = head.capture_layers
+        self.vocab = self.vocab_weight = None
+        if draft_vocab is not None:  # FR-Spec style: draft only among these (frequent) target ids
+            if head.draft_ids is not None:
+                raise ValueError(f"the {head.kind} head already drafts from its own sub-vocabulary (d2t)")
+            self.vocab = draft_vocab.to(head.lm_head_weight.device)
+            self.vocab_weight = head.lm_head_weight[self.vocab]
+
+    def _logits(self, h: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        """Draft logits over the target vocabulary (−inf outside a draft vocabulary)."""
+        if self.vocab is None:
+            return full_vocab_logits(self.head, h, depth)
+        sub = torch.nn.functional.linear(self.head.features(h, depth), self.vocab_weight)
+        out = sub.new_full((*sub.shape[:-1], self.head.args.vocab_size), float("-inf"))
+        out[..., self.vocab] = sub
+        return out
 
     def check(self, k: int) -> None:
         if self.head.max_depth is not None and k > self.head.max_depth:
@@ -443,14 +458,14 @@ class PagedHeadProposer(ChainProposer):
         head = self.head
         h = torch.stack([r.state for r in reqs])[None]  # [1, B, S]
         if not head.chain:
-            cols = [self._pick(reqs, full_vocab_logits(head, head(h, depth=j), j)[0]) for j in range(1, k + 1)]
+            cols = [self._pick(reqs, self._logits(head(h, depth=j), j)[0]) for j in range(1, k + 1)]
         else:
-            cols = [self._pick(reqs, full_vocab_logits(head, h)[0])]
+            cols = [self._pick(reqs, self._logits(h)[0])]
             for j in range(2, k + 1):
                 pos = [[r.m + j - 2] for r in reqs]
                 slices = [SeqSlice(r.table, r.m if head.separate_modules else r.m + j - 2, 1) for r in reqs]
                 h = self._head(h, [[d] for d in cols[-1][0]], pos, slices, depth=j)
-                cols.append(self._pick(reqs, full_vocab_logits(head, h, depth=j)[0]))
+                cols.append(self._pick(reqs, self._logits(h, depth=j)[0]))
         drafts = [[c[0][i] for c in cols] for i in range(len(reqs))]
         qs = [[c[1][i] for c in cols] for i in range(len(reqs))]
         return drafts, qs
@@ -486,10 +501,11 @@ class PagedTreeProposer(PagedHeadProposer):
 
     tree = True
 
-    def __init__(self, head, depth: int = 4, topk: int = 4, total: int = 16) -> None:
+    def __init__(self, head, depth: int = 4, topk: int = 4, total: int = 16,
+                 draft_vocab: torch.Tensor | None = None) -> None:
         if not head.chain:
             raise ValueError(f"a draft tree needs a chain head, not {head.kind}")
-        super().__init__(head)
+        super().__init__(head, draft_vocab)
         self.depth, self.topk, self.total = depth, topk, total
         if min(depth, topk, total) < 1:
             raise ValueError(f"tree depth/topk/total must be ≥ 1, got {depth}/{topk}/{total}")
@@ -506,7 +522,7 @@ class PagedTreeProposer(PagedHeadProposer):
     def propose_tree(self, reqs: list[Request]) -> list[Tree]:
         head, kk = self.head, self.topk
         b = len(reqs)
-        logp = full_vocab_logits(head, torch.stack([r.state for r in reqs])[None])[0].float().log_softmax(-1)
+        logp = self._logits(torch.stack([r.state for r in reqs])[None])[0].float().log_softmax(-1)
         top = logp.topk(kk, dim=-1)
         # per sequence: node lists (token, parent, depth, score); node ids are list indices
         tok = [top.indices[i].tolist() for i in range(b)]
@@ -536,7 +552,7 @@ class PagedTreeProposer(PagedHeadProposer):
                            [SeqSlice(reqs[i].table, reqs[i].m, kk, written, masks[i]) for i in range(b)],
                            depth=level + 1)[0].view(b, kk, -1)
             written += kk
-            child = full_vocab_logits(head, h, depth=level + 1).float().log_softmax(-1).topk(kk, dim=-1)
+            child = self._logits(h, depth=level + 1).float().log_softmax(-1).topk(kk, dim=-1)
             for i in range(b):
                 new, states = [], {}
                 for row, node in enumerate(frontier[i]):
@@ -616,6 +632,13 @@ class PagedDraftModelProposer(ChainProposer):
         k = self.engine.k
         for r, a in zip(reqs, accepted):
             r.fed = r.m + 1 + min(a, k - 1)
+
+
+def frequent_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The n most frequent token ids of `counts` [V] (ties: lower id first), ascending — a draft
+    vocabulary for `PagedHeadProposer(head, draft_vocab=...)`."""
+    order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))[:n]
+    return torch.tensor(sorted(order), dtype=torch.long)
 
 
 def engine_proposer(x, tree: dict | None = None):

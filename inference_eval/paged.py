@@ -136,6 +136,8 @@ class PagedBatch:
                 self.row_start.append(self.row_start[-1] + s.n)
             self.key_slots = [s.table.slots[: s.end] for s in seqs]
             return
+        # every sequence with the same number of rows (decode, verification): queries reshape in place
+        self.uniform = all(s.n == t_max for s in seqs)
         kv_idx = torch.zeros(b, k_max, dtype=torch.long, device=device)
         q_idx = torch.full((b, t_max), self.num_rows, dtype=torch.long, device=device)  # row N: a zero row
         mask = torch.zeros(b, 1, t_max, k_max, dtype=torch.bool, device=device)
@@ -183,11 +185,17 @@ class PagedLayer:
                     qs, ks, vs, attn_mask=None if causal else meta.masks[i], is_causal=causal, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
         n_heads, d = q.shape[1], q.shape[3]
-        rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
-        qb = rows[meta.q_idx].transpose(1, 2)  # [B, nH, T, d]
+        b = len(meta.seqs)
+        if meta.uniform:
+            qb = q[0].view(n_heads, b, meta.t_max, d).transpose(0, 1)  # [B, nH, T, d]
+        else:
+            rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
+            qb = rows[meta.q_idx].transpose(1, 2)
         kb = self.k_pool[meta.kv_idx].transpose(1, 2)  # [B, nKV, K, d]
         vb = self.v_pool[meta.kv_idx].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)  # [B, nH, T, d]
+        if meta.uniform:
+            return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, d)[None]
         out = out.transpose(1, 2).reshape(-1, n_heads, d)[meta.unpad]  # [N, nH, d]
         return out.transpose(0, 1)[None]
 

@@ -33,6 +33,8 @@ def head_config(cfg: DictConfig, name: str) -> DictConfig:
         out.head_dir = f"{cfg.run_dir}/heads/{name}"
         out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{name}"
         out.train.untrained_dir = None
+        if hcfg.get("type") == "medusa":  # Medusa's heads are its depths: head d is trained at depth d
+            out.train.module.depth = int(hcfg.get("num_heads", 4))
         if out.get("logger") and "name" in out.logger:
             out.logger.name = f"{cfg.run_name}-{name}"
     return out

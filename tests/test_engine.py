@@ -307,3 +307,34 @@ def test_engine_sampling_matches_the_targets_joint_distribution(tiny_target, pro
     stat, df = chi2(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
     assert sum(eng.stats.reached) - sum(eng.stats.accepted) > n // 4  # the residual path ran often
+
+
+def test_draft_vocabulary_pruning(varied, reference):
+    """FR-Spec style drafting among frequent tokens only: the whole vocabulary gives the unpruned
+    drafts exactly; a small one drafts only its ids and stays lossless (chain and tree)."""
+    from inference_eval.engine import PagedHeadProposer, frequent_ids
+
+    target, head, prompts, _, batch = varied
+    assert frequent_ids(torch.tensor([5, 9, 9, 1, 0]), 2).tolist() == [1, 2]
+    _, plain_eng = engine_generate(target, prompts, 20, proposer=head, k=3)
+    out, eng = engine_generate(target, prompts, 20, proposer=PagedHeadProposer(head, torch.arange(512)), k=3)
+    assert out == reference and eng.stats.accepted == plain_eng.stats.accepted
+
+    class Recording(PagedHeadProposer):
+        seen: set = set()
+
+        def propose(self, reqs, k):
+            drafts, qs = super().propose(reqs, k)
+            self.seen.update(t for row in drafts for t in row)
+            return drafts, qs
+
+    few = frequent_ids(torch.bincount(batch["input_ids"].flatten(), minlength=512), 60)
+    rec = Recording(head, few)
+    out, eng = engine_generate(target, prompts, 20, proposer=rec, k=3)
+    assert out == reference and rec.seen <= set(few.tolist()) and eng.stats.tau > 1.3
+    tree = PagedTreeProposer(head, depth=3, topk=3, total=8, draft_vocab=few)
+    assert engine_generate(target, prompts, 20, proposer=tree)[0] == reference
+    from tests.test_heads_family import make
+
+    with pytest.raises(ValueError, match="own sub-vocabulary"):
+        PagedHeadProposer(make(varied[3], "eagle3"), few)
