@@ -141,7 +141,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     done = writer.done_ids
     lengths = [len(ids) for _, ids, _ in samples]
     todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     workers = resolve_workers(workers, device)
 
     aux_layers = tuple(writer.aux_layers)
@@ -252,7 +252,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
         rank_dir,
         target_fingerprint,
     )
-    from inference_eval.model import LlamaForCausalLM
+    from inference_eval.model import HFTarget, LlamaForCausalLM, resolve_backend
 
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
@@ -265,7 +265,12 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     samples = tokenize_all(tokenizer, items, int(cfg.data.max_length), rejected)
     if not samples and (world_size == 1 or not convs.items):
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)})")
-    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
+    backend = resolve_backend(cfg.precompute.get("backend"), target_dir, "precompute")
+    if backend == "engine":
+        model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
+    else:
+        model = HFTarget.from_pretrained(target_dir, dtype=DTYPES[dtype],
+                                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
     if int(cfg.data.max_length) > model.args.max_position_embeddings:
         raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")

@@ -139,22 +139,6 @@ def _engine_replies(model, prompts: list[list[int]], settings: GenerationSetting
     return [Reply(o[:-1], True) if o and o[-1] in stop_ids else Reply(o, False) for o in outs]
 
 
-def resolve_backend(backend: str | None, target_dir: Path) -> str:
-    """`auto` → `engine` for a Llama-family checkpoint (what inference_eval/model.py implements), else `hf`."""
-    backend = backend or "auto"
-    if backend not in ("auto", "engine", "hf"):
-        raise ValueError(f"regenerate.backend={backend!r}: expected auto, engine or hf")
-    if backend != "auto":
-        return backend
-    from inference_eval.model import target_args
-
-    try:
-        target_args(target_dir)
-    except ValueError:
-        return "hf"
-    return "engine"
-
-
 @dataclass
 class RegenerateStats:
     conversations: int = 0  # written by this run
@@ -310,6 +294,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
 
     from data.sources import load_conversations, resolve_target_dir
     from data.store import DTYPES, target_fingerprint
+    from inference_eval.model import resolve_backend
 
     rcfg = cfg.regenerate
     settings = settings_from_config(rcfg)
@@ -322,7 +307,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     meta = {"target": cfg.target.name, "target_sha256": hashlib.sha256(
                 "".join(fp[k] for k in ("config_sha256", "weights_sha256", "tokenizer_sha256")).encode()).hexdigest(),
             "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
-            "max_prompt_tokens": max_prompt_tokens, "backend": resolve_backend(rcfg.get("backend"), target_dir)}
+            "max_prompt_tokens": max_prompt_tokens, "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
     convs = load_conversations(cfg.data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")

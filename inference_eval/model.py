@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -73,6 +74,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
 
     def truncated(self, num_layers: int) -> "LlamaForCausalLM":
         """A draft model made of this model's first `num_layers` decoder layers, its final norm and its
@@ -162,3 +167,68 @@ def tied_target(path: str | Path, dtype: torch.dtype = torch.float32):
     args = target_args(path)
     parts = load_frozen_parts(path, dtype)
     return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps), args, parts
+
+
+def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
+    """`auto` → `engine` for a Llama-family checkpoint (what this module implements), else `hf`."""
+    backend = backend or "auto"
+    if backend not in ("auto", "engine", "hf"):
+        raise ValueError(f"{stage}.backend={backend!r}: expected auto, engine or hf")
+    if backend != "auto":
+        return backend
+    try:
+        target_args(target_dir)
+    except ValueError:
+        return "hf"
+    return "engine"
+
+
+class HFTarget:
+    """An HF transformers causal LM behind the engine model's forward signature, for the families
+    the engine does not implement (precompute's `hf` backend): the last decoder layer's output before
+    the final norm (a forward hook) and the inputs of requested layers (`hidden_states[i]`); the base
+    model runs without its lm_head, so no logits are computed."""
+
+    def __init__(self, model) -> None:
+        self.hf = model.eval().requires_grad_(False)
+        base = model.base_model
+        self.layers = getattr(base, "layers", None) or getattr(base, "h", None)
+        if self.layers is None:
+            raise ValueError(f"{type(model).__name__}: no decoder layer list (base_model.layers or .h) to hook")
+        # one hook for the model's lifetime, writing to thread-local storage: precompute runs batches
+        # on several threads at once, and a hook sees every thread's forward
+        self._local = threading.local()
+        self.layers[-1].register_forward_hook(self._capture)
+        cfg = model.config
+        self.args = argparse_namespace(num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                                       max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 30))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", trust_remote_code: bool = False) -> "HFTarget":
+        from transformers import AutoModelForCausalLM
+
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+                   .to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    def __call__(self, input_ids: torch.Tensor, logits: str = "none", capture_layers: tuple[int, ...] = ()
+                 ) -> TargetOutput:
+        if logits != "none":
+            raise ValueError("HFTarget computes hidden states only (logits='none')")
+        out = self.hf.base_model(input_ids=input_ids, output_hidden_states=bool(capture_layers), use_cache=False)
+        hidden, self._local.hidden = self._local.hidden, None
+        aux = [out.hidden_states[i] for i in capture_layers]
+        return TargetOutput(hidden=hidden, logits=None, aux=aux)
+
+    def _capture(self, module, args, output) -> None:
+        self._local.hidden = output[0] if isinstance(output, tuple) else output
+
+
+def argparse_namespace(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**kw)

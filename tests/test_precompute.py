@@ -155,3 +155,48 @@ def test_kill_9_then_rerun_gives_the_same_shards(tiny_overrides, tmp_path):
     assert store.verify() == [] and len(store) == ref_stats.samples
     assert [s["sha256"] for s in store.manifest["shards"]] == \
         [s["sha256"] for s in json.loads((ref_dir / "manifest.json").read_text())["shards"]]
+
+
+def test_hf_backend_equals_the_engine_backend(tiny_overrides, tmp_path):
+    """precompute.backend=hf (an HF model, a hook on the last layer, hidden_states for aux layers)
+    stores what the engine's model stores, aux layers included."""
+    stores = {}
+    for backend in ("engine", "hf"):
+        cfg = compose_config(tiny_overrides + [f"precompute.backend={backend}", "precompute.aux_layers=[1]",
+                                               f"store_dir={tmp_path / backend}"])
+        stores[backend] = FeatureStore(run_precompute(cfg)[0])
+    assert len(stores["hf"]) == len(stores["engine"]) == len(CONVERSATIONS)
+    for i in range(len(CONVERSATIONS)):
+        a, b = stores["engine"][i], stores["hf"][i]
+        assert a["input_ids"].tolist() == b["input_ids"].tolist()
+        torch.testing.assert_close(a["hidden"], b["hidden"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a["aux_hidden"], b["aux_hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_family_the_engine_lacks_goes_through_hf(tiny_overrides, tmp_path):
+    """A Gemma checkpoint (embedding scaling, (1 + w) norms: not an engine family): `auto` picks the HF
+    backend, and the stored pre-norm state, through Gemma's own final norm, is HF's last hidden state."""
+    import transformers
+
+    from inference_eval.model import resolve_backend
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path / "gemma"
+    tok = make_tiny_tokenizer("chatml")
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   eos_token_id=tok.eos_token_id)
+    model = transformers.GemmaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    assert resolve_backend("auto", path, "precompute") == "hf"
+    overrides = [o for o in tiny_overrides if not o.startswith("target.path=")]
+    cfg = compose_config(overrides + [f"target.path={path}", f"store_dir={tmp_path / 'store'}"])
+    store = FeatureStore(run_precompute(cfg)[0])
+    assert len(store) == len(CONVERSATIONS)
+    for i in (0, 7):
+        got = store[i]
+        with torch.no_grad():
+            ref = model(got["input_ids"][None], output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(model.model.norm(got["hidden"].float()), ref, atol=1e-5, rtol=1e-5)
