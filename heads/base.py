@@ -29,8 +29,7 @@ class TiedTarget(nn.Module):
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """N_f: the target's final norm (F_i = N_f(H_i))."""
-        h32 = h.float()
-        return self.norm_weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
+        return self.norm_weight * F.rms_norm(h.float(), (h.shape[-1],), eps=self.eps).to(h.dtype)
 
     def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:
         """L = W_lm N_f(H): the target's logits recomputed from a stored state."""
