@@ -88,7 +88,10 @@ def main() -> None:
     ap.add_argument("--head", default=str(DEFAULT_HEAD), help="trained head for the speculative figures")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="also draft over the N most frequent tokens (0: off)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every path (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.new_tokens, args.rounds, args.ks = 24, 1, "1,3"
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -618,7 +618,7 @@ class PagedDraftModelProposer(ChainProposer):
         feeds = [r.tokens[r.fed: r.m + 1] for r in reqs]
         out = eng.forward(self.draft, self.pool, feeds, [list(range(r.fed, r.m + 1)) for r in reqs],
                           [SeqSlice(r.table, r.fed, len(f)) for r, f in zip(reqs, feeds)])
-        ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
+        ends = torch.tensor([len(f) for f in feeds], device=eng.device).cumsum(0) - 1
         cols = [self._pick(reqs, out.hidden[0, ends])]
         for j in range(2, k + 1):
             out = eng.forward(self.draft, self.pool, [[d] for d in cols[-1][0]], [[r.m + j - 1] for r in reqs],
