@@ -656,7 +656,13 @@ def engine_proposer(x, tree: dict | None = None):
 def engine_generate(target, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 1,
                     stop_ids=frozenset(), sampling: Sampling | list[Sampling] = GREEDY,
                     arrivals: list[int] | None = None, **engine_kw) -> tuple[list[list[int]], Engine]:
-    """Run `prompts` through one Engine; outputs in prompt order, and the engine (stats, preemptions)."""
+    """Run `prompts` through one Engine; outputs in prompt order, and the engine (stats, preemptions).
+    Unless `num_blocks` or `max_seq_len` is given, the pool holds min(max_batch, #prompts) sequences
+    of the longest prompt + max_new_tokens + room for a round's drafts."""
+    if "num_blocks" not in engine_kw and "max_seq_len" not in engine_kw:
+        block = engine_kw.get("block_size", 16)
+        per_seq = -(-(max(map(len, prompts)) + max_new_tokens + 2 * k + 72) // block)
+        engine_kw["num_blocks"] = per_seq * min(engine_kw.get("max_batch", 8), len(prompts))
     eng = Engine(target, proposer, k=k, **engine_kw)
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     rids = [eng.add_request(p, max_new_tokens, stop_ids, s, (arrivals or [0] * len(prompts))[i])
