@@ -8,13 +8,15 @@ drafter, continuous batching, preemption with recompute, and speculative rounds 
 A step of the scheduler:
 1. **admit** — waiting requests whose arrival step has come join, first come first served (a
    preempted request first), while the batch has room, their pages fit and the prefill token budget
-   lasts; their prompts (or, after preemption, prompt + output so far) run as one packed varlen
-   prefill; a new request samples its first token from it; the drafter prefills from the target's
-   states of the same pass;
+   lasts, keeping back the pages the running sequences will reserve over the next two rounds; their
+   prompts (or, after preemption, prompt + output so far) run as one packed varlen prefill; a new
+   request samples its first token from it; a head prefills from the target's states of the same
+   pass (a draft model feeds the prompt in its first proposal);
 2. **reserve** — every running sequence gets the pages for the positions the round will write
    (`lookahead`: k + 1 for a chain, the tree's size for a tree) before anything runs; when the pool
    runs dry the most recently admitted sequence is preempted (its pages freed, its tokens kept) and
-   re-admitted later by recomputing its prefix, which gives the same output;
+   re-admitted later by recomputing its prefix — the same output (tested in float32; in bf16 a
+   recomputed prefix can round differently, so a near-tie argmax may flip);
 3. **round** — plain decode (one token per sequence), or a speculative round: the proposer drafts for
    every sequence at once, the target verifies all of them in one packed pass, acceptance runs per
    sequence (greedy, or rejection sampling with each request's own `Sampling`), the drafter updates
@@ -113,8 +115,8 @@ class Engine:
         a = target.args
         self.device = target.model.embed_tokens.weight.device
         self.block_size, self.max_batch, self.prefill_tokens = block_size, max_batch, prefill_tokens
-        if num_blocks is None:
-            num_blocks = max_batch * math.ceil((max_seq_len or a.max_position_embeddings) / block_size)
+        if num_blocks is None:  # max_batch sequences of max_seq_len (default: the context, at most 4,096)
+            num_blocks = max_batch * math.ceil((max_seq_len or min(a.max_position_embeddings, 4096)) / block_size)
         self.num_blocks = num_blocks
         self.alloc = BlockAllocator(num_blocks)
         self.pool = KVPool(a.num_hidden_layers, num_blocks, block_size, a.num_key_value_heads, a.head_dim,
@@ -146,6 +148,8 @@ class Engine:
         if need > self.num_blocks:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {need} blocks "
                              f"of {self.block_size}; the pool has {self.num_blocks}")
+        if self.proposer is not None and self.proposer.tree and not sampling.greedy:
+            raise ValueError("a draft tree verifies greedily: sampled requests need a chain proposer")
         rid = self._next_id
         self._next_id += 1
         self.waiting.append(Request(rid, list(prompt), max_new_tokens, frozenset(stop_ids), sampling, arrival,
@@ -187,7 +191,10 @@ class Engine:
     # ---- scheduling ------------------------------------------------------------------------------------
     def _admit(self) -> None:
         admitted, budget = [], self.prefill_tokens
-        free = self.alloc.num_free
+        # keep the pages the running sequences will reserve over the next two rounds, so a newcomer is
+        # not admitted (and prefilled) only to be preempted by their growth at once
+        free = self.alloc.num_free - sum(max(0, self._blocks_for(r.m + 2 * self.lookahead) - len(r.table.blocks))
+                                         for r in self.running)
         for req in [r for r in self.waiting if r.arrival <= self.steps]:  # queue order: preempted first
             if len(self.running) + len(admitted) >= self.max_batch:
                 break
@@ -659,9 +666,11 @@ def engine_generate(target, prompts: list[list[int]], max_new_tokens: int, propo
     """Run `prompts` through one Engine; outputs in prompt order, and the engine (stats, preemptions).
     Unless `num_blocks` or `max_seq_len` is given, the pool holds min(max_batch, #prompts) sequences
     of the longest prompt + max_new_tokens + room for a round's drafts."""
+    proposer = engine_proposer(proposer) if proposer is not None else None
     if "num_blocks" not in engine_kw and "max_seq_len" not in engine_kw:
         block = engine_kw.get("block_size", 16)
-        per_seq = -(-(max(map(len, prompts)) + max_new_tokens + 2 * k + 72) // block)
+        room = proposer.lookahead(k) if proposer is not None else 1
+        per_seq = -(-(max(map(len, prompts)) + max_new_tokens + 2 * room + 2 * block) // block)
         engine_kw["num_blocks"] = per_seq * min(engine_kw.get("max_batch", 8), len(prompts))
     eng = Engine(target, proposer, k=k, **engine_kw)
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)

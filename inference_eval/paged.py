@@ -15,9 +15,11 @@ linear layers). `SeqSlice` says, for one sequence, where its rows go and what th
   (None: every earlier one and causal among the new rows) — the tree attention of a draft tree,
   or a draft step that must see only its own ancestors.
 
-Attention is pure torch: for decode and verification (few rows per sequence) the queries and each
-sequence's keys are gathered into one padded `[B, ...]` SDPA call; for a prefill-sized forward each
-sequence is one SDPA call over exactly its own keys.
+Attention is pure torch. When padding the query rows of all sequences to the longest would more
+than double them (prefills of different lengths), or there is one sequence with several rows, each
+sequence is one SDPA call over exactly its own keys (causal fast path for a fresh prefill);
+otherwise (decode, verification) the queries and each sequence's keys are gathered into one padded
+`[B, ...]` SDPA call.
 """
 
 from __future__ import annotations
@@ -127,9 +129,12 @@ class PagedBatch:
         self.num_rows = sum(s.n for s in seqs)
         self.write_slots = torch.cat([s.table.slots[s.base + s.offset: s.end] for s in seqs])
         b, t_max, k_max = len(seqs), max(s.n for s in seqs), max(s.end for s in seqs)
-        self.per_sequence = (b > 1 and b * t_max > self.PAD_LIMIT * self.num_rows) if per_sequence is None \
-            else per_sequence
-        self.masks = [self._mask(s, s.end, device) for s in seqs]
+        if per_sequence is None:
+            per_sequence = (b == 1 and t_max > 1) or b * t_max > self.PAD_LIMIT * self.num_rows
+        self.per_sequence = per_sequence
+        # None: a fresh causal prefill (SDPA's is_causal, no mask built)
+        self.masks = [None if per_sequence and s.base == 0 and s.offset == 0 and s.mask is None
+                      else self._mask(s, s.end, device) for s in seqs]
         if self.per_sequence:
             self.row_start = [0]
             for s in seqs:
@@ -180,9 +185,8 @@ class PagedLayer:
                 qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
                 ks = self.k_pool[meta.key_slots[i]].transpose(0, 1)[None]
                 vs = self.v_pool[meta.key_slots[i]].transpose(0, 1)[None]
-                causal = s.base == 0 and s.offset == 0 and s.mask is None
                 outs.append(F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=None if causal else meta.masks[i], is_causal=causal, enable_gqa=gqa))
+                    qs, ks, vs, attn_mask=meta.masks[i], is_causal=meta.masks[i] is None, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
         n_heads, d = q.shape[1], q.shape[3]
         b = len(meta.seqs)

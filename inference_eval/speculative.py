@@ -111,10 +111,18 @@ class Sampling:
         if self.greedy:
             return int(logits.argmax()), None
         p = self.probs(logits)
-        return int(torch.multinomial(p, 1, generator=self.generator)), p
+        return draw(p, self.generator), p
 
 
 GREEDY = Sampling()
+
+
+def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token id sampled from the probabilities `p` [V], on the generator's device (a CPU generator
+    can drive sampling for a model on an accelerator)."""
+    if generator is not None and p.device != generator.device:
+        p = p.to(generator.device)
+    return int(torch.multinomial(p, 1, generator=generator))
 
 
 def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
@@ -124,15 +132,15 @@ def accept_rejection(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
     sampled from norm(max(0, p_a − q_a)) after a rejection or from p_k when all k were accepted. The
     emitted tokens are distributed exactly as sampling from p, whatever q is."""
     for j, d in enumerate(drafts):
-        u = torch.rand((), generator=generator)
+        u = torch.rand((), generator=generator, device=generator.device if generator is not None else "cpu")
         if float(u) * float(q[j, d]) < float(p[j, d]):  # accept with probability min(1, p/q)
             continue
         residual = (p[j] - q[j]).clamp(min=0.0)
         total = float(residual.sum())
         residual = residual / total if total > 0 else p[j]
-        return j, int(torch.multinomial(residual, 1, generator=generator))
+        return j, draw(residual, generator)
     k = len(drafts)
-    return k, int(torch.multinomial(p[k], 1, generator=generator))
+    return k, draw(p[k], generator)
 
 
 def full_vocab_logits(head, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
