@@ -323,8 +323,44 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         report["plain_tokens_per_s"] = plain
         for entry in report["results"].values():
             entry["speedup"] = entry["tokens_per_s"] / plain
-    write_report(report, Path(ecfg.report))
+    files = write_report(report, Path(ecfg.report))
+    report_to_wandb(cfg, report, files)
     return report
+
+
+def report_to_wandb(cfg: Any, report: dict[str, Any], files: list[Path]) -> str | None:
+    """With the wandb logger configured (`logger=wandb`), log the report as a run of its own (job type
+    `evaluate`): τ, α_d, tokens/s, speedup and τ per category per head, a table of the heads, and the
+    PNG plots. Offline unless the logger says otherwise (WANDB_MODE overrides, as for training).
+    Returns the run's directory (None when not logged)."""
+    lcfg = cfg.get("logger") or {}
+    if "WandbLogger" not in str(lcfg.get("_target_", "")):
+        return None
+    import wandb
+
+    settings = {key: v for key, v in report.items() if key != "results"}
+    run = wandb.init(project=lcfg.get("project"), entity=lcfg.get("entity"), name=f"{lcfg.get('name')}-evaluate",
+                     dir=lcfg.get("save_dir"), mode="offline" if lcfg.get("offline", True) else "online",
+                     job_type="evaluate", config=settings, reinit="finish_previous")
+    try:
+        metrics: dict[str, Any] = {}
+        rows = []
+        for label, r in report["results"].items():
+            metrics[f"eval/{label}/tau"] = r["tau"]
+            metrics.update({f"eval/{label}/alpha_{d + 1}": a for d, a in enumerate(r["alpha"])})
+            metrics.update({f"eval/{label}/tau_{c}": t for c, t in r["per_category_tau"].items()})
+            metrics[f"eval/{label}/tokens_per_s"] = r["tokens_per_s"]
+            for key in ("speedup", "simulated_tau"):
+                if r.get(key) is not None:
+                    metrics[f"eval/{label}/{key}"] = r[key]
+            rows.append([label, r.get("proposer"), r["tau"], r.get("simulated_tau"), r["tokens_per_s"], r.get("speedup")])
+        metrics["eval/table"] = wandb.Table(columns=["head", "proposer", "tau", "simulated_tau", "tokens_per_s",
+                                                     "speedup"], data=rows)
+        metrics.update({f"eval/{f.stem}": wandb.Image(str(f)) for f in files if f.suffix == ".png"})
+        run.log(metrics)
+        return run.dir
+    finally:
+        run.finish()
 
 
 def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:

@@ -191,3 +191,24 @@ def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_pat
     f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "there"}]}) + "\n")
     (got,) = jsonl_prompts(tok, f, None)  # a prompt-only record, its two user turns merged as for training
     assert got["ids"] == tokenize_prompt(tok, [{"role": "user", "content": "hi\n\nthere"}])
+
+
+def test_report_goes_to_wandb_offline(tiny_overrides, tiny_target, tmp_path, monkeypatch):
+    from inference_eval.evaluate import run_evaluation
+    from tests.conftest import compose_config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    overrides = [o for o in tiny_overrides if not o.startswith("logger=")]
+    cfg = compose_config(overrides + ["logger=wandb", "evaluate.heads.trained=null", "evaluate.heads.untrained=null",
+                                      "+evaluate.draft_models.layer1={layers: 1}", "evaluate.k=2",
+                                      f"evaluate.report={tmp_path / 'eval.json'}"])
+    report = run_evaluation(cfg)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    (table,) = (runs[0] / "files" / "media" / "table").rglob("*.table.json")
+    rows = json.loads(table.read_text())
+    assert rows["columns"][:3] == ["head", "proposer", "tau"]
+    assert rows["data"][0][:3] == ["layer1", "draft_model", pytest.approx(report["results"]["layer1"]["tau"])]
+    images = sorted(p.name for p in (runs[0] / "files" / "media" / "images").rglob("*.png"))
+    assert len(images) == 2 and images[0].startswith("eval_alpha")
