@@ -93,16 +93,14 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
 
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
                batch_size: int, sampling: Sampling, max_len: int):
-    from inference_eval.engine import Engine
+    from inference_eval.engine import Engine, engine_proposer
 
-    eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + eng_margin(proposer, k))
+    proposer = engine_proposer(proposer) if proposer is not None else None
+    room = proposer.lookahead(k) if proposer is not None else 1  # positions a round writes ahead
+    eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + 2 * room)
     rids = [eng.add_request(p, max_new_tokens, stop_ids, sampling) for p in prompts]
     done = eng.run()
     return [done[r] for r in rids], eng
-
-
-def eng_margin(proposer, k: int) -> int:
-    return getattr(proposer, "total", 0) + 4 * k + 8
 
 
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],

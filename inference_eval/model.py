@@ -14,6 +14,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
@@ -200,8 +201,8 @@ class HFTarget:
         self._local = threading.local()
         self.layers[-1].register_forward_hook(self._capture)
         cfg = model.config
-        self.args = argparse_namespace(num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                                       max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.args = SimpleNamespace(num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                                    max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 30))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
@@ -227,8 +228,3 @@ class HFTarget:
     def _capture(self, module, args, output) -> None:
         self._local.hidden = output[0] if isinstance(output, tuple) else output
 
-
-def argparse_namespace(**kw):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**kw)
