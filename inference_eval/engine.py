@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
-from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_rejection, full_vocab_logits
+from inference_eval.speculative import (GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection,
+                                        full_vocab_logits)
 
 
 @dataclass
@@ -310,11 +311,8 @@ class Engine:
         accepted, emitted = [], []
         for i, r in enumerate(reqs):
             if r.sampling.greedy:
-                g = argmax[i].tolist()
-                a = 0
-                while a < k and drafts[i][a] == g[a]:
-                    a += 1
-                last = g[a]
+                a = accept_greedy(torch.tensor(drafts[i], device=argmax.device), argmax[i])
+                last = int(argmax[i, a])
             else:
                 a, last = accept_rejection(drafts[i], torch.stack(qs[i]), r.sampling.probs(logits[i]),
                                            r.sampling.generator)
@@ -483,13 +481,21 @@ class PagedHeadProposer(ChainProposer):
             for r, (s, _), a in zip(reqs, rows, accepted):
                 r.state = vout.hidden[0, s + a]
             return
-        states = _target_state(self.head, vout.hidden, vout.aux)  # [1, N, S]
         if argmax is not None:  # greedy: fixed shape, all k+1 positions
+            states = _target_state(self.head, vout.hidden, vout.aux)  # [1, N, S]
             h = self._refresh(reqs, states, argmax.tolist(), [r.m for r in reqs])
             for r, (s, _), a in zip(reqs, rows, accepted):
                 r.state = h[s + a]
             return
-        idx = [i for (s, _), a in zip(rows, accepted) for i in range(s, s + a + 1)]
+        self.update_tree(reqs, vout, rows, [list(range(1, a + 1)) for a in accepted], emitted)
+
+    def update_tree(self, reqs: list[Request], vout, rows: list[tuple[int, int]], paths: list[list[int]],
+                    emitted: list[list[int]]) -> None:
+        """Refresh the head over each sequence's verified rows [0, *path] (the root t_m, then the
+        accepted nodes) with the emitted tokens; its state is the one at the last accepted row. A chain
+        round's path is rows 1..a."""
+        states = _target_state(self.head, vout.hidden, vout.aux)
+        idx = [s + p for (s, _), path in zip(rows, paths) for p in [0, *path]]
         h = self._refresh(reqs, states[:, idx], emitted, [r.m for r in reqs])
         end = 0
         for r, e in zip(reqs, emitted):
@@ -581,16 +587,6 @@ class PagedTreeProposer(PagedHeadProposer):
                               [index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep],
                               [dep[i][n] for n in keep]))
         return trees
-
-    def update_tree(self, reqs: list[Request], vout, rows: list[tuple[int, int]], paths: list[list[int]],
-                    emitted: list[list[int]]) -> None:
-        states = _target_state(self.head, vout.hidden, vout.aux)
-        idx = [s + p for (s, _), path in zip(rows, paths) for p in [0, *path]]
-        h = self._refresh(reqs, states[:, idx], emitted, [r.m for r in reqs])
-        end = 0
-        for r, e in zip(reqs, emitted):
-            end += len(e)
-            r.state = h[end - 1]
 
 
 class PagedDraftModelProposer(ChainProposer):
