@@ -2,9 +2,9 @@
 typical HF-transformers precompute script, on the same ShareGPT samples, in one process.
 
 - ours: `data.precompute.precompute` — the engine model (`inference_eval.model.LlamaForCausalLM`)
-  with `logits="none"`, right-padded batches of at most `--batch-tokens` padded tokens without an
-  attention mask (causal attention hides the padding), on CPU one batch per worker thread, writing
-  a bf16 feature store.
+  with `logits="none"`, packed batches of at most `--batch-tokens` tokens (samples back to back in
+  one row, causal attention within each, no padding), balanced over the workers, on CPU one batch
+  per worker thread, writing a bf16 feature store.
 - HF: `AutoModelForCausalLM` in bf16, length-sorted right-padded batches of at most `--batch-tokens`
   padded tokens with an attention mask, `output_hidden_states=True` (as EAGLE's and SpecForge's HF
   paths call it, so the full logits are computed too) and a forward hook on the last decoder layer

@@ -4,13 +4,14 @@ Uses the engine's model (inference_eval/model.py) in the configured compute dtyp
 `logits="none"`: the store needs H_i only, and the vocabulary projection would be about a fifth of
 SmolLM2-135M's FLOPs plus a [T, V] tensor per sample.
 
-Batching without an attention mask: samples are right-padded into [B, T_max] batches. Attention is
-causal, so a real token never attends to the padding after it, and the states of a sample's real
-tokens are those of its own forward (up to the rounding of a batched matmul); the states at padded
-positions are dropped. Samples are taken in windows of consecutive samples (`WINDOW_BATCHES` batches' worth of
-tokens); inside a window they are sorted by length and cut into batches of at most `batch_tokens`
-padded tokens, which keeps padding small (ShareGPT samples truncated to `max_length` share one
-length: no padding at all), and they are written in input order.
+Batching without padding (the engine model): a batch is several samples packed back to back in
+one `[1, N]` row (`inference_eval.paged.PackedRows`), each with its own positions and causal
+attention within itself only, so the linear layers and attention see real tokens only. Samples are
+taken in windows of consecutive samples (`WINDOW_BATCHES` batches' worth of tokens); a window is
+spread over a multiple-of-the-workers number of batches of at most `batch_tokens` tokens, balanced
+by estimated cost so that the workers finish a window together; results are written in input order.
+The HF backend (other families) cannot pack: its batches are right-padded `[B, T_max]` rows sorted
+by length, without an attention mask (causal attention hides the padding after a sample).
 
 Resumable and deterministic: windows and batches are a function of the full sample list,
 `batch_tokens` and the number of workers only. A resumed run skips every batch whose samples are all
@@ -35,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.store import Sample, StoreWriter
+from inference_eval.paged import PackedRows
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,21 @@ def tokenize_all(tokenizer, conversations: list[tuple[str, list[dict]]], max_len
 WINDOW_BATCHES = 8  # a window holds about this many batches' worth of tokens
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) -> list[list[list[int]]]:
-    """Windows of consecutive sample indices, each a list of batches (longest first) whose padded
-    size rows × longest row is at most `batch_tokens` (a longer sample gets a batch of its own).
-    A window too small to fill `min_batches` batches (the last one, or a small dataset) is cut into
-    about `min_batches` smaller ones (at most ceil(n / min_batches) rows each), so that every worker
-    gets one."""
+def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1,
+                 packed: bool = False) -> list[list[list[int]]]:
+    """Windows of consecutive sample indices (about `WINDOW_BATCHES` batches' worth of tokens each),
+    each a list of batches.
+
+    `packed=False` (right-padded rows): batches longest first, whose padded size rows × longest row
+    is at most `batch_tokens` (a longer sample gets a batch of its own). A window too small to fill
+    `min_batches` batches (the last one, or a small dataset) is cut into about `min_batches` smaller
+    ones (at most ceil(n / min_batches) rows each), so that every worker gets one.
+
+    `packed=True` (samples back to back in one row, no padding): a window's samples are spread over
+    a multiple of `min_batches` batches of at most `batch_tokens` tokens (a longer sample alone),
+    balanced by estimated cost, longest sample first onto the cheapest batch; each batch lists its
+    samples in index order. Balanced batches keep the workers finishing together at a window's end.
+    """
     windows, window, window_tokens = [], [], 0
     for i, n in enumerate(lengths):
         window.append(i)
@@ -88,6 +99,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) ->
         if window_tokens >= WINDOW_BATCHES * batch_tokens or i == len(lengths) - 1:
             windows.append(window)
             window, window_tokens = [], 0
+    if packed:
+        return [_balanced_batches(window, lengths, batch_tokens, min_batches) for window in windows]
     planned = []
     for window in windows:
         max_rows = -(-len(window) // min_batches)  # binds only in a window too small for the workers
@@ -100,6 +113,36 @@ def plan_batches(lengths: list[int], batch_tokens: int, min_batches: int = 1) ->
                 batches.append([i])
         planned.append(batches)
     return planned
+
+
+# Attention's share of a sample's cost grows with its length; on CPU (bf16 SDPA) a token's attention
+# costs about as much as its linear layers at this sequence length. Used only to balance batches.
+ATTENTION_BREAK_EVEN = 1024
+
+
+def sample_cost(n: int) -> float:
+    return n * (1 + n / ATTENTION_BREAK_EVEN)
+
+
+def _balanced_batches(window: list[int], lengths: list[int], batch_tokens: int, min_batches: int
+                      ) -> list[list[int]]:
+    tokens = sum(lengths[i] for i in window)
+    count = max(min_batches, -(-tokens // batch_tokens))
+    count = min(len(window), -(-count // min_batches) * min_batches)
+    members: list[list[int]] = [[] for _ in range(count)]
+    load, used = [0.0] * count, [0] * count
+    for i in sorted(window, key=lambda i: (-lengths[i], i)):
+        fits = [b for b in range(count) if not members[b] or used[b] + lengths[i] <= batch_tokens]
+        if not fits:  # every batch is full: open another
+            members.append([])
+            load.append(0.0)
+            used.append(0)
+            fits = [len(members) - 1]
+        b = min(fits, key=lambda b: (load[b], b))
+        members[b].append(i)
+        load[b] += sample_cost(lengths[i])
+        used[b] += lengths[i]
+    return [sorted(m) for m in members if m]
 
 
 def resolve_workers(workers: int | None, device: torch.device) -> int:
@@ -146,17 +189,29 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
 
     aux_layers = tuple(writer.aux_layers)
 
-    def forward(job: tuple[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch = job[1]
-        input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
-        for row, i in enumerate(batch):
-            input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
-        with torch.inference_mode():  # thread-local: entered in the worker
-            out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
-            aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T_max, K·H]
-            return out.hidden.cpu(), aux  # [B, T_max, H], pre-norm
+    packed = bool(getattr(model, "supports_packing", False))
 
-    jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers))
+    def forward(job: tuple[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(H_i [n, H], aux [n, K·H] or None) of each sample of the batch, in batch order."""
+        batch = job[1]
+        with torch.inference_mode():  # thread-local: entered in the worker
+            if packed:  # one row, no padding; each sample attends to itself only
+                rows = PackedRows([lengths[i] for i in batch])
+                input_ids = torch.tensor([t for i in batch for t in samples[i][1]], device=device)[None]
+                out = model(input_ids, positions=rows.positions(device), cache=rows, logits="none",
+                            capture_layers=aux_layers)
+                spans = [(0, a, b) for a, b in zip(rows.bounds, rows.bounds[1:])]
+            else:
+                input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
+                for row, i in enumerate(batch):
+                    input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
+                out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
+                spans = [(row, 0, lengths[i]) for row, i in enumerate(batch)]
+            hidden = out.hidden.cpu()  # pre-norm
+            aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T, K·H]
+            return [(hidden[r, a:b], aux[r, a:b] if aux is not None else None) for r, a, b in spans]
+
+    jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers, packed=packed))
             for batch in window if not all(samples[i][0] in done for i in batch)]
     t0 = time.perf_counter()
     count = tokens = loss_tokens = 0
@@ -183,9 +238,8 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
             if w != current:
                 write(hidden)
                 hidden, current = {}, w
-            h, aux = out
-            for row, i in enumerate(batch):
-                hidden[i] = (h[row, :lengths[i]], aux[row, :lengths[i]] if aux is not None else None)
+            for i, states in zip(batch, out):
+                hidden[i] = states
         write(hidden)
     finally:
         if pool is not None:

@@ -43,6 +43,8 @@ class LlamaBackbone(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Target model. Module names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` loads as is."""
 
+    supports_packing = True  # forward takes packed samples (`cache=PackedRows`, per-sample positions)
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args

@@ -212,3 +212,34 @@ class PagedCache:
 
     def layer(self, i: int) -> PagedLayer:
         return PagedLayer(self.pool.k[i], self.pool.v[i], self.batch)
+
+
+class PackedRows:
+    """Varlen prefill without a KV cache (precompute): several samples packed back to back in one
+    row, each attending causally to itself only, so no token is padding. Passed to a model's forward
+    as `cache`, with each sample's positions restarting at 0 (`positions()`)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"packed sample lengths must be ≥ 1, got {lengths}")
+        self.lengths = [int(n) for n in lengths]
+        self.bounds = [0]
+        for n in self.lengths:
+            self.bounds.append(self.bounds[-1] + n)
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[1, N] positions, 0..n-1 for each sample."""
+        return torch.cat([torch.arange(n, device=device) for n in self.lengths])[None]
+
+    def layer(self, i: int) -> "PackedRows":
+        return self
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q [1, nH, N, d], k/v [1, nKV, N, d] → [1, nH, N, d], causal within each sample."""
+        if q.shape[2] != self.bounds[-1]:
+            raise ValueError(f"packed forward of {q.shape[2]} rows, the samples hold {self.bounds[-1]}")
+        if len(self.lengths) == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
+                                                         is_causal=True, enable_gqa=gqa)
+                          for a, b in zip(self.bounds, self.bounds[1:])], dim=2)

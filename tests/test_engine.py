@@ -110,6 +110,28 @@ def test_paged_attention_equals_contiguous(varied, prefill_per_sequence):
         torch.testing.assert_close(torch.cat(mine), torch.cat(want), atol=1e-4, rtol=1e-4)
 
 
+def test_packed_rows_equal_separate_forwards(varied):
+    """Varlen prefill without a cache (precompute): samples packed in one row, a 1-token one among
+    them, give each sample's own hidden states and captured layer inputs; a length mismatch is refused."""
+    from inference_eval.paged import PackedRows
+
+    target, _, prompts, *_ = varied
+    seqs = [prompts[3], [prompts[0][0]], prompts[6], prompts[1]]
+    rows = PackedRows([len(s) for s in seqs])
+    assert rows.positions().tolist() == [[p for s in seqs for p in range(len(s))]]
+    with torch.no_grad():
+        got = target(torch.tensor([[t for s in seqs for t in s]]), rows.positions(), cache=rows,
+                     logits="none", capture_layers=(1,))
+        for s, a, b in zip(seqs, rows.bounds, rows.bounds[1:]):
+            want = target(torch.tensor([s]), logits="none", capture_layers=(1,))
+            torch.testing.assert_close(got.hidden[0, a:b], want.hidden[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.aux[0][0, a:b], want.aux[0][0], atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="packed forward of"):
+            target(torch.tensor([seqs[0]]), logits="none", cache=rows)
+    with pytest.raises(ValueError, match="≥ 1"):
+        PackedRows([3, 0])
+
+
 def test_tree_mask_attention_equals_separate_branches(varied):
     """Two branches verified in one pass through a tree mask give each branch's own logits."""
     target, _, prompts, *_ = varied

@@ -22,7 +22,7 @@ def test_store_holds_hf_hidden_states(tiny_overrides, tiny_target):
     assert len(store) == len(CONVERSATIONS)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    for i in range(len(CONVERSATIONS)):  # batched with right padding: each one as in its own forward
+    for i in range(len(CONVERSATIONS)):  # packed several to a row: each one as in its own forward
         messages, _ = normalize_record(CONVERSATIONS[i])
         expected = tokenize_conversation(tok, messages)
         got = store[i]
@@ -53,19 +53,26 @@ def test_rerun_resumes_and_matches(tiny_overrides, tmp_path):
     assert FeatureStore(store_dir).verify() == []
 
 
+def _check_windows(plan, lengths, budget):
+    from data.precompute import WINDOW_BATCHES
+
+    flat = [i for window in plan for batch in window for i in batch]
+    assert sorted(flat) == list(range(len(lengths)))
+    starts = [min(i for b in w for i in b) for w in plan]
+    ends = [max(i for b in w for i in b) for w in plan]
+    assert starts[0] == 0 and all(e + 1 == s for e, s in zip(ends, starts[1:]))  # consecutive windows
+    for window in plan:
+        assert sum(lengths[i] for b in window for i in b) <= WINDOW_BATCHES * budget + max(lengths)
+
+
 def test_plan_batches_covers_each_sample_once_within_budget():
-    from data.precompute import WINDOW_BATCHES, plan_batches
+    from data.precompute import plan_batches
 
     lengths = [1024] * 30 + [700, 12, 300, 1024, 5000, 64, 64, 64] * 5
     for budget, workers in ((4096, 1), (4096, 2), (2048, 4)):
         plan = plan_batches(lengths, budget, min_batches=workers)
-        flat = [i for window in plan for batch in window for i in batch]
-        assert sorted(flat) == list(range(len(lengths)))
-        starts = [min(i for b in w for i in b) for w in plan]
-        ends = [max(i for b in w for i in b) for w in plan]
-        assert starts[0] == 0 and all(e + 1 == s for e, s in zip(ends, starts[1:]))  # consecutive windows
+        _check_windows(plan, lengths, budget)
         for window in plan:
-            assert sum(lengths[i] for b in window for i in b) <= WINDOW_BATCHES * budget + max(lengths)
             for batch in window:
                 rows = [lengths[i] for i in batch]
                 assert rows == sorted(rows, reverse=True)  # longest first: the row that sets T_max
@@ -74,6 +81,30 @@ def test_plan_batches_covers_each_sample_once_within_budget():
     assert plan_batches([100] * 8, 8192, min_batches=1) == [[[0, 1, 2, 3, 4, 5, 6, 7]]]
     assert plan_batches([100] * 8, 8192, min_batches=2) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
     assert len(plan_batches([300, 100, 200, 100, 50, 100, 100, 100], 8192, min_batches=4)[0]) == 4
+
+
+def test_packed_plan_is_balanced_within_budget():
+    from data.precompute import plan_batches, sample_cost
+
+    lengths = [1024] * 30 + [700, 12, 300, 1024, 5000, 64, 64, 64] * 5
+    for budget, workers in ((4096, 1), (4096, 2), (2048, 4), (8192, 2)):
+        plan = plan_batches(lengths, budget, min_batches=workers, packed=True)
+        _check_windows(plan, lengths, budget)
+        for window in plan:
+            for batch in window:
+                assert batch == sorted(batch)  # input order inside a row
+                assert len(batch) == 1 or sum(lengths[i] for i in batch) <= budget  # tokens, not padded rows
+    # a small window is spread evenly over the workers: a multiple of them, costs close
+    window = [1024, 1024, 1024, 1024, 1024, 836, 700, 500, 122, 30]
+    plan = plan_batches(window, 8192, min_batches=2, packed=True)
+    assert len(plan) == 1 and len(plan[0]) == 2
+    costs = [sum(sample_cost(window[i]) for i in b) for b in plan[0]]
+    assert max(costs) / min(costs) < 1.2, costs
+    # the padded plan of the same window keeps 5 rows of 1024 on one worker
+    padded = plan_batches(window, 8192, min_batches=2)
+    assert [len(b) for b in padded[0]] == [5, 5]
+    assert plan_batches([100] * 8, 8192, min_batches=2, packed=True) == [[[0, 2, 4, 6], [1, 3, 5, 7]]]
+    assert plan_batches([100] * 3, 8192, min_batches=4, packed=True) == [[[0], [1], [2]]]
 
 
 def _many_conversations(path, n=300):
