@@ -183,8 +183,8 @@ class PagedLayer:
             outs = []
             for i, s in enumerate(meta.seqs):
                 qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
-                ks = self.k_pool[meta.key_slots[i]].transpose(0, 1)[None]
-                vs = self.v_pool[meta.key_slots[i]].transpose(0, 1)[None]
+                ks = self.k_pool.index_select(0, meta.key_slots[i]).transpose(0, 1)[None]
+                vs = self.v_pool.index_select(0, meta.key_slots[i]).transpose(0, 1)[None]
                 outs.append(F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=meta.masks[i], is_causal=meta.masks[i] is None, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
@@ -195,13 +195,33 @@ class PagedLayer:
         else:
             rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
             qb = rows[meta.q_idx].transpose(1, 2)
-        kb = self.k_pool[meta.kv_idx].transpose(1, 2)  # [B, nKV, K, d]
-        vb = self.v_pool[meta.kv_idx].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=meta.mask, enable_gqa=gqa)  # [B, nH, T, d]
+        kb = self._gather(self.k_pool, meta.kv_idx)  # [B, nKV, K, d]
+        vb = self._gather(self.v_pool, meta.kv_idx)
+        out = grouped_attention(qb, kb, vb, meta.mask)  # [B, nH, T, d]
         if meta.uniform:
             return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, d)[None]
         out = out.transpose(1, 2).reshape(-1, n_heads, d)[meta.unpad]  # [N, nH, d]
         return out.transpose(0, 1)[None]
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Slots `idx` [B, K] of a pool [S, nKV, d] → [B, nKV, K, d] (index_select: several times
+        faster than advanced indexing on CPU)."""
+        return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, *pool.shape[1:]).transpose(1, 2)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with a boolean mask, q [B, nH, T, d], k/v [B, nKV, K, d], mask [B, 1, T, K]. The g = nH/nKV
+    query heads that share a key head are folded into its query rows ([B, nKV, g·T, d]), so each key
+    head is one SDPA problem with g·T queries: the same result as `enable_gqa`, and on CPU several
+    times faster for the few query rows of decode and verification (bf16 single-query SDPA is slow)."""
+    b, n_heads, t, d = q.shape
+    g = n_heads // k.shape[1]
+    if g == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v,
+                                         attn_mask=mask.repeat(1, 1, g, 1))
+    return out.view(b, n_heads, t, d)
 
 
 class PagedCache:
