@@ -225,7 +225,6 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
                 continue
             writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), *hidden[i]))
             count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
-            bar.update(len(ids))
 
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="precompute") if workers > 1 else None
@@ -235,6 +234,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
         hidden: dict[int, torch.Tensor] = {}
         current = None
         for (w, batch), out in _in_order(forward, jobs, pool, in_flight=2 * workers):
+            bar.update(sum(lengths[i] for i in batch if samples[i][0] not in done))  # computed, written at the window's end
             if w != current:
                 write(hidden)
                 hidden, current = {}, w

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary
+from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary, linear
 
 
 class TiedTarget(nn.Module):
@@ -33,7 +33,7 @@ class TiedTarget(nn.Module):
 
     def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:
         """L = W_lm N_f(H): the target's logits recomputed from a stored state."""
-        return F.linear(self.final_norm(h), self.lm_head)
+        return linear(self.final_norm(h), self.lm_head)
 
 
 class DraftHead(nn.Module):
@@ -128,7 +128,7 @@ class DraftHead(nn.Module):
         return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras, mask)
 
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        return F.linear(self.features(hidden, depth), self.lm_head_weight)
+        return linear(self.features(hidden, depth), self.lm_head_weight)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None = None, start: int = 0, depth: int = 1) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import DecoderLayer, LlamaArgs
+from heads.layers import DecoderLayer, Linear, LlamaArgs
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Eagle1Head(DraftHead):
         super().__init__(args, tied)
         h = args.hidden_size
         self.cfg = cfg
-        self.fc = nn.Linear(2 * h, h, bias=cfg.bias)
+        self.fc = Linear(2 * h, h, bias=cfg.bias)
         self.layers = nn.ModuleList([DecoderLayer(args, input_norm=False)])  # one module: EAGLE's layers.0
 
     def decoder(self, depth: int) -> DecoderLayer:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import MLP, Attention, LlamaArgs, RMSNorm
+from heads.layers import MLP, Attention, Linear, LlamaArgs, RMSNorm
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -101,10 +101,10 @@ class Eagle3Head(DraftHead):
         h = args.hidden_size
         # the engines' EAGLE-3 layer has neither q/k/v bias nor q/k norms (Qwen targets included)
         self.layer_args = dataclasses.replace(args, attention_bias=False, qk_norm=False)
-        self.fc = nn.Linear(len(aux) * h, h, bias=False)
+        self.fc = Linear(len(aux) * h, h, bias=False)
         self.midlayer = Eagle3Layer(self.layer_args)
         self.norm = RMSNorm(h, args.rms_norm_eps)
-        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.lm_head = Linear(h, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id = draft id + d2t
         self.register_buffer("t2d", torch.zeros(args.vocab_size, dtype=torch.bool))
         self.t2d[:vd] = True

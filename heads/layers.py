@@ -67,6 +67,39 @@ class LlamaArgs:
         )
 
 
+# fp32 inference on CPU: for 2..256 rows, MKL's x·Wᵀ GEMM (what F.linear runs) is 1.3-5x slower than
+# (W·xᵀ)ᵀ on the same data, and for one row its GEMV is 2-3x slower than that GEMM on two rows
+# (SmolLM2's shapes, 2 threads: lm_head at 2 rows 24 vs 5 ms, at 1 row 10 vs 3 ms) — the rows of
+# decode, verification and drafting. bf16 shows no such gap; large batches (prefill) neither.
+FAST_LINEAR_ROWS = 256
+PAD_ONE_ROW_MIN_WEIGHT = 1 << 18  # below this a padded row's copy costs what the GEMM saves
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, computed as (W·xᵀ)ᵀ for fp32 inference on CPU with a few rows (a single row padded
+    with a zero row; see above); training (grad enabled), other dtypes and devices, and larger
+    batches run F.linear itself. Same values up to fp32 summation order."""
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or rows > FAST_LINEAR_ROWS
+            or rows == 0 or (rows == 1 and weight.numel() < PAD_ONE_ROW_MIN_WEIGHT)):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, k)
+    if rows == 1:
+        flat = torch.cat([flat, flat.new_zeros(1, k)])
+    out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) whose forward is `linear` above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -147,10 +180,10 @@ class Attention(nn.Module):
         h, d = args.hidden_size, args.head_dim
         in_features = in_features or h
         self.n_heads, self.n_kv, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
-        self.q_proj = nn.Linear(in_features, self.n_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(in_features, self.n_kv * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(in_features, self.n_kv * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_proj = Linear(in_features, self.n_heads * d, bias=args.attention_bias)
+        self.k_proj = Linear(in_features, self.n_kv * d, bias=args.attention_bias)
+        self.v_proj = Linear(in_features, self.n_kv * d, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_heads * d, h, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
@@ -221,9 +254,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

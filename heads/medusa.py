@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget
-from heads.layers import LlamaArgs
+from heads.layers import Linear, LlamaArgs
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class MedusaConfig:
 class ResidualBlocks(nn.Module):
     def __init__(self, hidden: int, num_layers: int, bias: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden, bias=bias) for _ in range(num_layers))
+        self.layers = nn.ModuleList(Linear(hidden, hidden, bias=bias) for _ in range(num_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

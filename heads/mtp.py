@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import DecoderLayer, LlamaArgs, RMSNorm
+from heads.layers import DecoderLayer, Linear, LlamaArgs, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class MTPModule(nn.Module):
         h = args.hidden_size
         self.enorm = RMSNorm(h, args.rms_norm_eps)
         self.hnorm = RMSNorm(h, args.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(args, input_norm=True)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, args.rms_norm_eps)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from heads.layers import linear
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import (GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection,
                                         full_vocab_logits)
@@ -410,7 +411,7 @@ class PagedHeadProposer(ChainProposer):
         """Draft logits over the target vocabulary (−inf outside a draft vocabulary)."""
         if self.vocab is None:
             return full_vocab_logits(self.head, h, depth)
-        sub = torch.nn.functional.linear(self.head.features(h, depth), self.vocab_weight)
+        sub = linear(self.head.features(h, depth), self.vocab_weight)
         out = sub.new_full((*sub.shape[:-1], self.head.args.vocab_size), float("-inf"))
         out[..., self.vocab] = sub
         return out

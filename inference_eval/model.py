@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from heads.layers import DecoderLayer, KVCache, LlamaArgs, RMSNorm, Rotary
+from heads.layers import DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary
 
 
 @dataclass
@@ -49,7 +49,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaBackbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

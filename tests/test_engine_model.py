@@ -75,3 +75,43 @@ def test_parity_on_real_smollm2():
     torch.testing.assert_close(out.logits, ref.logits, atol=2e-3, rtol=1e-4)
     torch.testing.assert_close(out.aux[0], ref.hidden_states[15], atol=1e-4, rtol=1e-4)
     assert (out.logits.argmax(-1) == ref.logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("shape,out_features,bias,fast", [((1, 64), 1 << 13, False, True), ((1, 1, 64), 1 << 13, True, True),
+                                                          ((1, 64), 96, True, False), ((3, 2, 64), 96, True, True),
+                                                          ((2, 150, 64), 96, False, False), ((0, 64), 96, True, False)])
+def test_small_batch_linear_equals_f_linear(shape, out_features, bias, fast):
+    """heads.layers.linear (W·xᵀ for a few fp32 rows in inference, one row padded) gives F.linear's
+    values and shape, contiguous; with grad enabled it is F.linear and gradients flow."""
+    import torch.nn.functional as F
+
+    from heads.layers import FAST_LINEAR_ROWS, PAD_ONE_ROW_MIN_WEIGHT, linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(out_features, shape[-1], generator=g) / 8
+    b = torch.randn(out_features, generator=g) if bias else None
+    rows = x.numel() // shape[-1]
+    assert fast == (1 < rows <= FAST_LINEAR_ROWS or (rows == 1 and w.numel() >= PAD_ONE_ROW_MIN_WEIGHT))
+    with torch.inference_mode():
+        got, want = linear(x, w, b), F.linear(x, w, b)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    wp = w.clone().requires_grad_(True)
+    linear(x, wp, b).sum().backward()
+    torch.testing.assert_close(wp.grad, x.reshape(-1, shape[-1]).sum(0).expand_as(w))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_decode_sized_forward_matches_hf(tmp_path, rows):
+    """The few-row forwards of decode and verification (the fast fp32 linear path) against HF."""
+    hf = make_hf_model("llama", tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path)
+    ours = LlamaForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        cache = ours.new_cache(1, 64)
+        ours(ids[:, :-rows], cache=cache)
+        got = ours(ids[:, -rows:], cache=cache, start=40 - rows).logits
+        ref = hf(ids).logits[:, -rows:]
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
