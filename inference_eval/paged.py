@@ -157,6 +157,14 @@ class PagedBatch:
             row += s.n
         self.kv_idx, self.q_idx, self.mask, self.unpad = kv_idx, q_idx, mask, torch.cat(unpad)
         self.t_max = t_max
+        self._grouped: dict[int, torch.Tensor] = {1: mask}
+
+    def grouped_mask(self, g: int) -> torch.Tensor:
+        """The padded path's mask for `grouped_attention` with g query heads per key head, built once
+        per batch (every layer of the target and the drafter shares it)."""
+        if g not in self._grouped:
+            self._grouped[g] = self.mask.repeat(1, 1, g, 1)
+        return self._grouped[g]
 
     @staticmethod
     def _mask(s: SeqSlice, end: int, device) -> torch.Tensor:
@@ -183,8 +191,8 @@ class PagedLayer:
             outs = []
             for i, s in enumerate(meta.seqs):
                 qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
-                ks = self.k_pool.index_select(0, meta.key_slots[i]).transpose(0, 1)[None]
-                vs = self.v_pool.index_select(0, meta.key_slots[i]).transpose(0, 1)[None]
+                ks = self._gather(self.k_pool, meta.key_slots[i][None])
+                vs = self._gather(self.v_pool, meta.key_slots[i][None])
                 outs.append(F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=meta.masks[i], is_causal=meta.masks[i] is None, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
@@ -197,7 +205,7 @@ class PagedLayer:
             qb = rows[meta.q_idx].transpose(1, 2)
         kb = self._gather(self.k_pool, meta.kv_idx)  # [B, nKV, K, d]
         vb = self._gather(self.v_pool, meta.kv_idx)
-        out = grouped_attention(qb, kb, vb, meta.mask)  # [B, nH, T, d]
+        out = grouped_attention(qb, kb, vb, meta.grouped_mask(n_heads // kb.shape[1]))  # [B, nH, T, d]
         if meta.uniform:
             return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, d)[None]
         out = out.transpose(1, 2).reshape(-1, n_heads, d)[meta.unpad]  # [N, nH, d]
@@ -211,16 +219,14 @@ class PagedLayer:
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA with a boolean mask, q [B, nH, T, d], k/v [B, nKV, K, d], mask [B, 1, T, K]. The g = nH/nKV
-    query heads that share a key head are folded into its query rows ([B, nKV, g·T, d]), so each key
-    head is one SDPA problem with g·T queries: the same result as `enable_gqa`, and on CPU several
-    times faster for the few query rows of decode and verification (bf16 single-query SDPA is slow)."""
+    """SDPA with a boolean mask, q [B, nH, T, d], k/v [B, nKV, K, d]. The g = nH/nKV query heads that
+    share a key head are folded into its query rows ([B, nKV, g·T, d]), so each key head is one SDPA
+    problem with g·T queries: the same result as `enable_gqa`, and on CPU several times faster for the
+    few query rows of decode and verification (bf16 single-query SDPA is slow). `mask` is
+    [B, 1, g·T, K]: the [B, 1, T, K] mask repeated g times along the rows (`PagedBatch.grouped_mask`)."""
     b, n_heads, t, d = q.shape
     g = n_heads // k.shape[1]
-    if g == 1:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v,
-                                         attn_mask=mask.repeat(1, 1, g, 1))
+    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v, attn_mask=mask)
     return out.view(b, n_heads, t, d)
 
 
