@@ -80,12 +80,18 @@ def test_parity_on_real_smollm2():
 @pytest.mark.parametrize("shape,out_features,bias,fast", [((1, 64), 1 << 13, False, True), ((1, 1, 64), 1 << 13, True, True),
                                                           ((1, 64), 96, True, False), ((3, 2, 64), 96, True, True),
                                                           ((2, 150, 64), 96, False, False), ((0, 64), 96, True, False)])
-def test_small_batch_linear_equals_f_linear(shape, out_features, bias, fast):
-    """heads.layers.linear (W·xᵀ for a few fp32 rows in inference, one row padded) gives F.linear's
-    values and shape, contiguous; with grad enabled it is F.linear and gradients flow."""
+def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bias, fast):
+    """heads.layers.linear (W·xᵀ for a few fp32 rows in inference, one row padded) takes the path the
+    rule says, gives F.linear's values and shape, contiguous; with grad enabled it is F.linear and
+    gradients flow."""
     import torch.nn.functional as F
 
+    import heads.layers
     from heads.layers import FAST_LINEAR_ROWS, PAD_ONE_ROW_MIN_WEIGHT, linear
+
+    calls = []
+    f_linear = F.linear
+    monkeypatch.setattr(heads.layers.F, "linear", lambda *a: calls.append(1) or f_linear(*a))
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
@@ -94,7 +100,9 @@ def test_small_batch_linear_equals_f_linear(shape, out_features, bias, fast):
     rows = x.numel() // shape[-1]
     assert fast == (1 < rows <= FAST_LINEAR_ROWS or (rows == 1 and w.numel() >= PAD_ONE_ROW_MIN_WEIGHT))
     with torch.inference_mode():
-        got, want = linear(x, w, b), F.linear(x, w, b)
+        got = linear(x, w, b)
+        assert len(calls) == (0 if fast else 1)  # the fast path does not call F.linear
+        want = f_linear(x, w, b)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     wp = w.clone().requires_grad_(True)
