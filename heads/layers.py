@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads import native
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
@@ -70,22 +72,32 @@ class LlamaArgs:
 # fp32 inference on CPU: for 2..256 rows, MKL's x·Wᵀ GEMM (what F.linear runs) is 1.3-5x slower than
 # (W·xᵀ)ᵀ on the same data, and for one row its GEMV is 2-3x slower than that GEMM on two rows
 # (SmolLM2's shapes, 2 threads: lm_head at 2 rows 24 vs 5 ms, at 1 row 10 vs 3 ms) — the rows of
-# decode, verification and drafting. bf16 shows no such gap; large batches (prefill) neither.
+# decode, verification and drafting. Up to NATIVE_ROWS rows the C kernel of heads/native.py does
+# better still (it streams the weights at close to memory speed) where it could be built.
+# bf16 shows no such gap; large batches (prefill) neither.
 FAST_LINEAR_ROWS = 256
+NATIVE_ROWS = 16  # above this the kernel's register blocking loses to MKL's (compute-bound rows)
 PAD_ONE_ROW_MIN_WEIGHT = 1 << 18  # below this a padded row's copy costs what the GEMM saves
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, computed as (W·xᵀ)ᵀ for fp32 inference on CPU with a few rows (a single row padded
-    with a zero row; see above); training (grad enabled), other dtypes and devices, and larger
-    batches run F.linear itself. Same values up to fp32 summation order."""
+    """F.linear, computed by the native kernel (≤ NATIVE_ROWS rows) or as (W·xᵀ)ᵀ (a single row padded
+    with a zero row; see above) for fp32 inference on CPU with a few rows; training (grad enabled),
+    other dtypes and devices, and larger batches run F.linear itself. Same values up to fp32
+    summation order."""
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
     if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or rows > FAST_LINEAR_ROWS
-            or rows == 0 or (rows == 1 and weight.numel() < PAD_ONE_ROW_MIN_WEIGHT)):
+            or rows == 0 or weight.dtype != torch.float32):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, k)
+    if rows <= NATIVE_ROWS and weight.is_contiguous() and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32)):
+        lib = native.load()
+        if lib is not None:
+            return native.call(lib, flat.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
+        if weight.numel() < PAD_ONE_ROW_MIN_WEIGHT:
+            return F.linear(x, weight, bias)
         flat = torch.cat([flat, flat.new_zeros(1, k)])
     out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
     if bias is not None:

@@ -77,37 +77,110 @@ def test_parity_on_real_smollm2():
     assert (out.logits.argmax(-1) == ref.logits.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("shape,out_features,bias,fast", [((1, 64), 1 << 13, False, True), ((1, 1, 64), 1 << 13, True, True),
-                                                          ((1, 64), 96, True, False), ((3, 2, 64), 96, True, True),
-                                                          ((2, 150, 64), 96, False, False), ((0, 64), 96, True, False)])
-def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bias, fast):
-    """heads.layers.linear (W·xᵀ for a few fp32 rows in inference, one row padded) takes the path the
-    rule says, gives F.linear's values and shape, contiguous; with grad enabled it is F.linear and
-    gradients flow."""
+@pytest.mark.parametrize("shape,out_features,bias,use_native,path", [
+    ((1, 64), 1 << 13, False, True, "native"), ((1, 1, 64), 96, True, True, "native"),
+    ((3, 2, 64), 96, True, True, "native"), ((20, 37), 96, True, True, "mm"),
+    ((2, 150, 64), 96, False, True, "F"), ((0, 64), 96, True, True, "F"),
+    ((1, 64), 1 << 13, False, False, "mm"), ((1, 1, 64), 96, True, False, "F"), ((3, 2, 64), 96, True, False, "mm")])
+def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bias, use_native, path):
+    """heads.layers.linear takes the path its rule says for a few fp32 rows in inference — the native
+    kernel up to NATIVE_ROWS rows, else W·xᵀ (one row padded when the weight is large), F.linear above
+    FAST_LINEAR_ROWS, and F.linear/W·xᵀ when the kernel is unavailable — and gives F.linear's values
+    and shape, contiguous; with grad enabled it is F.linear and gradients flow."""
     import torch.nn.functional as F
 
     import heads.layers
-    from heads.layers import FAST_LINEAR_ROWS, PAD_ONE_ROW_MIN_WEIGHT, linear
+    from heads import native
+    from heads.layers import FAST_LINEAR_ROWS, NATIVE_ROWS, PAD_ONE_ROW_MIN_WEIGHT, linear
 
+    if use_native:
+        assert native.available(), native.error()  # the test machines have a C compiler
+    else:
+        monkeypatch.setattr(native, "load", lambda: None)
     calls = []
-    f_linear = F.linear
-    monkeypatch.setattr(heads.layers.F, "linear", lambda *a: calls.append(1) or f_linear(*a))
+    f_linear, mm, native_call = F.linear, torch.mm, native.call
+    monkeypatch.setattr(heads.layers.F, "linear", lambda *a: calls.append("F") or f_linear(*a))
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append("mm") or mm(*a))
+    monkeypatch.setattr(native, "call", lambda *a: calls.append("native") or native_call(*a))
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(out_features, shape[-1], generator=g) / 8
     b = torch.randn(out_features, generator=g) if bias else None
     rows = x.numel() // shape[-1]
-    assert fast == (1 < rows <= FAST_LINEAR_ROWS or (rows == 1 and w.numel() >= PAD_ONE_ROW_MIN_WEIGHT))
+    rule = ("F" if rows == 0 or rows > FAST_LINEAR_ROWS else "native" if use_native and rows <= NATIVE_ROWS
+            else "F" if rows == 1 and w.numel() < PAD_ONE_ROW_MIN_WEIGHT else "mm")
+    assert rule == path
     with torch.inference_mode():
         got = linear(x, w, b)
-        assert len(calls) == (0 if fast else 1)  # the fast path does not call F.linear
+        assert calls == [path]
         want = f_linear(x, w, b)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     wp = w.clone().requires_grad_(True)
     linear(x, wp, b).sum().backward()
     torch.testing.assert_close(wp.grad, x.reshape(-1, shape[-1]).sum(0).expand_as(w))
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 10), (5, 3), (576, 1539)])
+def test_native_kernel_is_batch_invariant(k, n):
+    """The C kernel: F.linear's values for 1..16 rows (k with and without a 16-lane tail, n with and
+    without a partial 4-row block, bias or not), each row bit-identical to that row computed alone."""
+    from heads import native
+
+    assert native.available(), native.error()
+    g = torch.Generator().manual_seed(k + n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(16, k, generator=g)
+    for bias in (None, b):
+        alone = [native.skinny_linear(x[i:i + 1], w, bias) for i in range(16)]
+        for rows in (1, 2, 3, 4, 5, 8, 11, 16):
+            got = native.skinny_linear(x[:rows], w, bias)
+            torch.testing.assert_close(got, torch.nn.functional.linear(x[:rows], w, bias), atol=1e-4, rtol=1e-5)
+            assert all(torch.equal(got[i], alone[i][0]) for i in range(rows))
+    with pytest.raises(ValueError, match="weight"):
+        native.skinny_linear(x, w.t())  # not contiguous (and the wrong shape)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        native.skinny_linear(x[:, :k], w.double())
+
+
+def test_native_kernel_build_is_cached_and_fails_cleanly(tmp_path, monkeypatch, caplog):
+    """The kernel is built once per cache into <SPECHEAD_CACHE>/native; a failing compiler or
+    SPECHEAD_NATIVE=0 leaves it unavailable with the reason logged, nothing half-written, and
+    heads.layers.linear still computes F.linear's values."""
+    from heads import native
+    from heads.layers import linear
+
+    def fresh():
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_error", "")
+
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path))
+    fresh()
+    assert native.available()
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    fresh()
+    assert native.available() and built[0].stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+    x, w = torch.randn(3, 40), torch.randn(20, 40)
+    for env, reason in (({"CC": "false", "SPECHEAD_CACHE": str(tmp_path / "other")}, "false failed"),
+                        ({"CC": "no-such-compiler-xyz"}, "no C compiler"), ({"SPECHEAD_NATIVE": "0"}, "disabled")):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        fresh()
+        with caplog.at_level("WARNING", logger="heads.native"):
+            assert not native.available()
+        assert reason in native.error() and reason in caplog.text
+        with torch.inference_mode():
+            torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+        with pytest.raises(RuntimeError, match="unavailable"):
+            native.skinny_linear(x, w)
+        for key in env:
+            monkeypatch.delenv(key)
+    assert not any(p.suffix == ".so" for p in (tmp_path / "other" / "native").rglob("*"))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
