@@ -81,12 +81,14 @@ def test_parity_on_real_smollm2():
     ((1, 64), 1 << 13, False, True, "native"), ((1, 1, 64), 96, True, True, "native"),
     ((3, 2, 64), 96, True, True, "native"), ((20, 37), 96, True, True, "mm"),
     ((2, 150, 64), 96, False, True, "F"), ((0, 64), 96, True, True, "F"),
-    ((1, 64), 1 << 13, False, False, "mm"), ((1, 1, 64), 96, True, False, "F"), ((3, 2, 64), 96, True, False, "mm")])
+    ((1, 64), 1 << 13, False, False, "mm"), ((1, 1, 64), 96, True, False, "F"), ((3, 2, 64), 96, True, False, "mm"),
+    ((3, 2, 64), 96, True, "strided", "mm")])
 def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bias, use_native, path):
     """heads.layers.linear takes the path its rule says for a few fp32 rows in inference — the native
     kernel up to NATIVE_ROWS rows, else W·xᵀ (one row padded when the weight is large), F.linear above
     FAST_LINEAR_ROWS, and F.linear/W·xᵀ when the kernel is unavailable — and gives F.linear's values
-    and shape, contiguous; with grad enabled it is F.linear and gradients flow."""
+    and shape, contiguous; with grad enabled it is F.linear and gradients flow. ("strided": the kernel
+    is available but the weight is a transposed view, which it cannot read.)"""
     import torch.nn.functional as F
 
     import heads.layers
@@ -106,9 +108,12 @@ def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bi
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(out_features, shape[-1], generator=g) / 8
+    if use_native == "strided":
+        w = w.t().contiguous().t()
     b = torch.randn(out_features, generator=g) if bias else None
     rows = x.numel() // shape[-1]
-    rule = ("F" if rows == 0 or rows > FAST_LINEAR_ROWS else "native" if use_native and rows <= NATIVE_ROWS
+    rule = ("F" if rows == 0 or rows > FAST_LINEAR_ROWS
+            else "native" if use_native is True and rows <= NATIVE_ROWS
             else "F" if rows == 1 and w.numel() < PAD_ONE_ROW_MIN_WEIGHT else "mm")
     assert rule == path
     with torch.inference_mode():
