@@ -76,7 +76,7 @@ class LlamaArgs:
 # better still (it streams the weights at close to memory speed) where it could be built.
 # bf16 shows no such gap; large batches (prefill) neither.
 FAST_LINEAR_ROWS = 256
-NATIVE_ROWS = 16  # above this the kernel's register blocking loses to MKL's (compute-bound rows)
+NATIVE_ROWS = 48  # at ~64 rows the kernel and MKL's GEMM are even (compute-bound from there)
 PAD_ONE_ROW_MIN_WEIGHT = 1 << 18  # below this a padded row's copy costs what the GEMM saves
 
 

@@ -79,7 +79,7 @@ def test_parity_on_real_smollm2():
 
 @pytest.mark.parametrize("shape,out_features,bias,use_native,path", [
     ((1, 64), 1 << 13, False, True, "native"), ((1, 1, 64), 96, True, True, "native"),
-    ((3, 2, 64), 96, True, True, "native"), ((20, 37), 96, True, True, "mm"),
+    ((3, 2, 64), 96, True, True, "native"), ((60, 37), 96, True, True, "mm"), ((40, 37), 96, False, True, "native"),
     ((2, 150, 64), 96, False, True, "F"), ((0, 64), 96, True, True, "F"),
     ((1, 64), 1 << 13, False, False, "mm"), ((1, 1, 64), 96, True, False, "F"), ((3, 2, 64), 96, True, False, "mm"),
     ((3, 2, 64), 96, True, "strided", "mm")])
@@ -129,17 +129,18 @@ def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bi
 
 @pytest.mark.parametrize("k,n", [(64, 96), (37, 10), (5, 3), (576, 1539)])
 def test_native_kernel_is_batch_invariant(k, n):
-    """The C kernel: F.linear's values for 1..16 rows (k with and without a 16-lane tail, n with and
-    without a partial 4-row block, bias or not), each row bit-identical to that row computed alone."""
+    """The C kernel: F.linear's values for 1..40 rows (both register blockings; k with and without a
+    16-lane tail, n with and without a partial block, bias or not), each row bit-identical to that
+    row computed alone."""
     from heads import native
 
     assert native.available(), native.error()
     g = torch.Generator().manual_seed(k + n)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    x = torch.randn(16, k, generator=g)
+    x = torch.randn(40, k, generator=g)
     for bias in (None, b):
-        alone = [native.skinny_linear(x[i:i + 1], w, bias) for i in range(16)]
-        for rows in (1, 2, 3, 4, 5, 8, 11, 16):
+        alone = [native.skinny_linear(x[i:i + 1], w, bias) for i in range(40)]
+        for rows in (1, 2, 3, 4, 5, 7, 8, 11, 15, 16, 40):
             got = native.skinny_linear(x[:rows], w, bias)
             torch.testing.assert_close(got, torch.nn.functional.linear(x[:rows], w, bias), atol=1e-4, rtol=1e-5)
             assert all(torch.equal(got[i], alone[i][0]) for i in range(rows))
