@@ -80,10 +80,6 @@ NATIVE_ROWS = 48  # at ~64 rows the kernel and MKL's GEMM are even (compute-boun
 PAD_ONE_ROW_MIN_WEIGHT = 1 << 18  # below this a padded row's copy costs what the GEMM saves
 
 
-def _native_ok(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, computed by the native kernel (≤ NATIVE_ROWS rows) or as (W·xᵀ)ᵀ (a single row padded
     with a zero row; see above) for fp32 inference on CPU with a few rows; training (grad enabled),
@@ -95,7 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or rows == 0 or weight.dtype != torch.float32):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, k)
-    if rows <= NATIVE_ROWS and _native_ok(weight) and (bias is None or _native_ok(bias)):
+    if rows <= NATIVE_ROWS and native.accepts(weight) and (bias is None or native.accepts(bias)):
         lib = native.load()
         if lib is not None:
             return native.call(lib, flat.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -198,6 +198,11 @@ def error() -> str:
     return _error
 
 
+def accepts(t: torch.Tensor) -> bool:
+    """Whether the kernel can read `t` as it is: contiguous fp32 on the CPU."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, k] @ weight[n, k]ᵀ (+ bias) with the kernel: fp32 CPU tensors; weight and bias
     contiguous. Raises if the kernel is unavailable (check `available()` first)."""
@@ -210,7 +215,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not match")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()):
+        if t is not None and not accepts(t):
             raise ValueError(f"{name}: a contiguous fp32 CPU tensor is required, got {t.dtype} on {t.device}")
     return call(lib, x, weight, bias)
 
