@@ -40,12 +40,13 @@ DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "runs/ablation/heads/mtp"
 def hf_generate(model, tokenizer, prompts: list[list[int]], new: int) -> float:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                              min_new_tokens=new, pad_token_id=pad)
+    out = out.cpu()  # waits for the device
     seconds = time.perf_counter() - t0
     assert out.shape[1] == width + new
     return seconds
@@ -87,6 +88,7 @@ def main() -> None:
                     help="compute dtype of every path (CPU: float32 is the faster one)")
     ap.add_argument("--head", default=str(DEFAULT_HEAD), help="trained head for the speculative figures")
     ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--device", default="auto", help="target.device for every path (auto: CUDA when there, else cpu)")
     ap.add_argument("--draft-vocab", type=int, default=8192, help="also draft over the N most frequent tokens (0: off)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every path (default: torch's)")
     args = ap.parse_args()
@@ -102,16 +104,17 @@ def main() -> None:
     from heads.export import load_any
     from inference_eval.evaluate import mtbench_prompts
     from inference_eval.engine import PagedHeadProposer, frequent_ids
-    from inference_eval.model import LlamaForCausalLM, tied_target
+    from inference_eval.model import LlamaForCausalLM, resolve_device, tied_target
 
     dtype = getattr(torch, args.dtype)
     path = ensure_smollm2_checkpoint()
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    target = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    device = resolve_device(args.device)
+    target = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     prompts = [p["ids"] for p in mtbench_prompts(tok, 8)]
     new = args.new_tokens
-    print(f"SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, {new} new tokens, "
+    print(f"SmolLM2-135M {args.dtype} on {device}, {torch.get_num_threads()} threads, {new} new tokens, "
           f"prompts {[len(p) for p in prompts]}")
     ours(target, prompts[:2], 4)  # warm-up
     hf_generate(hf, tok, prompts[:2], 4)
@@ -132,8 +135,8 @@ def main() -> None:
     best = {"k": 0, "speedup": float("nan"), "tau": float("nan"), "vocab": 0}
     head_dir = Path(args.head)
     if (head_dir / "config.json").exists():
-        tied, targs, _ = tied_target(path, dtype)
-        head = load_any(head_dir, tied, targs).to(dtype).eval()
+        tied, targs, _ = tied_target(path, dtype, device)
+        head = load_any(head_dir, tied, targs).to(device, dtype).eval()
         variants = {0: None}
         if args.draft_vocab:
             variants[args.draft_vocab] = frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)

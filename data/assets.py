@@ -71,20 +71,21 @@ def cache_dir(cache_root: Path | None = None) -> Path:
     return Path(root)
 
 
-def ensure_smollm2_checkpoint(cache_root: Path | None = None) -> Path:
+def ensure_smollm2_checkpoint(cache_root: Path | None = None, gguf: Path | None = None) -> Path:
     """Directory of a plain HF checkpoint of SmolLM2-135M-Instruct, converting the GGUF once.
 
     The directory name carries the transformers version because a checkpoint saved by 5.x does not
     load in 4.x (and GGUF tokenizer conversion differs between versions). The conversion writes to
     a temporary sibling directory and renames it into place, so an interrupted run leaves no half
-    cache and a concurrent run that loses the race simply uses the winner's directory.
+    cache and a concurrent run that loses the race simply uses the winner's directory. `gguf`: the
+    same GGUF file from elsewhere than the package (a machine where the package cannot be installed).
     """
     import transformers
 
     target = cache_dir(cache_root) / f"smollm2-135m-instruct-tf{transformers.__version__}"
     if _is_complete_checkpoint(target):
         return target
-    gguf = smollm2_gguf_path()
+    gguf = Path(gguf) if gguf is not None else smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared on the machine

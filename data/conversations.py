@@ -2,7 +2,9 @@
 
 Normalisation turns a raw record (ShareGPT ``{"conversations": [{"from", "value"}]}`` or OpenAI
 style ``{"messages": [{"role", "content"}]}``) into a list of ``{"role", "content"}`` messages that
-every chat template accepts, or into a reason for dropping it (see :func:`normalize_turns`).
+every chat template accepts, or into a reason for dropping it (see :func:`normalize_turns`;
+:func:`explain_record` also names the offending field). Strings no tokenizer can encode (a lone
+surrogate) or that mark binary data (NUL) drop the record here, before any template sees it.
 
 Loss masks. A draft head learns to predict what the target generates, i.e. the assistant turns as
 the target's chat template renders them. Instead of a regex per template (SpecForge, EAGLE), the
@@ -25,12 +27,13 @@ than producing a wrong mask.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
-DropReason = Literal["malformed", "empty", "unknown_role", "no_assistant_turn"]
+DropReason = Literal["malformed", "empty", "unknown_role", "no_assistant_turn", "lone_surrogate", "nul_char"]
 
 # Speaker names seen in ShareGPT dumps and OpenAI-style records, lower-cased.
 ROLE_MAP = {
@@ -44,46 +47,103 @@ ROLE_MAP = {
     "system": "system",
 }
 
+# A str from JSON keeps a "\ud800" escape as a lone surrogate (a pair becomes one character): no
+# UTF-8 encoding exists for it, and a fast tokenizer refuses the string with a TypeError.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Why a record is not a conversation: a reason (counted) and a detail naming the field."""
+
+    reason: DropReason
+    detail: str
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for messages about ill-typed fields."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def check_text(value: str, where: str) -> Drop | None:
+    """A string field's characters: a lone surrogate or a NUL makes the record unusable.
+
+    NUL never occurs in real conversation text (the packaged ShareGPT has none); it marks binary
+    data or UTF-16 decoded as UTF-8. Other control characters (ANSI escapes, bells, form feeds in
+    pasted terminal output: 32 turns of the packaged ShareGPT) are text the tokenizer encodes byte by
+    byte, and are kept.
+    """
+    bad = LONE_SURROGATE.search(value)
+    if bad:
+        return Drop("lone_surrogate", f"{where}: lone surrogate {ascii(bad.group())} at character {bad.start()}")
+    nul = value.find("\x00")
+    if nul >= 0:
+        return Drop("nul_char", f"{where}: NUL character at character {nul}")
+    return None
+
 
 # --------------------------------------------------------------------------------- normalisation
 
 
 def normalize_sharegpt(record: dict) -> tuple[list[Message] | None, DropReason | None]:
     """Normalise a ShareGPT record ``{"conversations": [{"from", "value"}, ...]}``."""
-    return _normalize_list(record, "conversations", "from", "value")
+    return _reason(*_normalize_list(record, "conversations", "from", "value"))
 
 
 def normalize_messages(record: dict) -> tuple[list[Message] | None, DropReason | None]:
     """Normalise an OpenAI-style record ``{"messages": [{"role", "content"}, ...]}``."""
-    return _normalize_list(record, "messages", "role", "content")
+    return _reason(*_normalize_list(record, "messages", "role", "content"))
 
 
 def normalize_record(record: dict) -> tuple[list[Message] | None, DropReason | None]:
     """Dispatch on the record's shape; anything else is ``"malformed"``."""
-    if isinstance(record, dict) and "conversations" in record:
-        return normalize_sharegpt(record)
-    if isinstance(record, dict) and "messages" in record:
-        return normalize_messages(record)
-    return None, "malformed"
+    return _reason(*explain_record(record))
 
 
-def _normalize_list(
-    record: dict, key: str, role_key: str, content_key: str
-) -> tuple[list[Message] | None, DropReason | None]:
+def explain_record(record: object) -> tuple[list[Message] | None, Drop | None]:
+    """Like :func:`normalize_record`, with the drop's detail: which field is wrong and how."""
+    if not isinstance(record, dict):
+        return None, Drop("malformed", f"record: expected an object, got {json_type(record)}")
+    if "conversations" in record:
+        return _normalize_list(record, "conversations", "from", "value")
+    if "messages" in record:
+        return _normalize_list(record, "messages", "role", "content")
+    return None, Drop("malformed", "record: no 'conversations' (ShareGPT) or 'messages' (OpenAI) field")
+
+
+def _reason(messages: list[Message] | None, drop: Drop | None) -> tuple[list[Message] | None, DropReason | None]:
+    return messages, drop.reason if drop else None
+
+
+def _normalize_list(record: object, key: str, role_key: str, content_key: str
+                    ) -> tuple[list[Message] | None, Drop | None]:
     turns = record.get(key) if isinstance(record, dict) else None
     if not isinstance(turns, list):
-        return None, "malformed"
+        return None, Drop("malformed", f"{key}: expected an array of turns, got {json_type(turns)}")
     messages = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
+        where = f"{key}[{i}]"
         if not isinstance(turn, dict):
-            return None, "malformed"
-        role, content = turn.get(role_key), turn.get(content_key)
-        if not isinstance(role, str) or not isinstance(content, str):
-            return None, "malformed"
+            return None, Drop("malformed", f"{where}: expected an object with {role_key!r} and {content_key!r}, "
+                                           f"got {json_type(turn)}")
+        for name in (role_key, content_key):
+            if name not in turn:
+                return None, Drop("malformed", f"{where}: no {name!r}")
+            if not isinstance(turn[name], str):
+                return None, Drop("malformed", f"{where}.{name}: expected a string, got {json_type(turn[name])}")
+            bad = check_text(turn[name], f"{where}.{name}")
+            if bad:
+                return None, bad
+        role, content = turn[role_key], turn[content_key]
         if role.lower() not in ROLE_MAP:
-            return None, "unknown_role"
+            return None, Drop("unknown_role", f"{where}.{role_key}: {ascii(role[:40])} (known: {', '.join(ROLE_MAP)})")
         messages.append({"role": ROLE_MAP[role.lower()], "content": content})
-    return normalize_turns(messages)
+    return _policy(messages)
 
 
 def normalize_turns(messages: list[Message]) -> tuple[list[Message] | None, DropReason | None]:
@@ -99,9 +159,13 @@ def normalize_turns(messages: list[Message]) -> tuple[list[Message] | None, Drop
     5. Nothing left with an assistant turn -> ``"no_assistant_turn"``.
     Contents are kept verbatim otherwise.
     """
+    return _reason(*_policy(messages))
+
+
+def _policy(messages: list[Message]) -> tuple[list[Message] | None, Drop | None]:
     turns = [m for m in messages if m["content"].strip()]
     if not turns:
-        return None, "empty"
+        return None, Drop("empty", f"{len(messages)} turns, none with non-blank content")
     merged: list[Message] = []
     for m in turns:
         if merged and merged[-1]["role"] == m["role"]:
@@ -113,7 +177,8 @@ def normalize_turns(messages: list[Message]) -> tuple[list[Message] | None, Drop
     while kept and kept[-1]["role"] != "assistant":
         kept.pop()
     if not any(m["role"] == "assistant" for m in kept):
-        return None, "no_assistant_turn"
+        roles = ", ".join(m["role"] for m in turns[:8]) + (", ..." if len(turns) > 8 else "")
+        return None, Drop("no_assistant_turn", f"no assistant turn after a user turn (non-blank roles: {roles})")
     return kept, None
 
 
@@ -129,9 +194,34 @@ class TokenizedConversation:
 class TemplateMaskError(ValueError):
     """The chat template cannot be split into assistant spans by incremental rendering."""
 
+    reason = "template_mask"
+
 
 class TooLongError(ValueError):
     """Truncation to ``max_length`` left no assistant token to learn from; skip the conversation."""
+
+    reason = "too_long"
+
+
+class TemplateRenderError(ValueError):
+    """The chat template refused the conversation (its ``raise_exception``, e.g. "roles must
+    alternate", or any other error while rendering it)."""
+
+    reason = "template_error"
+
+
+class TokenizerError(ValueError):
+    """The tokenizer could not encode the rendered text."""
+
+    reason = "tokenizer_error"
+
+
+class SpecialTokenError(ValueError):
+    """A message's content holds one of the tokenizer's special tokens verbatim: rendered and
+    tokenized, it would become that control token (an end of turn mid-answer, a fake header), not
+    text; tiktoken refuses such text for the same reason."""
+
+    reason = "special_token"
 
 
 def tokenize_conversation(
@@ -140,10 +230,15 @@ def tokenize_conversation(
     """Token ids of the rendered conversation and its assistant loss mask.
 
     Truncation keeps the first ``max_length`` tokens (the prompt context of later answers lives
-    at the start); if no assistant token survives, :class:`TooLongError` is raised.
+    at the start); if no assistant token survives, :class:`TooLongError` is raised. Every way a
+    conversation can fail is a ``ValueError`` subclass with a ``reason`` (TemplateMaskError,
+    TooLongError, TemplateRenderError, TokenizerError, SpecialTokenError): errors raised inside the
+    template or the tokenizer are converted here, so that a caller can reject one conversation and
+    go on with the others.
     """
+    _check_special_tokens(tokenizer, messages)
     text, spans = _assistant_spans(tokenizer, list(messages))
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    encoding = _encode(tokenizer, text, return_offsets_mapping=True)
     input_ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
     loss_mask = [int(_inside(start, end, spans)) for start, end in offsets]
     if not any(loss_mask):
@@ -151,18 +246,52 @@ def tokenize_conversation(
     if max_length is not None and len(input_ids) > max_length:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
         if not any(loss_mask):
-            raise TooLongError(f"no assistant token within the first {max_length} tokens")
+            raise TooLongError(f"no assistant token within the first {max_length} tokens "
+                               f"(the conversation has {len(offsets)})")
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
 
 
 def tokenize_prompt(tokenizer, messages: Sequence[Message]) -> list[int]:
-    """Token ids of the conversation followed by the assistant generation prompt."""
-    text = _render(tokenizer, list(messages), add_generation_prompt=True)
+    """Token ids of the conversation followed by the assistant generation prompt.
+
+    The template's and the tokenizer's own exceptions pass through unchanged (regeneration stops a
+    conversation at jinja's ``TemplateError``)."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _check_special_tokens(tokenizer, messages: Sequence[Message]) -> None:
+    specials = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            specials.add(str(token))
+    for j, message in enumerate(messages):
+        hits = [(message["content"].find(special), special) for special in specials if special]
+        hits = [hit for hit in hits if hit[0] >= 0]
+        if hits:
+            at, special = min(hits)  # the first one in the text: the same report whatever the set's order
+            raise SpecialTokenError(f"message {j} ({message['role']}) holds the special token {special!r} "
+                                    f"verbatim at character {at}")
+
+
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except MemoryError:
+        raise
+    except Exception as e:  # jinja's TemplateError (raise_exception), TypeError, ...: this conversation only
+        raise TemplateRenderError(f"the chat template refused messages[:{len(messages)}]: "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def _encode(tokenizer, text: str, **kwargs):
+    try:
+        return tokenizer(text, add_special_tokens=False, **kwargs)
+    except MemoryError:
+        raise
+    except Exception as e:  # e.g. TypeError "TextEncodeInput must be Union[...]" for a lone surrogate
+        raise TokenizerError(f"the tokenizer refused the rendered text ({len(text)} characters): "
+                             f"{type(e).__name__}: {e}") from e
 
 
 def _assistant_spans(tokenizer, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:

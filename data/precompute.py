@@ -56,19 +56,27 @@ class PrecomputeStats:
 
 
 def tokenize_all(tokenizer, conversations: list[tuple[str, list[dict]]], max_length: int,
-                 rejected: Counter) -> list[tuple[str, list[int], list[int]]]:
-    from data.conversations import tokenize_conversation
+                 rejected: Counter, examples: list[dict] | None = None,
+                 where: dict[str, str] | None = None) -> list[tuple[str, list[int], list[int]]]:
+    """(id, input ids, loss mask) of every conversation the template and the tokenizer take.
 
+    A conversation they cannot take is counted in `rejected` under the error's `reason`
+    (data/conversations.py: `template_error`, `template_mask`, `too_long`, `tokenizer_error`,
+    `special_token`; `no_loss_tokens`) and, while under the caps, added to `examples` with its
+    `<file>:<line>` from `where` (sample id -> location, `Conversations.where`); the others go on."""
+    from data.conversations import tokenize_conversation
+    from data.sources import record_rejection
+
+    where = where or {}
     out = []
     for sid, messages in conversations:
         try:
             tc = tokenize_conversation(tokenizer, messages, max_length=max_length)
-        except ValueError as e:  # template / length problems: counted, never silently included
-            rejected[type(e).__name__] += 1
-            log.debug("sample %s rejected: %s", sid, e)
+        except ValueError as e:  # template / tokenizer / length problems: counted, never silently included
+            record_rejection(rejected, examples, getattr(e, "reason", type(e).__name__), where.get(sid), str(e), sid)
             continue
         if tc is None or sum(tc.loss_mask) == 0:
-            rejected["no_loss_tokens"] += 1
+            record_rejection(rejected, examples, "no_loss_tokens", where.get(sid), "no assistant token to learn", sid)
             continue
         out.append((sid, list(tc.input_ids), list(tc.loss_mask)))
     return out
@@ -297,7 +305,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
     from transformers import AutoTokenizer
 
-    from data.sources import load_conversations, resolve_target_dir
+    from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, resolve_target_dir
     from data.store import (
         DTYPES,
         IncompleteRanksError,
@@ -306,29 +314,35 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
         rank_dir,
         target_fingerprint,
     )
-    from inference_eval.model import HFTarget, LlamaForCausalLM, resolve_backend
+    from inference_eval.model import load_target, resolve_backend
 
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)
     dtype = cfg.target.dtype
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    convs = load_conversations(cfg.data)
-    rejected = Counter(convs.rejected)
-    items = [(sid, m) for sid, m in convs.items if rank_of(sid, world_size) == rank] if world_size > 1 else convs.items
-    samples = tokenize_all(tokenizer, items, int(cfg.data.max_length), rejected)
-    if not samples and (world_size == 1 or not convs.items):
-        raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)})")
+    convs = load_conversations(cfg.data)  # SourceError (naming the file) only if the file is unreadable as a whole
+    rejected, examples = Counter(convs.rejected), list(convs.examples)
+    # Every rank tokenizes every conversation and keeps its share: the rejections are then the whole
+    # source's in every rank's manifest, identical across ranks as the merge requires (and what the
+    # merged store reports); tokenizing is cheap next to the target's forward passes.
+    tokenized = tokenize_all(tokenizer, convs.items, int(cfg.data.max_length), rejected, examples, convs.where)
+    samples = [s for s in tokenized if rank_of(s[0], world_size) == rank] if world_size > 1 else tokenized
+    rejections = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())), "examples": examples,
+                  "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
+    if rejected:
+        log.warning("precompute: rejected %d records (%s); the first %d, with <file>:<line>, are in the "
+                    "manifest's `rejected`", rejections["total"], ", ".join(f"{k}={v}" for k, v in
+                                                                          rejections["counts"].items()), len(examples))
+    if not tokenized:
+        raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)}; first: "
+                           + "; ".join(f"{e['where']}: {e['reason']}: {e['detail']}" for e in examples[:5]) + ")")
     backend = resolve_backend(cfg.precompute.get("backend"), target_dir, "precompute")
-    if backend == "engine":
-        model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[dtype])
-    else:
-        model = HFTarget.from_pretrained(target_dir, dtype=DTYPES[dtype],
-                                         trust_remote_code=bool(cfg.target.get("trust_remote_code", False)))
+    model = load_target(cfg, target_dir, backend, DTYPES[dtype])
     if int(cfg.data.max_length) > model.args.max_position_embeddings:
         raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
     out_dir = Path(cfg.store_dir)
@@ -342,6 +356,8 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
     writer = StoreWriter(out_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
+    # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
+    writer.manifest["rejected"] = rejections
     stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
                        workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
     stats.rejected = rejected

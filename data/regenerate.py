@@ -311,7 +311,9 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     convs = load_conversations(cfg.data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
-    device = torch.device(rcfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from inference_eval.model import resolve_device
+
+    device = resolve_device(rcfg.get("device") or cfg.target.get("device", "auto"))
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if meta["backend"] == "engine":
         from inference_eval.model import LlamaForCausalLM

@@ -1,10 +1,18 @@
 """Where the target and the conversations come from, as configured in `conf/target` and `conf/data`.
 
 Every record that does not become a conversation is counted under one reason, never silently
-dropped or included: `not_utf8` and `not_json` (a JSONL line that is not valid UTF-8 / JSON),
-`malformed` (not an object, missing fields, wrong types), `unknown_role`, `empty`,
-`no_assistant_turn` (data/conversations.py's policy) and `duplicate_id` (a later record with an id
-already taken: the store keys samples and resume by id, and ShareGPT repeats 123 ids).
+dropped or included, with where it is (`<file>:<line>`) and its id when it has one: `not_utf8` and
+`not_json` (a JSONL line / JSON-array record that is not valid UTF-8 / JSON), `truncated` (the file
+ends inside a record), `malformed` (not an object, missing fields, wrong types, a bad id),
+`lone_surrogate`, `nul_char`, `unknown_role`, `empty`, `no_assistant_turn` (data/conversations.py's
+policy) and `duplicate_id` (a later record with an id already taken: the store keys samples and
+resume by id; ShareGPT repeats 123 ids, never between two usable records). The first rejections of
+each reason are kept as examples `{reason, where, id, detail}` (`Conversations.examples`, bounded).
+
+Only a file that cannot be read as a whole stops the caller, with a :class:`SourceError` naming it:
+missing, a directory, unreadable, empty or without a single record, UTF-16/32 or gzip, a JSON array
+given as JSONL or the reverse, a JSONL file none of whose lines is JSON, a JSON array with a syntax
+error before its end (the records after it cannot be located) or with data after its closing `]`.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from data.conversations import LONE_SURROGATE, Drop, check_text, json_type
 
 log = logging.getLogger(__name__)
 
@@ -33,79 +43,271 @@ def resolve_target_dir(target_cfg: Any) -> Path:
     raise ValueError("target: set `path` to an HF checkpoint directory or `source: smollm2_gguf`")
 
 
+class SourceError(ValueError):
+    """The data file cannot be read as a whole; the message names it and says why."""
+
+
+EXAMPLES_PER_REASON = 10  # rejections kept as examples per reason ...
+MAX_EXAMPLES = 100  # ... and in all: a manifest stays small, every reason still shows
+_DETAIL_CHARS = 300
+
+
+def record_rejection(counts: Counter, examples: list[dict] | None, reason: str, where: str | None,
+                     detail: str, sample_id: str | None = None) -> None:
+    """Count one rejected record under `reason`; keep it as an example while under the caps.
+
+    Logged at WARNING while kept as an example, at DEBUG after (a big source may reject thousands).
+    Strings are made safe for logs and JSON: a lone surrogate becomes its backslash escape."""
+    counts[reason] += 1
+    detail = _printable(detail)[:_DETAIL_CHARS]
+    where, sample_id = (None if v is None else _printable(v) for v in (where, sample_id))
+    kept = (examples is not None and len(examples) < MAX_EXAMPLES
+            and sum(e["reason"] == reason for e in examples) < EXAMPLES_PER_REASON)
+    if kept:
+        examples.append({"reason": reason, "where": where, "id": sample_id, "detail": detail})
+    id_part = f" (id {sample_id!r})" if sample_id is not None else ""
+    log.log(logging.WARNING if kept else logging.DEBUG, "%s%s: rejected, %s: %s", where or "?", id_part, reason,
+            detail)
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass
 class Conversations:
     items: list[tuple[str, list[dict]]]  # (sample id, messages)
     rejected: Counter = field(default_factory=Counter)  # reason -> count
+    examples: list[dict] = field(default_factory=list)  # the first rejections: {reason, where, id, detail}
+    where: dict[str, str] = field(default_factory=dict)  # sample id -> "<file>:<line>" of its record
+
+    def reject(self, reason: str, where: str | None, detail: str, sample_id: str | None = None) -> None:
+        record_rejection(self.rejected, self.examples, reason, where, detail, sample_id)
 
 
 @dataclass(frozen=True)
 class _Rejected:
     reason: str
+    where: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class _Record:
+    value: Any  # parsed JSON: an object if well-formed
+    where: str
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
+_OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                    (b"\xfe\xff", "UTF-16"))
+_JSON_WS = " \t\r\n"
+
+
+def _check_file(path: Path, source: str) -> None:
+    """Refuse, naming it, a file that cannot hold records at all."""
+    if not path.exists():
+        raise SourceError(f"data.path={path}: no such file (data.source={source})")
+    if path.is_dir():
+        raise SourceError(f"data.path={path}: a directory; data.source={source} reads one file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise SourceError(f"data.path={path}: cannot be read ({e})") from e
+    if not head:
+        raise SourceError(f"{path}: empty file (0 bytes): no records")
+    for bom, name in _OTHER_ENCODINGS:
+        if head.startswith(bom):
+            raise SourceError(f"{path}: starts with a {name} byte-order mark; records must be UTF-8 "
+                              f"(re-encode it, e.g. `iconv -f {name} -t UTF-8`)")
+    if head.startswith(b"\x1f\x8b"):
+        raise SourceError(f"{path}: gzip-compressed; decompress it first")
+
+
+def _ends_inside(err: json.JSONDecodeError, text: str) -> bool:
+    """Whether a decode error is the text running out mid-value (a truncation), not a syntax error."""
+    return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip())
 
 
 def _jsonl_records(path: Path):
-    """Records of a JSONL file; a line that is not UTF-8 or not JSON yields a `_Rejected` and the
-    file goes on (lines are read as bytes and decoded one at a time)."""
+    """Records of a JSONL file, one `_Record` / `_Rejected` per non-blank line: a line that is not
+    UTF-8 or not JSON is rejected and the file goes on (lines are read as bytes and decoded one at a
+    time). A UTF-8 byte-order mark at the start of a line is dropped (files concatenated by `cat`)."""
+    _check_file(path, "jsonl")
+    lines = parsed = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            if raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                log.warning("%s:%d: skipped, not UTF-8 (%s)", path, n, e)
-                yield _Rejected("not_utf8")
+                lines += 1
+                yield _Rejected("not_utf8", where, f"byte {e.start} ({raw[e.start:e.start + 4]!r}...): {e.reason}")
                 continue
             if not line.strip():
                 continue
+            lines += 1
+            if lines == 1 and line.lstrip().startswith("["):
+                _refuse_array_as_jsonl(path, line)
             try:
-                yield json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as e:
-                log.warning("%s:%d: skipped, not JSON (%s)", path, n, e)
-                yield _Rejected("not_json")
+                cut = not raw.endswith(b"\n") and _ends_inside(e, line)
+                yield _Rejected("truncated" if cut else "not_json", where,
+                                f"column {e.colno}: {e.msg}" + (" (the file ends inside this record)" if cut else ""))
+                continue
+            parsed += 1
+            yield _Record(value, where)
+    if not lines:
+        raise SourceError(f"{path}: no records (only blank lines)")
+    if not parsed:
+        raise SourceError(f"{path}: none of its {lines} non-blank lines is a UTF-8 JSON value; not a JSONL file "
+                          "(one JSON object per line)")
+
+
+def _refuse_array_as_jsonl(path: Path, first_line: str) -> None:
+    """A JSONL file's first record that opens a JSON array: a pretty-printed array (`[` alone, not
+    JSON) or one array of records on one line. (An array of non-objects stays a malformed record.)"""
+    try:
+        value = json.loads(first_line)
+    except json.JSONDecodeError:
+        value = None
+    if value is None or any(isinstance(v, dict) for v in value):
+        raise SourceError(f"{path}: a JSON array of records, not JSONL (one object per line): "
+                          "set data.source=json, or write one record per line")
+
+
+def _json_array_records(path: Path):
+    """Records of a file holding one top-level JSON array, each a `_Record` with the line it starts on.
+
+    Decodes one element at a time with `raw_decode` from one in-memory string. The bytes are decoded
+    with `surrogateescape`, so a record holding bytes that are not UTF-8 is rejected alone
+    (`not_utf8`): its raw text then holds escape surrogates, which a JSON parse of valid UTF-8 never
+    leaves there (a "\\ud800" escape is six ASCII characters in the raw text). A file that ends inside
+    a record (the packaged ShareGPT dump does) yields a `truncated` rejection and stops; a syntax error
+    before the end is a SourceError, since the records after it cannot be located."""
+    _check_file(path, "json")
+    data = path.read_bytes()
+    if data.startswith(UTF8_BOM):
+        data = data[len(UTF8_BOM):]
+    text = data.decode("utf-8", errors="surrogateescape")
+    del data
+    decoder = json.JSONDecoder()
+    pos = _skip(text, 0, _JSON_WS)
+    if pos >= len(text):
+        raise SourceError(f"{path}: no records (only whitespace)")
+    if text[pos] != "[":
+        hint = (": it starts with an object; for JSONL (one object per line) set data.source=jsonl"
+                if text[pos] == "{" else "")
+        raise SourceError(f"{path}: expected a top-level JSON array of records at line "
+                          f"{text.count(chr(10), 0, pos) + 1}{hint}")
+    pos, line, counted, count = pos + 1, 1, 0, 0
+    while True:
+        pos = _skip(text, pos, _JSON_WS + ",")
+        line, counted = line + text.count("\n", counted, pos), pos
+        where = f"{path}:{line}"
+        if pos >= len(text):
+            yield _Rejected("truncated", where, f"the file ends without the closing ']' after {count} records; "
+                                                "the records after the cut are missing")
+            return
+        if text[pos] == "]":
+            break
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            if _ends_inside(e, text):
+                yield _Rejected("truncated", where, f"the file ends inside this record ({e.msg}) after "
+                                                    f"{count} complete records")
+                return
+            raise SourceError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}) in the record starting at "
+                              f"line {line}; the records after it cannot be located: fix the file, or convert it "
+                              "to JSONL, where a bad line costs only itself") from None
+        count += 1
+        bad = LONE_SURROGATE.search(text, pos, end)
+        if bad:
+            at = line + text.count("\n", pos, bad.start())
+            byte = ord(bad.group()) - 0xDC00  # surrogateescape put byte b at U+DC00 + b
+            yield _Rejected("not_utf8", where, f"line {at}: byte 0x{byte:02x} is not UTF-8")
+        else:
+            yield _Record(value, where)
+        pos = end
+    rest = _skip(text, pos + 1, _JSON_WS)
+    if rest < len(text):
+        raise SourceError(f"{path}:{text.count(chr(10), 0, rest) + 1}: data after the array's closing ']'; "
+                          "the file holds more than one JSON value")
+    if not count:
+        raise SourceError(f"{path}: an empty JSON array: no records")
+
+
+def _skip(text: str, pos: int, chars: str) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
 
 
 def _records(data_cfg: Any):
     source = data_cfg.get("source", "sharegpt")
     if source == "sharegpt" and not data_cfg.get("path"):
-        from data.assets import iter_json_records, sharegpt_path
-        yield from iter_json_records(sharegpt_path())
-    elif source in ("sharegpt", "json"):
-        from data.assets import iter_json_records
-        yield from iter_json_records(Path(data_cfg["path"]))
-    elif source == "jsonl":
-        yield from _jsonl_records(Path(data_cfg["path"]))
+        from data.assets import sharegpt_path
+        yield from _json_array_records(sharegpt_path())
+    elif source in ("sharegpt", "json", "jsonl"):
+        if not data_cfg.get("path"):
+            raise SourceError(f"data.source={source} needs data.path")
+        path = Path(data_cfg["path"]).expanduser()
+        yield from _jsonl_records(path) if source == "jsonl" else _json_array_records(path)
     else:
         raise ValueError(f"data.source={source!r}: expected sharegpt, json or jsonl")
 
 
+def _sample_id(record: dict, index: int) -> tuple[str | None, Drop | None]:
+    """A record's id: its `id` (a string, or an integer written as one), else its position among the
+    source's records. Other types would give ids that differ by how they print (1.0, [1], true)."""
+    raw = record.get("id")
+    if raw is None:
+        return str(index), None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        return None, Drop("malformed", f"id: expected a string or an integer, got {json_type(raw)}")
+    sample_id = str(raw)
+    if not sample_id.strip():
+        return None, Drop("malformed", "id: blank")
+    return sample_id, check_text(sample_id, "id")
+
+
 def load_conversations(data_cfg: Any) -> Conversations:
-    """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by reason."""
-    from data.conversations import normalize_record
+    """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by
+    reason (see the module docstring); SourceError when the file cannot be read at all."""
+    from data.conversations import explain_record
 
     out = Conversations(items=[])
     skip, limit = int(data_cfg.get("skip", 0)), data_cfg.get("max_samples")
     seen = 0
-    ids: set[str] = set()
-    for n, record in enumerate(_records(data_cfg)):
+    first_at: dict[str, str] = {}  # sample id -> where its (accepted) record is
+    for n, item in enumerate(_records(data_cfg)):
         if limit is not None and len(out.items) >= int(limit):
             break
-        if isinstance(record, _Rejected):
-            out.rejected[record.reason] += 1
+        if isinstance(item, _Rejected):
+            out.reject(item.reason, item.where, item.detail)
             continue
-        if not isinstance(record, dict):
-            out.rejected["malformed"] += 1
+        record, where = item.value, item.where
+        sample_id, drop = _sample_id(record, n) if isinstance(record, dict) else (None, None)
+        if drop is not None:
+            out.reject(drop.reason, where, drop.detail, sample_id)
             continue
-        messages, reason = normalize_record(record)
+        messages, drop = explain_record(record)
         if messages is None:
-            out.rejected[reason or "malformed"] += 1
+            out.reject(drop.reason, where, drop.detail, sample_id)
             continue
-        sample_id = str(record.get("id", n))
-        if sample_id in ids:
-            out.rejected["duplicate_id"] += 1
+        if sample_id in first_at:
+            out.reject("duplicate_id", where, f"id {sample_id!r} is taken by the record at {first_at[sample_id]}",
+                       sample_id)
             continue
-        ids.add(sample_id)
+        first_at[sample_id] = where
         seen += 1
         if seen <= skip:
             continue
         out.items.append((sample_id, messages))
+        out.where[sample_id] = where
     return out

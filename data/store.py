@@ -22,6 +22,29 @@ fsynced; the manifest is rewritten the same way after each shard. A kill at any 
 manifest listing only finished shards: a shard renamed into place but not yet in the manifest is
 rewritten (identically) by the resumed run, and leftover temp files are removed when a writer opens
 the directory.
+
+Integrity: the manifest records each shard's size (`bytes`; manifests from before it lack it and
+skip only the size check) and sha256. Every open of a store for reading (`FeatureStore`) checks
+every shard's size and safetensors header — the 8-byte length, the JSON header, tensor names,
+dtypes, shapes and data offsets against the file size, the manifest's counts, hidden size, storage
+dtype and aux layers, and the sample ids in the metadata — reading no tensor bytes. With
+`verify="full"` (training's default, `train.data.verify_store`) it also checks every shard's
+sha256, once per store state: a stamp `<store>/.verified.json` (written atomically) keys the
+verification by a hash of the manifest and each shard's (size, mtime_ns), so later opens skip the
+hashing until the manifest or a shard changes (a rewrite changes the mtime). A store on a read-only
+mount still opens: the stamp cannot be written, so every open hashes again (logged). A damaged
+shard is a StoreError naming the file. A resumed writer (`StoreWriter` over an existing manifest)
+checks the size and header of every finished shard; from the first damaged or missing one on, the
+shards are dropped from the manifest and recomputed by the resumed run (logged).
+
+Target fingerprint (`target_fingerprint`): sha256 of the config (volatile keys dropped), of the
+tokenizer + chat template files, and `weights_sha256`: the sha256 of every weight file's name,
+size and safetensors header — no tensor bytes are read, so it costs milliseconds for a 140 GB
+target (`weights_hash: "header"`). `full_hash=True` (hydra `target.fingerprint: full`) also hashes
+the tensor bytes into `weights_content_sha256` (`weights_hash: "full"`). `check_fingerprint`
+compares config, tokenizer, weight headers and sizes, the content hash only when both sides have
+one, and the compute dtype; fingerprints of stores written before `weights_hash` existed hold the
+content hash in `weights_sha256` and are comparable only to a `full` fingerprint.
 """
 
 from __future__ import annotations
@@ -30,6 +53,8 @@ import hashlib
 import json
 import logging
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -78,6 +103,120 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+# ------------------------------------------------------------------------------- safetensors headers
+
+SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8: "F8_E4M3"}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def read_safetensors_header(path: Path, validate: bool = True) -> tuple[dict[str, Any], int, bytes]:
+    """(header, file size, raw header bytes) of a safetensors file, reading only its first 8 + N bytes.
+
+    The header must be a JSON object that fits the file. With `validate` (a store's shards) it must
+    also be well formed: a JSON object of tensors, each with a known dtype, a shape and
+    data offsets whose span is the tensor's byte size, the tensors tiling the data section with no
+    gap or overlap, ending exactly at the end of the file (so a truncated or extended file fails).
+    Raises StoreError naming the file otherwise."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise StoreError(f"{path}: {size} bytes, shorter than a safetensors header (truncated)")
+            n = int.from_bytes(prefix, "little")
+            if n > min(size - 8, MAX_HEADER_BYTES):
+                raise StoreError(f"{path}: header length {n} does not fit the file's {size} bytes "
+                                 "(truncated or corrupt header)")
+            raw = f.read(n)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read ({e})") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path}: the safetensors header is not valid JSON ({e}); corrupt header") from e
+    if not isinstance(header, dict):
+        raise StoreError(f"{path}: the safetensors header is not a JSON object; corrupt header")
+    if not validate:  # e.g. a target's weights, whose dtypes may be ones we do not size (sub-byte fp4, ...)
+        return header, size, raw
+    spans = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(t, dict) and t.get("dtype") in SAFETENSORS_ITEMSIZE and isinstance(t.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
+              and len(t["data_offsets"]) == 2 and all(isinstance(o, int) for o in t["data_offsets"]))
+        if not ok:
+            raise StoreError(f"{path}: tensor {name!r} has a malformed header entry {t!r}; corrupt header")
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        begin, end = t["data_offsets"]
+        if end - begin != numel * SAFETENSORS_ITEMSIZE[t["dtype"]]:
+            raise StoreError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but is {t['dtype']} "
+                             f"{t['shape']}; corrupt header")
+        spans.append((begin, end, name))
+    pos = 0
+    for begin, end, name in sorted(spans):
+        if begin != pos:
+            raise StoreError(f"{path}: tensor {name!r} starts at byte {begin} of the data, expected {pos} "
+                             "(gap or overlap); corrupt header")
+        pos = end
+    if 8 + n + pos != size:
+        raise StoreError(f"{path}: the header describes {8 + n + pos} bytes, the file has {size} "
+                         f"({'truncated' if size < 8 + n + pos else 'trailing bytes'})")
+    return header, size, raw
+
+
+def _expected_shard_tensors(shard: dict[str, Any], hidden_size: int, dtype: str,
+                            num_aux: int) -> dict[str, tuple[str, list[int]]]:
+    """The tensors (safetensors dtype, shape) a shard of this store must hold, from the manifest."""
+    t, n, st = int(shard["num_tokens"]), int(shard["num_samples"]), SAFETENSORS_DTYPE[dtype]
+    spec = {"input_ids": ("I32", [t]), "loss_mask": ("U8", [t]), "offsets": ("I64", [n + 1]),
+            "hidden": (st, [t, hidden_size])}
+    if dtype == FP8:
+        spec["hidden_scale"] = ("F32", [t])
+    if num_aux:
+        spec["aux_hidden"] = (st, [t, num_aux * hidden_size])
+        if dtype == FP8:
+            spec["aux_scale"] = ("F32", [t, num_aux])
+    return spec
+
+
+def check_shard(path: Path, shard: dict[str, Any], hidden_size: int, dtype: str, num_aux: int) -> os.stat_result:
+    """Size and header check of one shard against its manifest entry (no tensor bytes read); returns
+    its stat. Raises StoreError naming the file when it is missing, has another size than the manifest
+    records (`bytes`; skipped for manifests without it), or its header is malformed or does not
+    describe the manifest's shard (tensor names, dtypes, shapes, sample ids)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise StoreError(f"{path}: shard missing") from None
+    if "bytes" in shard and st.st_size != shard["bytes"]:
+        raise StoreError(f"{path}: {st.st_size} bytes, the manifest records {shard['bytes']} "
+                         f"({'truncated' if st.st_size < shard['bytes'] else 'grown'} or replaced)")
+    header, _, _ = read_safetensors_header(path)
+    expected = _expected_shard_tensors(shard, hidden_size, dtype, num_aux)
+    got = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    if set(got) != set(expected):
+        raise StoreError(f"{path}: holds tensors {sorted(got)}, the store's shards hold {sorted(expected)}; "
+                         "corrupt header or not this store's shard")
+    for k, want in expected.items():
+        if got[k] != want:
+            raise StoreError(f"{path}: tensor {k!r} is {got[k][0]} {got[k][1]}, the manifest implies "
+                             f"{want[0]} {want[1]}; corrupt header or not this store's shard")
+    try:
+        ids = json.loads((header.get("__metadata__") or {}).get("sample_ids", "null"))
+    except json.JSONDecodeError:
+        ids = None
+    if "sample_ids" in shard and ids != shard["sample_ids"]:
+        raise StoreError(f"{path}: the sample ids in its metadata are not the manifest's; "
+                         "corrupt header or not this store's shard")
+    return st
 
 
 def storage_dtype(name: str) -> str:
@@ -149,6 +288,8 @@ class StoreWriter:
                 old = json.loads(existing.read_text())
             except json.JSONDecodeError as e:
                 raise StoreError(f"{existing}: unreadable manifest ({e}); not a store this writer made") from e
+            if _same_target_but_method(old.get("target_fingerprint"), fingerprint):
+                self.manifest["target_fingerprint"] = old["target_fingerprint"]  # header vs full: same target
             keys = ("schema_version", "target_fingerprint", "hidden_size", "dtype", "captured", "source")
             diffs = [k for k in keys if old.get(k) != self.manifest[k]]
             if diffs:
@@ -159,9 +300,31 @@ class StoreWriter:
                                  "choose a new directory or delete it")
             self.manifest["shards"] = old["shards"]
             self.manifest["complete"] = old.get("complete", False)
+            self._drop_damaged_shards()
         self._remove_stale_temps()
         self._pending: list[Sample] = []
         self._pending_tokens = 0
+
+    def _drop_damaged_shards(self) -> None:
+        """Resume trusts no finished shard blindly: each one's size and header are checked (no tensor
+        bytes read). From the first missing or damaged shard on, the shards leave the manifest (shard
+        names are positional) and their samples are recomputed by the resumed run; the damaged file is
+        removed and the later ones are rewritten identically."""
+        shards = self.manifest["shards"]
+        for i, shard in enumerate(shards):
+            path = self.root / shard["file"]
+            try:
+                check_shard(path, shard, self.manifest["hidden_size"], self.dtype, len(self.aux_layers))
+            except StoreError as e:
+                later = len(shards) - i - 1
+                log.warning("%s; resuming recomputes its %d samples%s", e, shard["num_samples"],
+                            f" and those of the {later} shard(s) after it" if later else "")
+                self.manifest["shards"] = shards[:i]
+                self.manifest["complete"] = False
+                self._write_manifest()  # no reader may take the damaged shard for a finished one
+                if path.is_file():
+                    path.unlink()
+                return
 
     def _remove_stale_temps(self) -> None:
         # A kill during a write leaves `.<name>.tmp`; it is never read, but remove it so the
@@ -219,8 +382,8 @@ class StoreWriter:
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)}))
         self.manifest["shards"].append({
             "file": name, "num_samples": len(ids), "num_tokens": int(offsets[-1]),
-            "num_loss_tokens": int(tensors["loss_mask"].sum()), "sha256": sha256_file(path),
-            "sample_ids": ids,
+            "num_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": path.stat().st_size,
+            "sha256": sha256_file(path), "sample_ids": ids,
         })
         self._write_manifest()
         self._pending, self._pending_tokens = [], 0
@@ -241,26 +404,37 @@ def dequantized_dtype_name(fingerprint: dict[str, Any]) -> str:
     return name if name in DTYPES else "float32"
 
 
+VERIFY_MODES = ("header", "full")
+STAMP = ".verified.json"  # in the store's root: the full verification it last passed
+
+
 class FeatureStore:
-    """Read side: memory-mapped shards, per-sample access, fingerprint check and sha256 verify.
+    """Read side: memory-mapped shards, per-sample access, fingerprint check, integrity checks.
 
     `hidden` comes back in the storage dtype, except for fp8 stores, which are dequantized into the
-    manifest's `dequantized_dtype` (the target's compute dtype). With `verify_on_open=True` each
-    shard's sha256 is checked the first time one of its samples (or its offsets) is read, and a
-    mismatch raises StoreError naming the shard file; off by default because it reads every shard
-    once in full.
+    manifest's `dequantized_dtype` (the target's compute dtype).
+
+    Opening checks every shard's size and safetensors header against the manifest (`check_shard`,
+    no tensor bytes read). `verify="full"` also checks every shard's sha256 — once per store state:
+    the stamp `<root>/.verified.json` records the manifest's hash and each shard's (size, mtime_ns),
+    and while they are unchanged later opens skip the hashing. A store that cannot take the stamp
+    (read-only) is hashed at every full open. Any damage is a StoreError naming the shard files.
+    `verify_on_open=True` is the older spelling of `verify="full"`.
     """
 
     def __init__(self, root: str | Path, expected_fingerprint: dict[str, Any] | None = None,
-                 require_complete: bool = True, verify_on_open: bool = False) -> None:
+                 require_complete: bool = True, verify_on_open: bool = False, verify: str = "header") -> None:
         self.root = Path(root)
-        self.verify_on_open = verify_on_open
+        self.verify_mode = "full" if verify_on_open else verify
+        if self.verify_mode not in VERIFY_MODES:
+            raise StoreError(f"verify={verify!r}: choose one of {VERIFY_MODES}")
         mpath = self.root / "manifest.json"
         if not mpath.exists():
             raise StoreError(f"{self.root}: no manifest.json — not a feature store (run precompute first)")
+        manifest_bytes = mpath.read_bytes()
         try:
-            self.manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
+            self.manifest = json.loads(manifest_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise StoreError(f"{mpath}: unreadable manifest ({e})") from e
         if self.manifest.get("schema_version") != SCHEMA_VERSION:
             raise StoreError(f"{mpath}: schema_version {self.manifest.get('schema_version')} != {SCHEMA_VERSION}")
@@ -274,10 +448,77 @@ class FeatureStore:
             self._index.extend((si, j) for j in range(shard["num_samples"]))
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
-        self._verified: set[int] = set()
         self.storage_dtype = storage_dtype(self.manifest.get("dtype", "bfloat16"))
         self.hidden_dtype = (DTYPES[self.manifest.get("dequantized_dtype", "float32")] if self.storage_dtype == FP8
                              else STORAGE_DTYPES[self.storage_dtype])
+        stats = self._check_headers()
+        if self.verify_mode == "full":
+            self._verify_full(manifest_bytes, stats)
+
+    def _damaged(self, problems: list[str], checksums: bool = False) -> StoreError:
+        hint = (f"delete the store and precompute it again; `spechead verify {self.root}` lists every corrupt shard"
+                if checksums else "rerun precompute on the store (a resumed run recomputes shards whose size or "
+                "header is damaged) or delete it and precompute it again")
+        if len(problems) == 1:
+            return StoreError(f"{problems[0]}; {hint}")
+        shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+        return StoreError(f"{self.root}: {len(problems)} damaged shards: {shown}; {hint}")
+
+    def _check_headers(self) -> dict[str, tuple[int, int]]:
+        """Size + header of every shard; returns {file: (size, mtime_ns)}."""
+        stats, problems = {}, []
+        for shard in self.manifest["shards"]:
+            try:
+                st = check_shard(self.root / shard["file"], shard, self.hidden_size, self.storage_dtype,
+                                 len(self.aux_layers))
+                stats[shard["file"]] = (st.st_size, st.st_mtime_ns)
+            except StoreError as e:
+                problems.append(str(e))
+        if problems:
+            raise self._damaged(problems)
+        return stats
+
+    @staticmethod
+    def _stamp_key(manifest_bytes: bytes, stats: dict[str, tuple[int, int]]) -> str:
+        h = hashlib.sha256(manifest_bytes)
+        h.update(json.dumps(sorted((f, *v) for f, v in stats.items())).encode())
+        return h.hexdigest()
+
+    def _verify_full(self, manifest_bytes: bytes, stats: dict[str, tuple[int, int]]) -> None:
+        stamp, key = self.root / STAMP, self._stamp_key(manifest_bytes, stats)
+        try:
+            if json.loads(stamp.read_text()).get("key") == key:
+                log.debug("%s: sha256 verified before (%s, unchanged since)", self.root, stamp)
+                return
+        except (OSError, ValueError, AttributeError):
+            pass  # no stamp, an unreadable one, or one from another format: verify
+        t0 = time.perf_counter()
+        problems = []
+        for shard in self.manifest["shards"]:
+            path = self.root / shard["file"]
+            digest = sha256_file(path)
+            if digest != shard["sha256"]:
+                problems.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's "
+                                f"{shard['sha256'][:16]}… (corrupt shard)")
+        if problems:
+            raise self._damaged(problems, checksums=True)
+        total = sum(size for size, _ in stats.values())
+        log.info("%s: sha256 of %d shards (%.2f GB) verified in %.1fs", self.root, len(stats), total / 1e9,
+                 time.perf_counter() - t0)
+        record = {"key": key, "method": "sha256", "shards": len(stats), "bytes": total,
+                  "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        tmp = stamp.with_name(f".{stamp.name}.{uuid.uuid4().hex[:12]}.tmp")  # unique: ranks may stamp together
+        try:
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, stamp)
+        except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            log.warning("%s: cannot write the verification stamp (%s); the store is verified, but the next "
+                        "open with full verification hashes it again (train.data.verify_store=header skips that)",
+                        self.root, e)
 
     @property
     def hidden_size(self) -> int:
@@ -312,15 +553,7 @@ class FeatureStore:
 
     def _open(self, si: int):
         if si not in self._handles:
-            shard = self.manifest["shards"][si]
-            path = self.root / shard["file"]
-            if self.verify_on_open and si not in self._verified:
-                if not path.exists():
-                    raise StoreError(f"{path}: shard missing; the store is damaged, precompute it again")
-                if sha256_file(path) != shard["sha256"]:
-                    raise StoreError(f"{path}: sha256 does not match the manifest (corrupt shard); "
-                                     "delete the store and precompute it again")
-                self._verified.add(si)
+            path = self.root / self.manifest["shards"][si]["file"]
             try:
                 self._handles[si] = safe_open(path, framework="pt")
             except Exception as e:
@@ -369,41 +602,138 @@ class FeatureStore:
         return state
 
 
+FINGERPRINT_METHODS = ("header", "full")
+
+
+def _weights_kind(fp: dict[str, Any]) -> str:
+    """What `weights_sha256` of a fingerprint hashes: headers + sizes (`header`, also in a `full`
+    fingerprint), or, in a fingerprint from before `weights_hash` existed, the tensor bytes (`legacy`)."""
+    return fp.get("weights_hash", "legacy")
+
+
+def _same_target_but_method(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    """Two fingerprints equal but for how the weights were hashed (header vs full)."""
+    if not isinstance(a, dict):
+        return False
+    method = ("weights_hash", "weights_content_sha256")
+    both_full = all("weights_content_sha256" in fp for fp in (a, b))
+    return ("weights_hash" in a and {k: v for k, v in a.items() if k not in method}
+            == {k: v for k, v in b.items() if k not in method}
+            and (not both_full or a["weights_content_sha256"] == b["weights_content_sha256"]))
+
+
+LEGACY_WEIGHTS = ("weights_sha256 (the stored one hashes the weights' bytes, an older spechead's; the configured "
+                  "one their headers: not comparable — rerun with target.fingerprint=full)")
+
+
+def fingerprint_mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """[(key, stored value, configured value)] for every way `stored` identifies another target than
+    `expected`: config, tokenizer, weight files (headers + sizes; the content hash too when both
+    fingerprints have one) or compute dtype. Empty: the same target.
+
+    The weights are compared by what both fingerprints contain, never by how they were made: a `full`
+    fingerprint holds the header hash as well, so a `header` and a `full` one compare on it. A legacy
+    fingerprint (no `weights_hash`: its `weights_sha256` hashes the tensor bytes) compares with a
+    `full` one's `weights_content_sha256`; against a `header` one it cannot be compared and is
+    reported as a mismatch whose key says so (`LEGACY_WEIGHTS`). Keys one side lacks (`compute_dtype`
+    and `weights_bytes` of older fingerprints) are not compared; `name`, `versions` and `weights_hash`
+    never are."""
+    diffs: list[tuple[str, Any, Any]] = []
+    for key in ("config_sha256", "tokenizer_sha256"):
+        if stored.get(key) != expected.get(key):
+            diffs.append((key, stored.get(key), expected.get(key)))
+    s_legacy, e_legacy = (_weights_kind(fp) == "legacy" for fp in (stored, expected))
+    if s_legacy == e_legacy:
+        pairs = [("weights_sha256", "weights_sha256", True), ("weights_content_sha256", "weights_content_sha256", False)]
+    elif s_legacy:
+        pairs = [("weights_sha256", "weights_content_sha256", True)]
+    else:
+        pairs = [("weights_content_sha256", "weights_sha256", True)]
+    for skey, ekey, required in pairs:
+        sv, ev = stored.get(skey), expected.get(ekey)
+        if sv is None or ev is None:
+            if required and (sv, ev) != (None, None):
+                diffs.append((LEGACY_WEIGHTS if s_legacy != e_legacy else skey, sv, ev))
+            continue
+        if sv != ev:
+            diffs.append((skey if skey == ekey else f"{skey} (stored) vs {ekey} (configured)", sv, ev))
+    for key in ("weights_bytes", "compute_dtype"):
+        if stored.get(key) is not None and expected.get(key) is not None and stored[key] != expected[key]:
+            diffs.append((key, stored[key], expected[key]))
+    return diffs
+
+
 def check_fingerprint(stored: dict[str, Any], expected: dict[str, Any], where: Path | str) -> None:
-    diffs = [k for k in sorted(set(stored) | set(expected))
-             if k in ("config_sha256", "weights_sha256", "tokenizer_sha256") and stored.get(k) != expected.get(k)]
+    """Refuse (StoreError) a store whose target differs from the configured one (`fingerprint_mismatches`),
+    naming the store (`where`) and, for each differing key, the stored and the configured value."""
+    diffs = fingerprint_mismatches(stored, expected)
     if diffs:
-        raise StoreError(f"{where}: the store was built for another target or tokenizer "
-                         f"(differs in {', '.join(diffs)}: stored {stored.get('name')!r}, configured "
-                         f"{expected.get('name')!r}); precompute a new store for this target")
+        detail = "; ".join(f"{k}: stored {sv!r}, configured {ev!r}" for k, sv, ev in diffs)
+        if [k for k, _, _ in diffs] == ["compute_dtype"]:
+            remedy = (f"set target.dtype={stored.get('compute_dtype')} (the dtype the store's hidden states were "
+                      "computed in) or precompute a new store")
+        else:
+            remedy = "precompute a new store for this target"
+        raise StoreError(f"{where}: the store was built for another target or tokenizer or compute dtype "
+                         f"(stored {stored.get('name')!r}, configured {expected.get('name')!r}; {detail}); {remedy}")
 
 
-def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str) -> dict[str, Any]:
-    """What identifies the hidden states: config, weights, tokenizer + chat template, dtype, versions."""
+def weights_header_sha256(files: list[Path]) -> tuple[str, int]:
+    """(sha256 over each weight file's name, size and raw safetensors header, total bytes): reads the
+    headers only, never the tensor bytes. A malformed or truncated file is a StoreError naming it."""
+    h, total = hashlib.sha256(), 0
+    for f in files:
+        _, size, raw = read_safetensors_header(f, validate=False)
+        h.update(f"{f.name}\0{size}\0{len(raw)}\0".encode())
+        h.update(raw)
+        total += size
+    return h.hexdigest(), total
+
+
+def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str,
+                       full_hash: bool | str = False) -> dict[str, Any]:
+    """What identifies the hidden states: config, weights, tokenizer + chat template, dtype, versions.
+
+    The weights enter as `weights_sha256`, the hash of every `*.safetensors` file's name, size and
+    header (tensor names, dtypes, shapes, offsets, metadata), with `weights_bytes` their total size:
+    milliseconds for a 140 GB target, no tensor bytes read. `full_hash=True` (or "full"; the hydra key
+    `target.fingerprint`) adds `weights_content_sha256`, the sha256 of every file's bytes (what
+    `weights_sha256` was before `weights_hash` existed); `weights_hash` records "header" or "full"."""
     import safetensors
     import transformers
 
+    if isinstance(full_hash, str):
+        if full_hash not in FINGERPRINT_METHODS:
+            raise ValueError(f"target.fingerprint={full_hash!r}: choose one of {FINGERPRINT_METHODS}")
+        full_hash = full_hash == "full"
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
         cfg.pop(volatile, None)
-    weights = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        weights.update(sha256_file(f).encode())
+    files = sorted(model_dir.glob("*.safetensors"))
+    weights, weights_bytes = weights_header_sha256(files)
     tok = hashlib.sha256()
     for fname in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         f = model_dir / fname
         if f.exists():
             tok.update(fname.encode() + f.read_bytes())
-    return {
+    fp = {
         "name": name,
         "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
-        "weights_sha256": weights.hexdigest(),
+        "weights_sha256": weights,
+        "weights_bytes": weights_bytes,
+        "weights_hash": "full" if full_hash else "header",
         "tokenizer_sha256": tok.hexdigest(),
         "compute_dtype": compute_dtype,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "safetensors": safetensors.__version__},
     }
+    if full_hash:
+        content = hashlib.sha256()
+        for f in files:
+            content.update(sha256_file(f).encode())
+        fp["weights_content_sha256"] = content.hexdigest()
+    return fp
 
 
 # ------------------------------------------------------------------------------------ several ranks

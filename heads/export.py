@@ -12,19 +12,17 @@
 | `medusa-vllm`    | medusa | §9.6: `MedusaModel`, `blocks.{h}.layers.{l}.*`, the target's lm_head as `lm_heads.0` |
 
 Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
-the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. docs/export.md says
-which engine loads what.
+the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. Each directory is
+written by `heads.checkpoint.atomic_artifact_dir` (marker `.spechead-artifact.json`, kind `export:<format>`,
+with the head's target fingerprint); an existing directory that is not an export of the same format is
+never replaced. docs/export.md says which engine loads what.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads.checkpoint import load_native, save_native
+from heads.checkpoint import (ARTIFACT_MARKER, NATIVE_KIND, artifact_info, atomic_artifact_dir, check_replaceable,
+                              check_target_fingerprint, export_kind, load_native, recover_interrupted_save,
+                              save_native)
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs
@@ -69,11 +69,12 @@ def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
     return torch.cat([o.reshape(-1) for o in outs])
 
 
-def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
+def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] | None = None,
+                  expected_fingerprint: dict[str, Any] | None = None) -> Path:
     """Write the native checkpoint and prove the round trip: the reloaded head's logits must equal
-    the live head's bit for bit."""
+    the live head's bit for bit (and its fingerprint must agree with `expected_fingerprint`, if given)."""
     out = save_native(head, out_dir, fingerprint)
-    reloaded = load_native(out, head.tied, head.args)
+    reloaded = load_native(out, head.tied, head.args, expected_fingerprint)
     if not torch.equal(probe_logits(head), probe_logits(reloaded)):
         raise RuntimeError(f"{out}: reloaded head gives different logits than the exported one")
     return out
@@ -93,27 +94,48 @@ def default_formats(head: Head) -> list[str]:
 
 
 def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | Path,
-                fingerprint: dict[str, Any] | None = None) -> dict[str, Path]:
+                fingerprint: dict[str, Any] | None = None, *, expected_fingerprint: dict[str, Any] | None = None,
+                source: str | Path | None = None) -> dict[str, Path]:
     """Write each format to its directory (`{format: dir}`), validate it against the target, read it back
-    and compare logits with the live head. Returns `{format: dir}`."""
+    and compare logits with the live head. Returns `{format: dir}`.
+
+    `fingerprint`: the head's stored target fingerprint (its checkpoint's), written into every export.
+    `expected_fingerprint`: the configured target's (`data.store.target_fingerprint`); a head trained for
+    another target or compute dtype is refused before anything is written (`source`, the checkpoint it came
+    from, is named in the error). Every directory must be absent, empty or an export of the same format
+    (`heads.checkpoint.check_replaceable`), checked for all of them before the first is written."""
     target_dir = Path(target_dir)
     for fmt in out_dirs:
         if fmt != "native" and fmt not in ENGINE_FORMATS.get(head.kind, ()):
             known = ", ".join(["native", *ENGINE_FORMATS.get(head.kind, ())])
             raise ValueError(f"format {fmt!r} does not apply to a {head.kind!r} head; it exports to: {known}")
+    check_target_fingerprint(fingerprint or {}, expected_fingerprint,
+                             source if source is not None else f"the {head.kind} head to export")
+    seen: dict[Path, str] = {}
+    for fmt, out_dir in out_dirs.items():
+        key = Path(out_dir).resolve()
+        if key in seen:
+            raise ValueError(f"{out_dir}: formats {seen[key]!r} and {fmt!r} would both be written there")
+        seen[key] = fmt
+        recover_interrupted_save(out_dir)
+        check_replaceable(out_dir, _kind(fmt))
     written: dict[str, Path] = {}
     for fmt, out_dir in out_dirs.items():
         if fmt == "native":
-            written[fmt] = export_native(head, out_dir, fingerprint)
+            written[fmt] = export_native(head, out_dir, fingerprint, expected_fingerprint)
         else:
-            with _atomic_dir(Path(out_dir)) as tmp:
+            with atomic_artifact_dir(out_dir, _kind(fmt), {"target_fingerprint": fingerprint or {}}) as tmp:
                 WRITERS[fmt](head, tmp, target_dir)
             written[fmt] = Path(out_dir)
         check_export(written[fmt], fmt, target_dir)
-        reloaded = load_export(written[fmt], fmt, head.tied, head.args)
+        reloaded = load_export(written[fmt], fmt, head.tied, head.args, expected_fingerprint)
         if not torch.equal(probe_logits(head), probe_logits(reloaded)):
             raise RuntimeError(f"{written[fmt]}: the {fmt} export read back gives different logits than the live head")
     return written
+
+
+def _kind(fmt: str) -> str:
+    return NATIVE_KIND if fmt == "native" else export_kind(fmt)
 
 
 # ---- EAGLE-1 ---------------------------------------------------------------------------------------
@@ -196,7 +218,7 @@ def _copy_aux_files(target_dir: Path, out: Path, skip_weights: bool) -> None:
     """Tokenizer, generation config, ... (and the weight files unless skipped); never config.json."""
     for f in target_dir.iterdir():
         weights = f.suffix == ".safetensors" or f.name == INDEX_FILE
-        if f.is_file() and f.name != "config.json" and not (skip_weights and weights):
+        if f.is_file() and f.name not in ("config.json", ARTIFACT_MARKER) and not (skip_weights and weights):
             shutil.copy2(f, out / f.name)
 
 
@@ -330,16 +352,25 @@ def detect_format(path: str | Path) -> str:
                      "pass a native spechead checkpoint or an export made by heads/export.py")
 
 
-def load_any(path: str | Path, tied: TiedTarget, args: LlamaArgs) -> Head:
+def load_any(path: str | Path, tied: TiedTarget, args: LlamaArgs,
+             expected_fingerprint: dict[str, Any] | None = None) -> Head:
     """Load a native checkpoint or any engine export (format detected) as a spechead head."""
-    return load_export(path, detect_format(path), tied, args)
+    return load_export(path, detect_format(path), tied, args, expected_fingerprint)
 
 
-def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs) -> Head:
-    """Rebuild a spechead head from an export directory (`args`: the target's), frozen tensors attached."""
+def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
+                expected_fingerprint: dict[str, Any] | None = None) -> Head:
+    """Rebuild a spechead head from an export directory (`args`: the target's), frozen tensors attached.
+
+    `expected_fingerprint` (the configured target's, `data.store.target_fingerprint`): the fingerprint the
+    export records (native: config.json; engine formats: the artifact marker) must agree with it
+    (`heads.checkpoint.check_target_fingerprint`); an export without one loads with a warning. None: no check."""
     path = Path(path)
     if fmt == "native":
-        return load_native(path, tied, args)
+        return load_native(path, tied, args, expected_fingerprint)
+    if expected_fingerprint is not None:
+        stored = (artifact_info(path) or {}).get("target_fingerprint") or {}
+        check_target_fingerprint(stored, expected_fingerprint, path)
     cfg = read_json(path / "config.json")
     infos = scan_tensors(path)
     if fmt.startswith("eagle1"):
@@ -378,24 +409,3 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs) -
 def _read(file: Path, name: str) -> torch.Tensor:
     with safe_open(file, framework="pt") as fh:
         return fh.get_tensor(name)
-
-
-@contextmanager
-def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Write into a temp dir next to `out_dir`, fsync, then swap it in: a killed export leaves the old
-    directory (or nothing), never half of one."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)

@@ -238,7 +238,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     from data.sources import resolve_target_dir
     from data.store import DTYPES
     from heads.export import load_any
-    from inference_eval.model import LlamaForCausalLM, tied_target
+    from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
     from inference_eval.speculative import DraftModelProposer
 
     ecfg = cfg.evaluate
@@ -256,8 +256,15 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     torch.manual_seed(int(cfg.seed))
     target_dir = resolve_target_dir(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype])
-    tied, _, _ = tied_target(target_dir, DTYPES[ecfg.head_dtype])
+    device = resolve_device(cfg.target.get("device", "auto"))
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+    head_dtype = ecfg.get("head_dtype") or cfg.target.dtype
+    if head_dtype == cfg.target.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
+        tied = tied_from_model(target)
+    else:  # another dtype needs its own copy of the shared tensors (2 · V · H values)
+        tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
+        log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
+                 "embedding and lm_head", head_dtype, cfg.target.dtype)
     stops = stop_token_ids(tokenizer)
     prompts = load_prompts(cfg, tokenizer, target, stops)
     if not prompts:
@@ -267,21 +274,26 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         tree = {key: int(v) for key, v in tree.items()}
         k = tree.setdefault("depth", 4)
     warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
-    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": ecfg.head_dtype,
+    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
                               "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": temperature,
                               "top_p": sampling.top_p, "top_k": sampling.top_k,
                               "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": warmup,
                               "repeats": repeats, "results": {}}
     proposers: dict[str, Any] = {}
+    expected_fp = None  # the configured target's fingerprint: a head trained for another one is refused
     for label, path in (ecfg.get("heads") or {}).items():
         if path:
-            proposers[label] = load_any(path, tied, target.args).eval()
+            if expected_fp is None:
+                from data.store import target_fingerprint
+                expected_fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                                 cfg.target.get("fingerprint", "header"))
+            proposers[label] = load_any(path, tied, target.args, expected_fingerprint=expected_fp).to(device).eval()
     for label, spec in (ecfg.get("draft_models") or {}).items():
         if not spec:
             continue
         if spec.get("path"):
-            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype])
+            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype], device=device)
             if draft.args.vocab_size != target.args.vocab_size:
                 raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
                                  f"{target.args.vocab_size} (a draft model must share the tokenizer)")

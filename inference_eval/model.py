@@ -56,19 +56,24 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "LlamaForCausalLM":
+        """Build on the meta device, then stream the checkpoint tensor by tensor onto `device` in
+        `dtype`: host memory holds one tensor at a time (plus the model itself when `device` is the
+        CPU), never a whole state dict beside the model."""
         path = Path(path)
+        device = torch.device(device)
         args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
         with torch.device("meta"):
             model = cls(args)
-        state = load_safetensors_dir(path)
-        if args.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if args.tie_word_embeddings else set())
-        unexpected = set(state) - set(model.state_dict())
+        expected = set(model.state_dict())
+        skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
+        names = checkpoint_tensor_names(path)
+        missing = expected - set(names) - skip
+        unexpected = set(names) - expected - skip
         if missing or unexpected:
             raise ValueError(f"{path}: checkpoint does not match a {args.model_type} model: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+        for name, tensor in stream_safetensors_dir(path, expected - skip, device):
+            _assign_tensor(model, name, tensor.to(dtype))
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.model.rotary_emb = Rotary(args)  # buffers were on meta
@@ -121,18 +126,69 @@ class LlamaForCausalLM(nn.Module):
         return TargetOutput(hidden=x, logits=out, aux=aux)
 
 
-def load_safetensors_dir(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Read the tensors of an HF checkpoint directory (one file or an index of shards)."""
-    files = sorted(path.glob("*.safetensors"))
+def checkpoint_files(path: Path) -> list[Path]:
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors file (is this an HF checkpoint directory?)")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
+    return files
+
+
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """Every tensor name of an HF checkpoint directory, read from the safetensors headers alone."""
+    names: list[str] = []
+    for f in checkpoint_files(path):
         with safe_open(f, framework="pt") as fh:
+            names.extend(fh.keys())
+    return names
+
+
+def stream_safetensors_dir(path: Path, names: set[str] | None = None, device: str | torch.device = "cpu"):
+    """Yield (name, tensor) for the checkpoint's tensors (all, or `names`), each read straight onto
+    `device`: one tensor is materialised at a time, so a caller that places each one before asking
+    for the next never holds the whole state dict in host memory."""
+    device = torch.device(device)
+    where = "cpu" if device.type == "cpu" else str(device)
+    for f in checkpoint_files(path):
+        with safe_open(f, framework="pt", device=where) as fh:
             for key in fh.keys():
                 if names is None or key in names:
-                    state[key] = fh.get_tensor(key)
-    return state
+                    yield key, fh.get_tensor(key)
+
+
+def load_safetensors_dir(path: Path, names: set[str] | None = None,
+                         device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read the tensors of an HF checkpoint directory (one file or an index of shards): for small
+    selections (the frozen parts a head shares); models stream through `stream_safetensors_dir`."""
+    return dict(stream_safetensors_dir(path, names, device))
+
+
+def _assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace the (meta) parameter or buffer `name` of `model` by `tensor`, frozen."""
+    prefix, _, leaf = name.rpartition(".")
+    module = model.get_submodule(prefix)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """`target.device`: `auto` (or null) = `cuda:$LOCAL_RANK` when CUDA is available (each rank of a
+    torchrun / Lightning launch on its own GPU), else the CPU; anything else is a torch device string
+    (`cpu`, `cuda`, `cuda:3`, `mps`)."""
+    import os
+
+    if spec is None or str(spec) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1))
+        return torch.device("cpu")
+    try:
+        device = torch.device(str(spec))
+    except RuntimeError as e:
+        raise ValueError(f"target.device={spec!r}: not a torch device (expected auto, cpu, cuda, cuda:N)") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"target.device={spec!r}: CUDA is not available on this machine (use auto or cpu)")
+    return device
 
 
 @dataclass
@@ -145,31 +201,40 @@ class FrozenTargetParts:
     first_input_norm: torch.Tensor  # [H], layer 0's input_layernorm (norm init for the embedding)
 
 
-def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32) -> FrozenTargetParts:
+def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> FrozenTargetParts:
     """Read only the shared tensors from a target checkpoint (no full model load)."""
     path = Path(path)
     args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
              "model.layers.0.input_layernorm.weight"}
-    s = load_safetensors_dir(path, names)
+    s = {k: v.to(dtype) for k, v in stream_safetensors_dir(path, names, device)}
     lm = s["model.embed_tokens.weight"] if args.tie_word_embeddings or "lm_head.weight" not in s else s["lm_head.weight"]
-    return FrozenTargetParts(embed=s["model.embed_tokens.weight"].to(dtype), norm=s["model.norm.weight"].to(dtype),
-                             lm_head=lm.to(dtype), first_input_norm=s["model.layers.0.input_layernorm.weight"].to(dtype))
+    return FrozenTargetParts(embed=s["model.embed_tokens.weight"], norm=s["model.norm.weight"],
+                             lm_head=lm, first_input_norm=s["model.layers.0.input_layernorm.weight"])
 
 
 def target_args(path: str | Path) -> LlamaArgs:
     return LlamaArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
-
-def tied_target(path: str | Path, dtype: torch.dtype = torch.float32):
+def tied_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """The frozen target tensors a head shares, as the head's TiedTarget module, plus the target args
     and the raw parts (for initialising a new head)."""
     from heads.base import TiedTarget
 
     args = target_args(path)
-    parts = load_frozen_parts(path, dtype)
+    parts = load_frozen_parts(path, dtype, device)
     return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps), args, parts
+
+
+def tied_from_model(target: "LlamaForCausalLM"):
+    """A TiedTarget over a loaded target's own E, W_lm and N_f tensors (views, not copies): the heads
+    evaluated against this target add no memory for the vocabulary-sized matrices."""
+    from heads.base import TiedTarget
+
+    return TiedTarget(target.model.embed_tokens.weight, target.lm_head.weight, target.model.norm.weight,
+                      target.args.rms_norm_eps)
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
@@ -208,15 +273,23 @@ class HFTarget:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", trust_remote_code: bool = False) -> "HFTarget":
+                        device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                        device_map: str | dict | None = None) -> "HFTarget":
+        """`device_map` (e.g. `auto`) shards the layers over the visible GPUs through accelerate, for a
+        target too large for one; the weights then load straight onto their devices."""
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-                   .to(device))
+        if device_map is not None:
+            return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                            device_map=device_map))
+        device = torch.device(device)
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                        device_map=None if device.type == "cpu" else str(device)))
 
     @property
     def device(self) -> torch.device:
-        return next(self.hf.parameters()).device
+        """Where inputs go: the embedding's device (the first shard's under a device_map)."""
+        return self.hf.get_input_embeddings().weight.device
 
     def __call__(self, input_ids: torch.Tensor, logits: str = "none", capture_layers: tuple[int, ...] = ()
                  ) -> TargetOutput:
@@ -230,3 +303,14 @@ class HFTarget:
     def _capture(self, module, args, output) -> None:
         self._local.hidden = output[0] if isinstance(output, tuple) else output
 
+
+
+def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
+    """The target a stage runs, placed by `target.device` (`resolve_device`): the engine's model, or for
+    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set."""
+    device = resolve_device(cfg.target.get("device", "auto"))
+    if backend == "engine":
+        return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
+    return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
+                                    trust_remote_code=bool(cfg.target.get("trust_remote_code", False)),
+                                    device_map=cfg.target.get("device_map"))

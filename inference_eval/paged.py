@@ -227,7 +227,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     b, n_heads, t, d = q.shape
     g = n_heads // k.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v, attn_mask=mask)
-    return out.view(b, n_heads, t, d)
+    return out.reshape(b, n_heads, t, d)  # CUDA's SDPA may return a non-contiguous layout: view fails there
 
 
 class PagedCache:

@@ -158,11 +158,12 @@ def full_vocab_logits(head, hidden: torch.Tensor, depth: int = 1) -> torch.Tenso
 def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
                    sampling: Sampling = GREEDY) -> list[int]:
     cache = target.new_cache(1, len(prompt) + max_new_tokens + 1)
-    out = target(torch.tensor([prompt]), cache=cache, logits="last")
+    dev = target.device
+    out = target(torch.tensor([prompt], device=dev), cache=cache, logits="last")
     new = [sampling.pick(out.logits[0, -1])[0]]
     pos = len(prompt)
     while not _finish(new, max_new_tokens, stop_ids)[1]:
-        out = target(torch.tensor([[new[-1]]]), cache=cache, start=pos, logits="last")
+        out = target(torch.tensor([[new[-1]]], device=dev), cache=cache, start=pos, logits="last")
         new.append(sampling.pick(out.logits[0, -1])[0])
         pos += 1
     return _finish(new, max_new_tokens, stop_ids)[0]
@@ -180,7 +181,7 @@ def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache,
     state at the last one (or at every one). Separate modules (mtp num_modules > 1) each refresh their
     own cache."""
     n = tokens.shape[1]
-    positions = torch.arange(start, start + n).expand(1, n)
+    positions = torch.arange(start, start + n, device=tokens.device).expand(1, n)
     state = head(states, tokens, positions, cache, start)
     if head.separate_modules:
         for d in range(2, len(head.layers) + 1):
@@ -201,7 +202,8 @@ def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[i
         pos = m + j - 2
         slot = m if head.separate_modules else pos
         tok = forced[j - 2] if forced is not None else drafts[-1]
-        h = head(h, torch.tensor([[tok]]), torch.tensor([[pos]]), cache, slot, depth=j)
+        h = head(h, torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device), cache, slot,
+                 depth=j)
         states.append(h)
         d, q = sampling.pick(full_vocab_logits(head, h, depth=j)[0, -1])
         drafts.append(d)
@@ -229,7 +231,8 @@ class HeadProposer:
         head = self.head
         if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
             self.cache = head.new_cache(1, max_len)
-            self.state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + [first]]), 0, self.cache)
+            self.state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + [first]], device=out.hidden.device),
+                                 0, self.cache)
         else:  # a parallel head drafts from the target state of the last committed position
             self.state = out.hidden[:, -1:]
 
@@ -246,7 +249,7 @@ class HeadProposer:
         """After verification of positions m..m+k: a drafts accepted, `emitted` = t_{m+1}..t_{m+a+1}."""
         if self.head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
             vstate = _target_state(self.head, vout)[:, : a + 1]
-            self.state = refresh(self.head, vstate, torch.tensor([emitted]), m, self.cache)
+            self.state = refresh(self.head, vstate, torch.tensor([emitted], device=vstate.device), m, self.cache)
         else:
             self.state = vout.hidden[:, a: a + 1]
 
@@ -278,12 +281,14 @@ class DraftModelProposer:
             keep += 1
         keep = min(keep, len(committed) - 1)  # the last committed token is always fed: its logits draft d_1
         feed = committed[keep:]
-        out = self.draft(torch.tensor([feed]), cache=self.cache, start=keep, logits="last")
+        dev = self.draft.device
+        out = self.draft(torch.tensor([feed], device=dev), cache=self.cache, start=keep, logits="last")
         self.fed = committed[:]
         d, q = sampling.pick(out.logits[0, -1])
         drafts, qs = [d], [q]
         for _ in range(k - 1):
-            out = self.draft(torch.tensor([[drafts[-1]]]), cache=self.cache, start=len(self.fed), logits="last")
+            out = self.draft(torch.tensor([[drafts[-1]]], device=dev), cache=self.cache, start=len(self.fed),
+                             logits="last")
             self.fed.append(drafts[-1])
             d, q = sampling.pick(out.logits[0, -1])
             drafts.append(d)
@@ -314,16 +319,17 @@ def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens
     max_len = m + max_new_tokens + k + 2
     capture = proposer.capture_layers
     tcache = target.new_cache(1, max_len)
-    out = target(torch.tensor([prompt]), cache=tcache, logits="last", capture_layers=capture)
+    dev = target.device
+    out = target(torch.tensor([prompt], device=dev), cache=tcache, logits="last", capture_layers=capture)
     new = [sampling.pick(out.logits[0, -1])[0]]
     proposer.start(out, prompt, new[0], max_len)
     while not _finish(new, max_new_tokens, stop_ids)[1]:
         drafts, qs = proposer.propose(k, m, prompt + new, sampling)
-        verify_in = torch.tensor([[new[-1]] + drafts])  # [1, k+1]
+        verify_in = torch.tensor([[new[-1]] + drafts], device=dev)  # [1, k+1]
         vout = target(verify_in, cache=tcache, start=m, logits="all", capture_layers=capture)
         if sampling.greedy:
             g = vout.logits[0].argmax(-1)  # [k+1]
-            a = accept_greedy(torch.tensor(drafts), g)
+            a = accept_greedy(torch.tensor(drafts, device=g.device), g)
             last = int(g[a])
         else:
             a, last = accept_rejection(drafts, torch.stack(qs), sampling.probs(vout.logits[0]), sampling.generator)

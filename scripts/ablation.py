@@ -7,8 +7,12 @@ same batches, steps, LR schedule and seed, then compared on
     python -m scripts.ablation experiment=ablation            # the RESULTS.md run
     python -m scripts.ablation experiment=ablation ablation.heads=[mtp]
 
-Each finished stage is kept (store, trained head, per-k report) and skipped on a rerun, so an
-interrupted ablation continues where it stopped. Writes `<run_dir>/ablation.json` and `.md`.
+Each finished stage is kept (store, trained head, per-k report) and reused on a rerun only when it was
+made from the same inputs (scripts/cache.py: a key of the resolved config sections and the store's /
+checkpoint's hashes, kept beside it as `<result>.key.json`); anything else is recomputed, with the
+reason logged. So an interrupted ablation continues where it stopped, and a changed setting never
+reports an old result. `cached: true` in the JSON marks a reused head or report. Writes
+`<run_dir>/ablation.json` and `.md`.
 Last line: `ablation <head>_acc_d<d>=… <head>_tau_k<k>=… runtime_s=…`.
 """
 
@@ -59,6 +63,10 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_ablation(cfg)
+
+
+def run_ablation(cfg: DictConfig) -> dict:
     from data.precompute import run_precompute
     from data.sources import resolve_target_dir
     from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
@@ -68,6 +76,8 @@ def main(cfg: DictConfig) -> None:
     from train.data import FeatureDataModule
     from train.module import heldout_agreement
     from train.run import run_training
+
+    from scripts.cache import evaluation_key, lookup, record, training_key
 
     t0 = time.perf_counter()
     acfg = cfg.ablation
@@ -81,17 +91,21 @@ def main(cfg: DictConfig) -> None:
     store_tokens = sum(s["num_tokens"] for s in manifest["shards"])
     print(f"ablation store: {store_conversations} conversations, {store_tokens} tokens → {store}")
     target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                     cfg.target.get("fingerprint", "header"))
     results: dict[str, dict] = {}
     for name in acfg.heads:
         hc = head_config(cfg, name)
         head_dir = Path(hc.head_dir)
-        t_train = time.perf_counter()
-        if not (head_dir / "config.json").exists():
+        tkey = training_key(hc, store)
+        trained = lookup(head_dir, tkey, f"the {name} head")
+        if trained is None:
+            t_train = time.perf_counter()
             _, metrics = run_training(hc)
             train_s = time.perf_counter() - t_train
-        else:
-            metrics, train_s = {}, None
+            record(head_dir, tkey, final_metrics=metrics, train_seconds=train_s)
+        else:  # the figures of the run that made it
+            metrics, train_s = trained["meta"].get("final_metrics", {}), trained["meta"].get("train_seconds")
         dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
         dm.setup("validate")
         tied, args, _ = tied_target(target_dir)
@@ -101,7 +115,7 @@ def main(cfg: DictConfig) -> None:
             dm.val_idx = dm.val_idx[: int(limit)]
         held = heldout_agreement(head, dm.val_dataloader(), int(acfg.eval_depth))
         entry = {"head": OmegaConf.to_container(hc.head, resolve=True), "checkpoint": str(head_dir),
-                 "train_seconds": train_s, "final_metrics": metrics, "heldout": held,
+                 "train_seconds": train_s, "final_metrics": metrics, "cached": trained is not None, "heldout": held,
                  "heldout_conversations": len(dm.val_idx), "train_conversations": len(dm.train_idx), "tau": {}}
         for k in acfg.ks:
             ec = hc.copy()
@@ -110,10 +124,17 @@ def main(cfg: DictConfig) -> None:
                 ec.evaluate.heads = {name: str(head_dir)}
                 ec.evaluate.report = f"{cfg.run_dir}/eval/{name}_k{k}.json"
             report_path = Path(ec.evaluate.report)
-            report = json.loads(report_path.read_text()) if report_path.exists() else run_evaluation(ec)
+            ekey = evaluation_key(ec, fingerprint)
+            reused = lookup(report_path, ekey, f"the {name} k={k} evaluation") is not None
+            if reused:
+                report = json.loads(report_path.read_text())
+            else:
+                report = run_evaluation(ec)
+                record(report_path, ekey)
             r = report["results"][name]
             entry["tau"][int(k)] = {"tau": r["tau"], "alpha": r["alpha"], "tokens_per_s": r["tokens_per_s"],
-                                    "per_category_tau": r["per_category_tau"], "prompts": report["prompts"]}
+                                    "per_category_tau": r["per_category_tau"], "prompts": report["prompts"],
+                                    "cached": reused}
             print(f"ablation {name} k={k} tau={r['tau']:.3f}")
         results[name] = entry
     summary = {"run_name": cfg.run_name, "store": str(store), "store_tokens": store_tokens,
@@ -131,6 +152,7 @@ def main(cfg: DictConfig) -> None:
         fields += [f"{name}_acc_d{d}={a:.3f}" for d, a in enumerate(e["heldout"]["acc"], start=1)]
         fields += [f"{name}_tau_k{k}={v['tau']:.3f}" for k, v in e["tau"].items()]
     print("ablation " + " ".join(fields) + f" runtime_s={time.perf_counter() - t0:.0f}")
+    return summary
 
 
 def markdown(summary: dict) -> str:

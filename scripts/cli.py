@@ -18,9 +18,13 @@ def main() -> None:
     if stage in TOOLS and len(sys.argv) != 3:
         raise SystemExit(f"usage: spechead {stage} <store_dir>")
     if stage == "verify":
-        from data.store import FeatureStore
+        from data.store import FeatureStore, StoreError
 
-        bad = FeatureStore(sys.argv[2], require_complete=False).verify()
+        try:  # opening already checks sizes and headers: a damaged shard is reported, not a traceback
+            bad = FeatureStore(sys.argv[2], require_complete=False).verify()
+        except StoreError as e:
+            print(f"CORRUPT {e}")
+            raise SystemExit(1) from None
         for path in bad:
             print(f"CORRUPT {path}")
         print("ok" if not bad else f"{len(bad)} corrupt shard(s)")

@@ -11,17 +11,22 @@ from omegaconf import DictConfig
 def run_export(cfg: DictConfig) -> dict[str, Path]:
     """Returns {format: directory}; "native" is always among them."""
     from data.sources import resolve_target_dir
+    from data.store import target_fingerprint
     from heads.checkpoint import load_native, read_config
     from heads.export import default_formats, export_head
     from inference_eval.model import tied_target
 
     target_dir = resolve_target_dir(cfg.target)
     tied, args, _ = tied_target(target_dir)
-    head = load_native(cfg.export.source, tied, args)
+    # the configured target's fingerprint: a head trained for another target (or target.dtype) is refused
+    expected = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                  cfg.target.get("fingerprint", "header"))
+    head = load_native(cfg.export.source, tied, args, expected_fingerprint=expected)
     formats = list(cfg.export.get("formats") or default_formats(head))
     dirs = {fmt: Path(cfg.export.dir) if fmt == "native" else Path(cfg.export.root) / fmt
             for fmt in dict.fromkeys(["native", *formats])}
-    return export_head(head, dirs, target_dir, read_config(cfg.export.source).get("target_fingerprint"))
+    return export_head(head, dirs, target_dir, read_config(cfg.export.source).get("target_fingerprint"),
+                       expected_fingerprint=expected, source=cfg.export.source)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

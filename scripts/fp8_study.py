@@ -7,6 +7,10 @@ training-time-test unroll) and on MT-Bench through the engine (τ, greedy).
 
     python -m scripts.fp8_study run_name=fp8_study            # the demo's data and training settings
 
+A head or evaluation report already on disk is reused only when it was made from the same inputs
+(scripts/cache.py: resolved config sections + the store's / checkpoint's hashes, kept beside it as
+`<result>.key.json`); otherwise it is recomputed and the reason logged. `cached` in the JSON marks reuse.
+
 Writes `<run_dir>/fp8_study.json`; last line `fp8_study acc_d1_bf16=… acc_d1_fp8=… tau_bf16=… tau_fp8=…
 bytes_per_token_bf16=… bytes_per_token_fp8=…`.
 """
@@ -22,6 +26,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_fp8_study(cfg)
+
+
+def run_fp8_study(cfg: DictConfig) -> dict:
     from data.precompute import run_precompute
     from data.sources import resolve_target_dir
     from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
@@ -32,8 +40,11 @@ def main(cfg: DictConfig) -> None:
     from train.module import heldout_agreement
     from train.run import run_training
 
+    from scripts.cache import evaluation_key, lookup, record, training_key
+
     target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                     cfg.target.get("fingerprint", "header"))
     depth = int(cfg.get("fp8_study", {}).get("eval_depth", 3))
     results = {}
     for dtype in ("bfloat16", "fp8"):
@@ -47,14 +58,24 @@ def main(cfg: DictConfig) -> None:
             c.evaluate.heads = {dtype: c.head_dir}
             c.evaluate.report = f"{cfg.run_dir}/eval_{dtype}.json"
         store_dir, _ = run_precompute(c)
-        if not (Path(c.head_dir) / "config.json").exists():
-            run_training(c)
+        tkey = training_key(c, store_dir)
+        head_cached = lookup(c.head_dir, tkey, f"the head trained on the {dtype} store") is not None
+        if not head_cached:
+            _, metrics = run_training(c)
+            record(c.head_dir, tkey, final_metrics=metrics)
         store = FeatureStore(store_dir)
         tokens = sum(s["num_tokens"] for s in store.manifest["shards"])
         size = sum((Path(store_dir) / s["file"]).stat().st_size for s in store.manifest["shards"])
-        report = json.loads(Path(c.evaluate.report).read_text()) if Path(c.evaluate.report).exists() else run_evaluation(c)
+        ekey = evaluation_key(c, fingerprint)
+        report_cached = lookup(c.evaluate.report, ekey, f"the {dtype} head's evaluation") is not None
+        if report_cached:
+            report = json.loads(Path(c.evaluate.report).read_text())
+        else:
+            report = run_evaluation(c)
+            record(c.evaluate.report, ekey)
         results[dtype] = {"store": str(store_dir), "bytes_per_token": size / tokens, "head": c.head_dir,
-                          "tau": report["results"][dtype]["tau"], "alpha": report["results"][dtype]["alpha"]}
+                          "tau": report["results"][dtype]["tau"], "alpha": report["results"][dtype]["alpha"],
+                          "cached": {"head": head_cached, "evaluation": report_cached}}
     # held-out agreement of both heads on the bf16 store's validation split (the accurate features)
     dm = FeatureDataModule(f"{cfg.run_dir}/features_bfloat16", fingerprint,
                            **OmegaConf.to_container(cfg.train.data, resolve=True))
@@ -70,6 +91,7 @@ def main(cfg: DictConfig) -> None:
                                      for d in range(depth)]
                    + [f"tau_bf16={b['tau']:.3f}", f"tau_fp8={f['tau']:.3f}",
                       f"bytes_per_token_bf16={b['bytes_per_token']:.1f}", f"bytes_per_token_fp8={f['bytes_per_token']:.1f}"]))
+    return results
 
 
 if __name__ == "__main__":

@@ -217,6 +217,48 @@ def test_template_without_assistant_content_raises():
         tokenize_conversation(tokenizer, [user("Hi"), assistant("Hey.")])
 
 
+def test_refusals_raise_a_value_error_with_a_reason_but_prompts_keep_jinjas_error():
+    """tokenize_conversation turns what the template or tokenizer raises into a ValueError with a
+    `reason` (precompute rejects that one conversation); tokenize_prompt lets jinja's TemplateError
+    through, which regeneration catches to stop a conversation at the turn the template refuses."""
+    from jinja2.exceptions import TemplateError
+
+    from data.conversations import SpecialTokenError, TemplateRenderError, TokenizerError
+
+    tokenizer = make_tiny_tokenizer("chatml")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                               "{{ raise_exception('no late system') }}{% endif %}{% endfor %}"
+                               + tokenizer.chat_template)
+    late_system = [user("Hi"), assistant("Hey."), {"role": "system", "content": "s"}, user("q"), assistant("a")]
+    with pytest.raises(TemplateRenderError, match="refused messages\\[:5\\]: TemplateError: no late system") as err:
+        tokenize_conversation(tokenizer, late_system)
+    assert err.value.reason == "template_error"
+    with pytest.raises(TemplateError, match="no late system"):
+        tokenize_prompt(tokenizer, late_system[:4])
+    with pytest.raises(TokenizerError, match="TextEncodeInput") as err:
+        tokenize_conversation(tokenizer, [user("a\ud800"), assistant("b")])
+    assert err.value.reason == "tokenizer_error"
+    with pytest.raises(SpecialTokenError, match="message 0 \\(user\\) holds the special token '<\\|endoftext\\|>' "
+                                                "verbatim at character 3") as err:
+        tokenize_conversation(tokenizer, [user("hi <|endoftext|> <|im_end|>"), assistant("b")])
+    assert err.value.reason == "special_token"
+    assert TooLongError("x").reason == "too_long" and TemplateMaskError("x").reason == "template_mask"
+
+
+def test_explain_record_names_the_field():
+    from data.conversations import Drop, explain_record
+
+    assert explain_record([]) == (None, Drop("malformed", "record: expected an object, got array"))
+    assert explain_record({"messages": [{"role": "user", "content": 1.5}]}) == (
+        None, Drop("malformed", "messages[0].content: expected a string, got number"))
+    assert explain_record({"conversations": [{"from": "human", "value": "a\x00"}]}) == (
+        None, Drop("nul_char", "conversations[0].value: NUL character at character 1"))
+    assert explain_record({"conversations": [{"from": "human", "value": "\udfff"}]})[1].reason == "lone_surrogate"
+    assert explain_record({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}) == (
+        [user("q"), assistant("a")], None)
+    assert normalize_record({"conversations": [{"from": "human", "value": "\ud800"}]}) == (None, "lone_surrogate")
+
+
 # --------------------------------------------------------------------------- masks, SmolLM2
 
 

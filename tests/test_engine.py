@@ -386,3 +386,29 @@ def test_greedy_and_sampled_requests_share_a_batch(varied, reference):
         assert [o for i, o in enumerate(out) if i % 2 == 0] == [r for i, r in enumerate(reference) if i % 2 == 0]
         assert [o for i, o in enumerate(out) if i % 2] != [r for i, r in enumerate(reference) if i % 2]
         assert all(len(o) == 20 for o in out)
+
+
+def test_grouped_attention_takes_a_strided_sdpa_output(monkeypatch):
+    """CUDA's SDPA returned [B, nKV, g·T, d] in a strided layout on an H200 (`view` failed there, never
+    on CPU): folding the query heads back must not assume a contiguous result."""
+    import torch.nn.functional as F
+
+    from inference_eval.paged import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, n_heads, n_kv, t, kk, d = 2, 6, 2, 3, 5, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n, s in ((n_heads, t), (n_kv, kk), (n_kv, kk)))
+    mask = torch.rand(b, 1, t, kk, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees a key
+    grouped = mask.repeat(1, 1, n_heads // n_kv, 1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    real = F.scaled_dot_product_attention
+
+    def strided(*args, **kw):  # same values, memory in [B, g·T, nKV, d] order
+        out = real(*args, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", strided)
+    assert not strided(q.reshape(b, n_kv, -1, d), k, v, attn_mask=grouped).is_contiguous()
+    got = grouped_attention(q, k, v, grouped)
+    assert got.shape == (b, n_heads, t, d) and torch.allclose(got, want, atol=1e-6)

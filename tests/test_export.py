@@ -85,7 +85,8 @@ def test_golden_eagle1(exported):
         "architectures": ["LlamaForCausalLMEagle"], "bias": True}
     assert not load_file(sglang / "model.safetensors")["fc.bias"].any()  # trained without: zeros shipped
     assert load_file(exported["eagle1-sglang-bias"] / "model.safetensors")["fc.bias"].any()
-    assert sorted(p.name for p in vllm.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in vllm.iterdir()) == [".spechead-artifact.json", "config.json", "model.safetensors"]
+    assert json.loads((vllm / ".spechead-artifact.json").read_text())["kind"] == "export:eagle1-vllm"
 
 
 def test_golden_mtp(exported, tiny_target, heads):

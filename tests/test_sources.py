@@ -76,3 +76,38 @@ def test_skip_and_max_samples_count_only_usable_records(tmp_path):
     convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path), "skip": 2, "max_samples": 3}))
     assert [sid for sid, _ in convs.items] == ["s2", "s3", "s4"]
     assert convs.rejected == {"not_utf8": 1}
+
+
+def test_rejections_say_where_and_which_id(tmp_path):
+    lines = [json.dumps(GOOD[0]).encode(), b"", BAD["malformed"][3].encode(), NOT_UTF8[0],
+             BAD["duplicate_id"][0].encode(), b'{"id": "cu']
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b"\n".join(lines))  # no newline at the end: the last line is cut
+    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path)}))
+    assert convs.rejected == {"malformed": 1, "not_utf8": 1, "duplicate_id": 1, "truncated": 1}
+    assert [(e["reason"], e["where"], e["id"]) for e in convs.examples] == [
+        ("malformed", f"{path}:3", "m4"), ("not_utf8", f"{path}:4", None), ("duplicate_id", f"{path}:5", "g1"),
+        ("truncated", f"{path}:6", None)]
+    assert convs.examples[0]["detail"] == "conversations: expected an array of turns, got string"
+    assert convs.examples[1]["detail"] == "byte 62 (b'\\xe9\"},'...): invalid continuation byte"
+    assert convs.examples[2]["detail"] == f"id 'g1' is taken by the record at {path}:1"
+    assert convs.where == {"g1": f"{path}:1"}
+
+
+def test_json_array_reader_matches_the_packaged_sharegpt():
+    """The default source reads the packaged ShareGPT dump (cut inside its last record) record for
+    record like data/assets.py, and counts the cut record instead of dropping it unseen."""
+    from data.assets import load_sharegpt, sharegpt_path
+    from data.conversations import normalize_record
+
+    convs = load_conversations(OmegaConf.create({"source": "sharegpt", "max_samples": None}))
+    expected, ids = [], set()
+    for n, record in enumerate(load_sharegpt()):
+        if normalize_record(record)[0] is not None and str(record["id"]) not in ids:
+            ids.add(str(record["id"]))
+            expected.append(str(record["id"]))
+    assert [sid for sid, _ in convs.items] == expected
+    assert convs.rejected == {"no_assistant_turn": 155, "empty": 126, "truncated": 1}  # no id repeats
+    cut = [e for e in convs.examples if e["reason"] == "truncated"]
+    assert len(cut) == 1 and cut[0]["where"].startswith(f"{sharegpt_path()}:")
+    assert "after 17671 complete records" in cut[0]["detail"]

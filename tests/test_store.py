@@ -65,7 +65,7 @@ def test_refuses_other_target(tmp_path):
     w = StoreWriter(tmp_path, FP, hidden_size=8)
     w.add(_samples(1)[0])
     w.close()
-    with pytest.raises(StoreError, match="another target or tokenizer.*weights_sha256"):
+    with pytest.raises(StoreError, match="another target or tokenizer.*weights_sha256: stored 'w', configured 'other'"):
         FeatureStore(tmp_path, {**FP, "weights_sha256": "other"})
     with pytest.raises(StoreError, match="tokenizer_sha256"):
         FeatureStore(tmp_path, {**FP, "tokenizer_sha256": "other"})
@@ -209,12 +209,13 @@ def _corrupt_second_shard(tmp_path):
 
 def test_verify_on_open_names_the_shard(tmp_path):
     shard, first = _corrupt_second_shard(tmp_path)
-    store = FeatureStore(tmp_path, verify_on_open=True)
+    with pytest.raises(StoreError, match=f"{shard}: sha256 .* does not match"):
+        FeatureStore(tmp_path, verify_on_open=True)  # the older spelling of verify="full": checked at open
+    with pytest.raises(StoreError, match=f"{shard}: sha256 .* does not match"):
+        FeatureStore(tmp_path, verify="full")
+    store = FeatureStore(tmp_path)  # verify="header": sizes and headers only, the flipped data bit passes
     assert store.verify() == [str(shard)]
-    assert store[0]["input_ids"].numel() > 0  # an intact shard reads; shards are checked lazily
-    with pytest.raises(StoreError, match=f"{shard}: sha256 does not match"):
-        store[first]
-    FeatureStore(tmp_path)[first]  # opt-in: without it the bytes are read unchecked
+    assert store[first]["input_ids"].numel() > 0
 
 
 def test_cli_verify_exits_1_and_names_the_shard(tmp_path):
@@ -228,3 +229,17 @@ def test_cli_verify_exits_1_and_names_the_shard(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert f"CORRUPT {shard}" in proc.stdout and "1 corrupt shard" in proc.stdout
+
+
+def test_cli_verify_reports_a_truncated_shard(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    shard, _ = _corrupt_second_shard(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-100])  # truncated: caught by the size check when the store opens
+    proc = subprocess.run([sys.executable, "-m", "scripts.cli", "verify", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith("CORRUPT") and str(shard) in proc.stdout

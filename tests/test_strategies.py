@@ -34,6 +34,13 @@ class RecordBatches(L.Callback):
     def __init__(self, out_dir: str) -> None:
         self.out_dir, self.seen = out_dir, []
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        ddp = trainer.strategy.model  # the DistributedDataParallel wrapper
+        tied = {id(t) for t in pl_module.head.tied.buffers()}
+        self.ddp = {"ignored": sorted(ddp.parameters_to_ignore),
+                    "tied_buffers_synced": sum(id(b) in tied for b in ddp.modules_buffers),
+                    "buffers_synced": len(ddp.modules_buffers)}
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         rows = [ids[valid].tolist() for ids, valid in zip(batch["input_ids"], batch["valid"])]
         self.seen.append({"epoch": trainer.current_epoch, "rows": rows})
@@ -41,7 +48,7 @@ class RecordBatches(L.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         rank = trainer.global_rank
         torch.save(pl_module.head.state_dict(), Path(self.out_dir) / f"rank{rank}.pt")
-        record = {"world_size": trainer.world_size, "batches": self.seen}
+        record = {"world_size": trainer.world_size, "batches": self.seen, "ddp": getattr(self, "ddp", None)}
         (Path(self.out_dir) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -86,6 +93,36 @@ def test_8xh100_preset_is_zero2_with_bf16_buffers():
     assert isinstance(trainer.strategy.precision_plugin, DeepSpeedPrecision)
 
 
+def test_zero3_preset_shards_the_head_and_saves_it_whole():
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    cfg = compose_config(["trainer=8xh100_zero3", "progress=false"])
+    strategy = instantiate(cfg.trainer.strategy)
+    zero = strategy.config["zero_optimization"]
+    assert isinstance(strategy, DeepSpeedStrategy) and zero["stage"] == 3
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert strategy.config["data_types"] == {"buffer_dtype": "bf16"}  # inherited from 8xh100
+    trainer = instantiate(cfg.trainer, accelerator="cpu", logger=False)
+    assert isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.world_size == 8
+
+
+def test_fsdp_preset_wraps_decoder_layers():
+    """FSDP needs CUDA in Lightning: the strategy instantiates here, the Trainer refuses the CPU."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from heads.layers import DecoderLayer
+
+    cfg = compose_config(["trainer=8xh100_fsdp", "progress=false"])
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.precision) == ("gpu", 8, "bf16-mixed")
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
+    policy = strategy.kwargs["auto_wrap_policy"]
+    assert policy._module_classes == {DecoderLayer} and strategy._state_dict_type == "full"
+    with pytest.raises(Exception, match="requires a GPU accelerator"):
+        instantiate(cfg.trainer, accelerator="cpu", logger=False)
+
+
 # ---- batches per rank ------------------------------------------------------------------------------
 def test_token_budget_batches_shard_over_ranks():
     lengths = [5, 90, 33, 12, 64, 64, 7, 100, 3, 50, 20, 70]
@@ -127,6 +164,10 @@ def test_ddp_trains_on_two_cpu_processes(strategy, tiny_overrides, tiny_target, 
         n_batches = [sum(b["epoch"] == epoch for b in r["batches"]) for r in ranks]
         assert n_batches == [2, 2]  # 5 batches of 2 samples per epoch, cut to 4 for 2 ranks
         assert not set(rows[0]) & set(rows[1]), f"epoch {epoch}: a sample went to both ranks"
+    # the frozen target tensors are outside DDP's broadcasts; the head's own buffers are not
+    for r in ranks:
+        assert r["ddp"]["ignored"] == ["head.tied.embed", "head.tied.lm_head", "head.tied.norm_weight"], r["ddp"]
+        assert r["ddp"]["tied_buffers_synced"] == 0 and r["ddp"]["buffers_synced"] > 0, r["ddp"]
     epochs = [[b["rows"] for b in ranks[0]["batches"] if b["epoch"] == e] for e in range(2)]
     assert epochs[0] != epochs[1]  # each epoch has its own order: set_epoch reaches the batch sampler
 

@@ -89,3 +89,49 @@ def test_depth3_training_lowers_every_depths_loss(tiny_overrides, tiny_target):
         assert float(last[f"kl_d{d}"]) < 0.7 * first[f"kl_d{d}"], d
     acc = [float(last[f"acc_d{d}"]) for d in (1, 2, 3)]
     assert float(last["sim_tau"]) == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mtp", "mtp3", "eagle3"])
+def test_training_path_logits_equal_the_engine_draft_logits(tiny_target, name, monkeypatch, request):
+    """The checks above run both sides under no_grad. Training runs with grad enabled, where
+    `heads.layers.linear` is F.linear; the engine's few-row linears under no_grad run the native C
+    kernel. Here the head's training path exactly as train/module.py takes it (train mode, grad
+    enabled: the unroll, then features → F.linear with the student projection, as fused_linear_kl
+    computes the student logits) and the engine's draft chain (refresh + draft_chain, full_vocab_logits)
+    give the same logits for every row and depth, and the same argmax in target ids. fp32, two
+    summation orders: observed max difference 2.7e-7 on logits up to 0.64 (a few ulps); bound
+    1e-6 + 1e-6·|logit| (≈ 6× that)."""
+    import heads.native as native
+    from inference_eval.speculative import full_vocab_logits
+    from tests.test_heads_family import _engine_states, inputs, make
+
+    assert native.available(), native.error()  # the test machines have a C compiler
+    head = request.getfixturevalue("head") if name == "mtp" else make(tiny_target, name)
+    calls = []
+    real_call = native.call
+    monkeypatch.setattr(native, "call", lambda *a: calls.append(a[1].shape[0]) or real_call(*a))
+    t, depth = 12, 3
+    hidden, aux, ids = inputs(head, t, seed=2)
+
+    head.train()
+    with torch.enable_grad():
+        outs = unroll(head, hidden, ids, depth, aux)
+        train_logits = [torch.nn.functional.linear(head.features(o[0], d), head.lm_head_weight)
+                        for d, o in enumerate(outs, start=1)]  # [T-1, V_s] per depth
+    assert all(lg.requires_grad for lg in train_logits) and calls == []  # the autograd path, no native kernel
+
+    head.eval()
+    with torch.no_grad():
+        for i in range(0, t - depth):
+            states = _engine_states(head, hidden, aux, ids, i, depth)
+            for d in range(1, depth + 1):
+                full = full_vocab_logits(head, states[d - 1], depth=d)[0, -1]  # what draft_chain picks from
+                eng = full
+                if head.draft_ids is not None:  # a sub-vocabulary: −inf elsewhere
+                    assert torch.isinf(full).sum() == head.args.vocab_size - head.draft_ids.numel()
+                    eng = full[head.draft_ids]
+                ref = train_logits[d - 1][i].detach()
+                torch.testing.assert_close(eng, ref, atol=1e-6, rtol=1e-6,
+                                           msg=lambda m: f"{name} row {i} depth {d}: {m}")
+                assert int(head.to_target_ids(ref.argmax())) == int(full.argmax())
+    assert calls and max(calls) <= 48  # the engine side did run the native kernel

@@ -98,3 +98,143 @@ def test_bf16_divergence_is_counted_not_fatal(store, tiny_target, monkeypatch):
     assert got["mismatches"] == 1 and got["tau"] >= 1.0
     with pytest.raises(AssertionError, match="at new token 2"):
         speculative_scores(target, head, [prompt], 2, 8, set(), strict=True)
+
+
+# ---- failures: bugs fail the run with their figures, transient errors are logged ---------------------
+
+def _stub_run(store, head, tmp_path, step=5):
+    """What EngineValidation.run reads from Lightning's trainer and module."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(global_step=step, is_global_zero=True, logger=None, default_root_dir=str(tmp_path),
+                              datamodule=SimpleNamespace(store=store, val_idx=[0, 1, 2]))
+    return trainer, SimpleNamespace(head=head)
+
+
+def test_strict_defaults_to_float32_and_is_configurable(tiny_overrides, tiny_target):
+    from train.validation import EngineValidation
+
+    assert EngineValidation(tiny_target, "float32").strict is True
+    assert EngineValidation(tiny_target, "bfloat16").strict is False
+    assert EngineValidation(tiny_target, "float32", strict=False).strict is False
+    assert EngineValidation(tiny_target, "bfloat16", strict=True).strict is True
+    cfg = compose_config(tiny_overrides)
+    assert cfg.train.engine_validation.strict is None  # null: the dtype decides
+    off = compose_config(tiny_overrides + ["train.engine_validation.strict=false"])
+    assert off.train.engine_validation.strict is False
+
+
+def test_lossless_violation_in_float32_fails_the_run(tiny_overrides, monkeypatch):
+    """A speculative output that parts from plain greedy output with a float32 target raises out of
+    trainer.fit (it used to become engine_val/failed = 1), with the position and both tokens."""
+    import train.validation as V
+    from train.run import run_training
+
+    real, seen = V.generate_speculative, {}
+
+    def flipped(*args, **kwargs):  # a divergence at the third new token
+        out, st = real(*args, **kwargs)
+        seen["real"] = list(out)
+        return out[:2] + [(out[2] + 1) % 512] + out[3:], st
+
+    monkeypatch.setattr(V, "generate_speculative", flipped)
+    ev = "train.engine_validation."
+    cfg = compose_config(tiny_overrides + ["trainer.max_epochs=1", "train.module.depth=2", f"{ev}every_n_steps=null",
+                                           f"{ev}prompts=1", f"{ev}conversations=1", f"{ev}max_new_tokens=6", f"{ev}k=2"])
+    run_precompute(cfg)
+    with pytest.raises(V.LosslessViolation, match="at new token 2 .* the engine is not lossless") as info:
+        run_training(cfg)
+    f = info.value.figures
+    plain = seen["real"][2]  # float32: the unpatched speculative output is the plain one
+    assert (f["new_token"], f["plain_token"], f["speculative_token"]) == (2, plain, (plain + 1) % 512)
+    assert f["prompt"] == 0 and f["k"] == 2 and f["plain_len"] == f["speculative_len"] == len(seen["real"])
+    assert f"speculative token {(plain + 1) % 512} vs plain {plain}" in str(info.value)
+
+
+def test_gap_above_tolerance_raises_in_strict_mode_and_warns_otherwise(store, tiny_target, tmp_path, monkeypatch,
+                                                                       caplog):
+    """The training forward's agreement is forced far from the engine's (≥ 0.5 apart at every depth):
+    non-strict logs a warning with the figures and reports the gap; strict raises EngineTrainingGap
+    with the same figures out of the callback."""
+    import train.validation as V
+
+    real = V.training_forward_scores
+
+    def off(*args, **kwargs):
+        scores = real(*args, **kwargs)
+        for s in scores:  # the far side of one half
+            s.agree = 0 if 2 * s.agree > s.n else s.n
+        return scores
+
+    monkeypatch.setattr(V, "training_forward_scores", off)
+    head = make(tiny_target, "mtp3").train()
+    kw = dict(conversations=1, max_rows=12, depth=2, prompts=0, tolerance=0.02)
+    lenient = V.EngineValidation(tiny_target, "float32", strict=False, **kw)
+    with caplog.at_level("WARNING", logger="train.validation"):
+        m = lenient.run(*_stub_run(store, head, tmp_path))
+    assert "engine_val/failed" not in m
+    gaps = [m[f"engine_val/gap_acc_d{d}"] for d in (1, 2)]
+    assert min(gaps) >= 0.5
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"gap {gaps[0]:.4f}" in warned[0] and f"gap {gaps[1]:.4f}" in warned[0]
+
+    strict = V.EngineValidation(tiny_target, "float32", **kw)  # float32: strict by default
+    assert strict.strict
+    with pytest.raises(V.EngineTrainingGap, match="beyond tolerance 0.02") as info:
+        strict.run(*_stub_run(store, head, tmp_path))
+    assert head.training  # the callback restored the head's mode on the way out
+    got = info.value.figures["gaps"]
+    assert [g["depth"] for g in got] == [1, 2]
+    for d, g in enumerate(got, start=1):
+        assert g["gap"] == pytest.approx(m[f"engine_val/gap_acc_d{d}"])
+        assert g["engine_acc"] == pytest.approx(m[f"engine_val/acc_d{d}"])
+        assert g["train_acc"] == pytest.approx(m[f"engine_val/train_acc_d{d}"])
+        assert f"{g['engine_acc']:.4f} in the engine vs {g['train_acc']:.4f} in the training forward" in str(info.value)
+    assert strict.results == []  # nothing reported as measured
+
+
+def test_gap_within_tolerance_passes_strict(store, tiny_target, tmp_path):
+    """The unpatched float32 run: engine and training forward agree, strict mode reports numbers."""
+    import train.validation as V
+
+    head = make(tiny_target, "mtp3")
+    m = V.EngineValidation(tiny_target, "float32", conversations=2, max_rows=12, depth=2, prompts=0).run(
+        *_stub_run(store, head, tmp_path))
+    assert m["engine_val/gap_acc_d1"] == 0.0 and m["engine_val/gap_acc_d2"] == 0.0
+    assert "engine_val/failed" not in m and m["step"] == 5
+
+
+@pytest.mark.parametrize("err", [FileNotFoundError("model.safetensors: no such file"),
+                                 torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")],
+                         ids=["missing-file", "cuda-oom", "cpu-oom"])
+def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monkeypatch, caplog, err):
+    import train.validation as V
+
+    def boom(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(V, "engine_teacher_forced", boom)
+    head = make(tiny_target, "mtp3").train()
+    cb = V.EngineValidation(tiny_target, "float32", conversations=1, max_rows=4, depth=1, prompts=0)
+    if isinstance(err, FileNotFoundError):  # the target's files gone: loading it fails
+        monkeypatch.setattr(cb, "_load", boom)
+    with caplog.at_level("ERROR", logger="train.validation"):
+        m = cb.run(*_stub_run(store, head, tmp_path, step=7))
+    assert m == {"engine_val/failed": 1.0, "step": 7} and cb.results == [m]
+    assert head.training
+    assert any("transient" in r.getMessage() and r.exc_info and r.exc_info[1] is err for r in caplog.records)
+
+
+def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):
+    """An error in the validation/engine code (not OOM, not the file system) is a bug: it propagates."""
+    import train.validation as V
+
+    def boom(*args, **kwargs):
+        raise IndexError("index 9 is out of bounds for dimension 1 with size 8")
+
+    monkeypatch.setattr(V, "engine_teacher_forced", boom)
+    cb = V.EngineValidation(tiny_target, "bfloat16", conversations=1, max_rows=4, depth=1, prompts=0)
+    with pytest.raises(IndexError, match="index 9"):
+        cb.run(*_stub_run(store, make(tiny_target, "mtp3"), tmp_path))
+    assert cb.results == []

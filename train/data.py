@@ -150,14 +150,16 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
                  batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0,
-                 packing: bool = False) -> None:
+                 packing: bool = False, verify_store: str = "full") -> None:
         super().__init__()
         self.store_dir, self.expected_fingerprint = store_dir, expected_fingerprint
         self.batch_tokens, self.val_fraction, self.seed, self.num_workers = batch_tokens, val_fraction, seed, num_workers
         self.packing = packing
+        self.verify_store = verify_store  # full: sha256 of every shard, once per store state (a stamp); header
 
     def setup(self, stage: str | None = None) -> None:
-        self.store = FeatureStore(self.store_dir, self.expected_fingerprint)
+        # every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py)
+        self.store = FeatureStore(self.store_dir, self.expected_fingerprint, verify=self.verify_store)
         n = len(self.store)
         order = list(range(n))
         random.Random(self.seed).shuffle(order)

@@ -34,6 +34,13 @@ class DraftHeadModule(L.LightningModule):
         self.head.gradient_checkpointing = gradient_checkpointing
         self.save_hyperparameters(ignore=["head"])
         self._t_last: float | None = None
+        # The frozen target tensors (E, W_lm, N_f: gigabytes for a 128k vocabulary) are identical on
+        # every rank and never change: DDP must neither broadcast them at wrap time nor before each
+        # step (its `broadcast_buffers`). DDP's own ignore list keeps them out of both.
+        tied = {id(t) for t in head.tied.buffers()}
+        self.frozen_buffer_names = [name for name, buf in self.named_buffers() if id(buf) in tied]
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self, self.frozen_buffer_names)
 
     # ---- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,6 +95,8 @@ class DraftHeadModule(L.LightningModule):
             self.log("train/tokens_per_s", out["tokens"].float() / (now - self._t_last), on_step=True)
         self._t_last = now
         self.log("train/peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, on_step=True)
+        if self.device.type == "cuda":
+            self.log("train/peak_gpu_mem_gb", torch.cuda.max_memory_allocated(self.device) / 2**30, on_step=True)
         bs = int(batch["input_ids"].shape[0])
         for key in self._metric_keys(out):
             self.log(f"train/{key}", out[key], on_step=True, prog_bar=key in ("loss", "acc_d1"), batch_size=bs)

@@ -54,7 +54,7 @@ class Checkpoints(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
 
 
-def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
+def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
     """Train the head on the store at cfg.store_dir; write the native checkpoint to cfg.head_dir.
     Returns that directory and the final logged metrics.
 
@@ -70,7 +70,8 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
     into the parent's module after fit — so `head` below is the trained head in every case."""
     L.seed_everything(int(cfg.seed), workers=True)
     target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                     cfg.target.get("fingerprint", "header"))
     dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")
     head = init_head(cfg, target_dir, dm)
@@ -78,7 +79,7 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
-    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), checkpoints]
+    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), *(extra_callbacks or []), checkpoints]
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
@@ -88,7 +89,8 @@ def run_training(cfg: Any) -> tuple[Path, dict[str, float]]:
             int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
             bool(mcfg.normed_regression), float(mcfg.w_hidden), float(mcfg.w_kl), float(mcfg.depth_decay),
             plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
-            top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed))
+            top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
+            device=cfg.target.get("device", "auto"), strict=ev.get("strict"))
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

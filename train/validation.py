@@ -13,8 +13,9 @@ training ends, on global rank 0:
    with their gap. They are one computation on two code paths: with a float32 target and store they
    agree to float rounding (tests/test_validation.py); with a bf16 target and store, states differ by
    bf16 rounding (batched vs single-sequence kernels) and the documented tolerance is
-   `tolerance` (default 0.02) in top-1 agreement. A larger gap is logged as a warning: it is a bug
-   (store, engine or unroll), not noise.
+   `tolerance` (default 0.02) in top-1 agreement. A larger gap is a bug (store, engine or unroll), not
+   noise: with `strict` (default: on for a float32 target) it fails the run (`EngineTrainingGap`, with
+   the figures of every depth over tolerance); otherwise it is logged as a warning.
 2. **speculative generation, in the engine** — greedy speculative decoding (and, with
    `temperature > 0`, sampled decoding with rejection sampling: `engine_val/tau_sampled`) of held-out prompts
    (each conversation up to its first assistant token) with k drafts: τ and α_d (a per-position plot
@@ -22,6 +23,15 @@ training ends, on global rank 0:
    teacher-forced agreement along the target's own greedy continuation of the same prompts.
 
 Cost is bounded by the number of conversations/prompts, rows per conversation and new tokens.
+
+Failures. A result that can only come from a bug raises a `ValidationBug` (an AssertionError carrying
+its figures in `.figures`) out of the callback and so out of `trainer.fit`: speculative output that
+differs from plain greedy output with a float32 target (`LosslessViolation`: the engine is not
+lossless), and, in strict mode, an engine-vs-training gap above tolerance (`EngineTrainingGap`).
+Transient failures — out of memory (torch's OOM errors, MemoryError, an allocator's "can't allocate")
+and OSError (a missing or unreadable file, a full disk) — do not make any number wrong: they are logged
+with their traceback, reported as `engine_val/failed = 1`, and training goes on. Any other exception
+is an error in the validation or engine code (the same code that serves the head) and propagates.
 """
 
 from __future__ import annotations
@@ -41,6 +51,33 @@ from inference_eval.speculative import (Sampling, SpecStats, draft_chain, genera
 from train.losses import fused_linear_kl, hidden_regression
 
 log = logging.getLogger(__name__)
+
+
+class ValidationBug(AssertionError):
+    """A validation result that only a bug can produce. `figures` holds the numbers of the message."""
+
+    def __init__(self, message: str, **figures: Any) -> None:
+        super().__init__(message)
+        self.figures = figures
+
+
+class LosslessViolation(ValidationBug):
+    """Float32 speculative greedy output differs from plain greedy output."""
+
+
+class EngineTrainingGap(ValidationBug):
+    """Strict mode: the engine's teacher-forced top-1 agreement differs from the training forward's on
+    the same rows by more than the tolerance."""
+
+
+def is_transient(err: BaseException) -> bool:
+    """Failures that leave every number right and may not recur: out of memory, the file system."""
+    if isinstance(err, ValidationBug):
+        return False
+    if isinstance(err, (MemoryError, OSError, torch.OutOfMemoryError)):
+        return True
+    msg = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
 
 
 @dataclass
@@ -96,10 +133,10 @@ def engine_teacher_forced(target, head, ids: torch.Tensor, loss_mask: torch.Tens
     """Per-depth scores of `head` on one conversation through the engine: the target recomputes H
     (and the aux layers), the head runs its cached draft path with the true tokens forced."""
     t = ids.shape[0]
-    out = target(ids[None].to(target.model.embed_tokens.weight.device), logits="none",
-                 capture_layers=head.capture_layers)
-    hidden = out.hidden.float().cpu()
-    aux = torch.cat(out.aux, dim=-1).float().cpu() if head.capture_layers else None
+    ids = ids.to(target.device)  # everything below runs where the target and the head are
+    out = target(ids[None], logits="none", capture_layers=head.capture_layers)
+    hidden = out.hidden.float()
+    aux = torch.cat(out.aux, dim=-1).float() if head.capture_layers else None
     states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
     if not head.chain:  # medusa: every depth straight from the target state
         for d in range(1, depth + 1):
@@ -131,9 +168,10 @@ def engine_teacher_forced(target, head, ids: torch.Tensor, loss_mask: torch.Tens
 def training_forward_scores(head, sample: dict[str, torch.Tensor], depth: int, rows: list[int],
                             normed: bool = True) -> list[DepthScores]:
     """The same scores from the training forward: the unroll over the stored features."""
-    hidden = sample["hidden"][None].float()
-    aux = sample["aux_hidden"][None].float() if "aux_hidden" in sample else None
-    outs = unroll(head, hidden.to(head.dtype), sample["input_ids"][None], depth,
+    dev = head.tied.embed.device
+    hidden = sample["hidden"][None].to(dev).float()
+    aux = sample["aux_hidden"][None].to(dev).float() if "aux_hidden" in sample else None
+    outs = unroll(head, hidden.to(head.dtype), sample["input_ids"][None].to(dev), depth,
                   aux.to(head.dtype) if aux is not None else None)
     scores = []
     for d in range(1, depth + 1):
@@ -155,19 +193,25 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
     along the target's own greedy continuation of the same prompts.
 
     Speculative and plain greedy outputs must be equal token for token. In float32 (`strict`) a
-    difference raises; in bf16 the target's k+1-token verification and its 1-token decode round
-    differently, so a near-tie can flip the argmax and the outputs part: those prompts are counted
-    (`mismatches`) and logged, not raised."""
+    difference raises `LosslessViolation`; in bf16 the target's k+1-token verification and its 1-token
+    decode round differently, so a near-tie can flip the argmax and the outputs part: those prompts are
+    counted (`mismatches`) and logged, not raised."""
     total = SpecStats(k=k)
     mismatches, conts = 0, []
-    for p in prompts:
+    for n, p in enumerate(prompts):
         cont = generate_plain(target, p, max_new_tokens, stop_ids)
         out, st = generate_speculative(target, head, p, k, max_new_tokens, stop_ids)
         if out != cont:
             at = next((i for i, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
-            msg = f"speculative output differs from plain greedy output at new token {at} of a {len(p)}-token prompt"
+            spec_tok = out[at] if at < len(out) else None  # None: that output ended here
+            plain_tok = cont[at] if at < len(cont) else None
+            msg = (f"speculative output differs from plain greedy output at new token {at} of a {len(p)}-token "
+                   f"prompt (prompt {n} of {len(prompts)}, k={k}): speculative token {spec_tok} vs plain "
+                   f"{plain_tok}; {len(out)} vs {len(cont)} new tokens")
             if strict:
-                raise AssertionError(msg + " (float32): the engine is not lossless")
+                raise LosslessViolation(msg + " (float32): the engine is not lossless", prompt=n,
+                                        prompt_tokens=len(p), new_token=at, speculative_token=spec_tok,
+                                        plain_token=plain_tok, speculative_len=len(out), plain_len=len(cont), k=k)
             log.warning("%s (%s target: a near-tie rounded differently in verification and decode)", msg,
                         target.dtype)
             mismatches += 1
@@ -205,8 +249,11 @@ class EngineValidation(L.Callback):
                  max_new_tokens: int = 32, tolerance: float = 0.02, normed_regression: bool = True,
                  w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
                  plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0) -> None:
+                 top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto") -> None:
         self.target_dir, self.target_dtype = Path(target_dir), target_dtype
+        self.device = device  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
+        # strict: an engine-vs-training gap above tolerance fails the run; None: on for a float32 target
+        self.strict = str(target_dtype) == "float32" if strict is None else bool(strict)
         self.every, self.conversations, self.max_rows = every_n_steps, conversations, max_rows
         self.depth, self.prompts, self.k, self.max_new_tokens = depth, prompts, k, max_new_tokens
         self.tolerance, self.normed = tolerance, normed_regression
@@ -234,9 +281,10 @@ class EngineValidation(L.Callback):
 
             from data.store import DTYPES
             from inference_eval.evaluate import stop_token_ids
-            from inference_eval.model import LlamaForCausalLM
+            from inference_eval.model import LlamaForCausalLM, resolve_device
 
-            self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype])
+            self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype],
+                                                            device=resolve_device(self.device))
             self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.target_dir))
         return self._target
 
@@ -246,14 +294,20 @@ class EngineValidation(L.Callback):
             return None
         dm = trainer.datamodule
         head = pl_module.head
-        if head.tied.embed.device.type != "cpu":  # the engine runs on CPU here: score a CPU copy of the head
-            head = copy.deepcopy(head).to("cpu", torch.float32)
         was_training = head.training
-        head.eval()
-        try:
+        try:  # loading the target can fail transiently too (a missing file, out of memory)
+            device = self._load().device
+            if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
+                head = copy.deepcopy(head).to(device, torch.float32)
+            head.eval()
             metrics = self.evaluate(head, dm.store, dm.val_idx)
-        except Exception:  # a validation bug must not cost the training run: report it loudly, go on
-            log.exception("engine validation failed at step %d; training continues", trainer.global_step)
+        except Exception as err:
+            if not is_transient(err):  # a bug (ValidationBug: with its figures): fail the run
+                log.error("engine validation at step %d: %s: %s", trainer.global_step, type(err).__name__, err)
+                raise
+            # out of memory, a file: no number is wrong; report it loudly and go on
+            log.exception("engine validation failed at step %d (transient: %s); training continues",
+                          trainer.global_step, type(err).__name__)
             metrics = {"engine_val/failed": 1.0}
         finally:
             head.train(was_training)
@@ -287,6 +341,7 @@ class EngineValidation(L.Callback):
                 ref[d].add(s)
         m: dict[str, float] = {}
         total = 0.0
+        gaps = []  # depths whose engine-vs-training top-1 gap exceeds the tolerance
         for d in range(depth):
             e, r = eng[d], ref[d]
             n = max(e.n, 1)
@@ -298,9 +353,20 @@ class EngineValidation(L.Callback):
             m[f"engine_val/gap_acc_d{d + 1}"] = abs(e.acc - r.acc)
             total += self.depth_decay ** d * (self.w_hidden * e.reg + self.w_kl * e.kl) / n
             if abs(e.acc - r.acc) > self.tolerance:
-                log.warning("engine validation: depth %d top-1 agreement %.4f in the engine vs %.4f in the training "
-                            "forward on the same rows (gap > tolerance %.3f): a numerics bug to find",
-                            d + 1, e.acc, r.acc, self.tolerance)
+                gaps.append({"depth": d + 1, "engine_acc": e.acc, "train_acc": r.acc, "gap": abs(e.acc - r.acc),
+                             "engine_rows": e.n, "train_rows": r.n, "engine_kl": e.kl / n,
+                             "train_kl": r.kl / max(r.n, 1)})
+        if gaps:
+            detail = "; ".join(f"depth {g['depth']}: top-1 agreement {g['engine_acc']:.4f} in the engine vs "
+                               f"{g['train_acc']:.4f} in the training forward (gap {g['gap']:.4f}, "
+                               f"{g['engine_rows']}/{g['train_rows']} rows; KL {g['engine_kl']:.4g} vs "
+                               f"{g['train_kl']:.4g})" for g in gaps)
+            msg = (f"engine validation: engine and training forward disagree on the same rows beyond tolerance "
+                   f"{self.tolerance:.3g} ({self.target_dtype} target): {detail}: a numerics bug "
+                   f"(store, engine or unroll)")
+            if self.strict:
+                raise EngineTrainingGap(msg, tolerance=self.tolerance, dtype=str(self.target_dtype), gaps=gaps)
+            log.warning("%s", msg)
         m["engine_val/loss"] = total
         if prompts:
             spec = speculative_scores(target, head, prompts, k, self.max_new_tokens, self._stops, self.normed,

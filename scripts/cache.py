@@ -1,0 +1,139 @@
+"""Result caches for the study scripts (scripts/ablation.py, scripts/fp8_study.py): a result on disk
+(a trained head's directory, an evaluation report) is reused only when it was made from exactly the
+same inputs.
+
+The key of a result is a JSON object: the resolved config sections that produce it
+(`OmegaConf.to_container(..., resolve=True)`) and the fingerprints of the artifacts it reads — the
+feature store (sha256 of its manifest.json, which lists every shard with its hash and the target's
+fingerprint), a head checkpoint (sha256 of each of its files: model.safetensors, config.json, ...),
+the target (data.store.target_fingerprint). It is written beside the result as
+`<result>.key.json` once the result is complete, together with what the script wants back on reuse
+(`meta`: e.g. the training run's final metrics) and the hashes of the result itself. `lookup` returns
+that record only on an exact key match with the result unchanged since (a head directory overwritten by
+another run is not the head the record describes); otherwise it logs why (no result, no key, which
+parts differ), removes the stale key file — so an interrupted recompute can never be taken for a
+finished one — and the caller recomputes.
+
+Paths are part of the key where the config holds them (run_dir, head_dir, report paths): a run
+directory moved elsewhere recomputes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from data.store import atomic_write_bytes, sha256_file
+
+log = logging.getLogger(__name__)
+
+# the config sections a trained head depends on (its store, its training) and an evaluation report
+TRAIN_SECTIONS = ("seed", "target", "data", "precompute", "head", "train", "trainer")
+EVAL_SECTIONS = ("seed", "target", "data", "evaluate")  # the head enters as its checkpoint's hashes
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def digest(obj: Any) -> str:
+    """sha256 of the canonical JSON of `obj`."""
+    return hashlib.sha256(_canonical(obj).encode()).hexdigest()
+
+
+def config_sections(cfg: DictConfig, sections: tuple[str, ...]) -> dict[str, Any]:
+    """The resolved values of `sections` (absent ones as None)."""
+    out = {}
+    for name in sections:
+        value = cfg.get(name)
+        out[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+    return out
+
+
+def dir_fingerprint(path: str | Path) -> dict[str, str] | None:
+    """sha256 of every file under a checkpoint directory (relative path → hash); None if it is absent.
+    A single file is hashed alone."""
+    path = Path(path)
+    if path.is_file():
+        return {path.name: sha256_file(path)}
+    if not path.is_dir():
+        return None
+    return {str(f.relative_to(path)): sha256_file(f) for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def store_fingerprint(store_dir: str | Path) -> str | None:
+    """sha256 of the feature store's manifest.json (shards, their hashes, the target's fingerprint)."""
+    manifest = Path(store_dir) / "manifest.json"
+    return sha256_file(manifest) if manifest.exists() else None
+
+
+def training_key(cfg: DictConfig, store_dir: str | Path) -> dict[str, Any]:
+    """What a trained head depends on: its config and the store it was trained on."""
+    return {"config": config_sections(cfg, TRAIN_SECTIONS), "store_manifest_sha256": store_fingerprint(store_dir)}
+
+
+def evaluation_key(cfg: DictConfig, target_fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What an evaluation report depends on: its config, the target, every evaluated checkpoint."""
+    heads = OmegaConf.to_container(cfg.evaluate.heads, resolve=True) or {}
+    return {"config": config_sections(cfg, EVAL_SECTIONS), "target_fingerprint": target_fingerprint,
+            "heads": {label: dir_fingerprint(p) if p else None for label, p in sorted(heads.items())}}
+
+
+def key_path(result: str | Path) -> Path:
+    result = Path(result)
+    return result.parent / f"{result.name}.key.json"
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two keys differ (for the log line)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if _canonical(old) == _canonical(new) else [prefix or "<key>"]
+
+
+def lookup(result: str | Path, key: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """The stored record ({"key", "digest", "result_sha256", "meta"}) when `result` exists, was made
+    with exactly `key` and is unchanged since; otherwise None, after logging why and removing a stale
+    key file."""
+    result, kfile = Path(result), key_path(result)
+    why = None
+    if not result.exists():
+        why = f"no {result}"
+    elif not kfile.exists():
+        why = f"{result} has no key file {kfile.name} (made before keys were kept, or interrupted)"
+    else:
+        try:
+            rec = json.loads(kfile.read_text())
+            stored = rec["key"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            why, rec = f"unreadable key file {kfile} ({e})", None
+        if rec is not None:
+            if _canonical(stored) != _canonical(key):
+                diffs = _differences(stored, key)
+                why = f"{result} was made with other inputs: {', '.join(diffs[:8])}" + (
+                    f" and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            elif rec.get("result_sha256") != dir_fingerprint(result):
+                changed = _differences(rec.get("result_sha256"), dir_fingerprint(result))
+                why = f"{result} changed since it was made ({', '.join(changed[:8])})"
+            else:
+                log.info("cache: reusing %s (%s): config and checkpoints match", what, result)
+                return rec
+    log.info("cache: computing %s: %s", what, why)
+    kfile.unlink(missing_ok=True)
+    return None
+
+
+def record(result: str | Path, key: dict[str, Any], **meta: Any) -> Path:
+    """Mark `result` (now complete) as made from `key`; `meta` comes back from `lookup` on reuse."""
+    kfile = key_path(result)
+    rec = {"key": key, "digest": digest(key), "result_sha256": dir_fingerprint(result), "meta": meta}
+    atomic_write_bytes(kfile, json.dumps(rec, indent=1, sort_keys=True, default=str).encode())
+    return kfile
