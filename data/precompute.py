@@ -193,7 +193,9 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     lengths = [len(ids) for _, ids, _ in samples]
     todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
     device = model.device
-    workers = resolve_workers(workers, device)
+    # an out-of-process backend (vllm) batches by itself: one batch in flight
+    external = hasattr(model, "hidden_states")
+    workers = 1 if external else resolve_workers(workers, device)
 
     aux_layers = tuple(writer.aux_layers)
 
@@ -202,6 +204,8 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     def forward(job: tuple[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(H_i [n, H], aux [n, K·H] or None) of each sample of the batch, in batch order."""
         batch = job[1]
+        if external:  # the states of each sample's token list, computed elsewhere
+            return model.hidden_states([samples[i][1] for i in batch], aux_layers)
         with torch.inference_mode():  # thread-local: entered in the worker
             if packed:  # one row, no padding; each sample attends to itself only
                 rows = PackedRows([lengths[i] for i in batch])
@@ -345,6 +349,8 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
+    if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends
+        source["backend"] = {"name": "vllm", "vllm": model.info.get("vllm")}
     out_dir = Path(cfg.store_dir)
     if world_size > 1:
         source |= {"rank": rank, "world_size": world_size}
@@ -358,8 +364,12 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
     # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
     writer.manifest["rejected"] = rejections
-    stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
-                       workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
+    try:
+        stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
+                           workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
+    finally:
+        if hasattr(model, "release"):  # the vllm backend's worker process
+            model.release()
     stats.rejected = rejected
     log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s); rejected %s; store %s",
              stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),

@@ -215,6 +215,34 @@ def stop_token_ids(tokenizer) -> set[int]:
     return ids
 
 
+DATASETS = ("mtbench", "sharegpt", "jsonl")
+
+
+def check_evaluation_config(cfg: Any) -> None:
+    """What can be refused before any model or data is loaded: the dataset name, the prompts file,
+    and every configured head or draft-model path (each error says how to fix it)."""
+    ecfg = cfg.evaluate
+    if ecfg.dataset not in DATASETS:
+        raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected one of {', '.join(DATASETS)} "
+                         "(other prompt sets: evaluate.dataset=jsonl evaluate.prompts_path=<file>)")
+    if ecfg.dataset == "jsonl":
+        if not ecfg.get("prompts_path"):
+            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per line)")
+        if not Path(ecfg.prompts_path).is_file():
+            raise FileNotFoundError(f"evaluate.prompts_path={ecfg.prompts_path}: no such file")
+    heads = {label: path for label, path in (ecfg.get("heads") or {}).items() if path}
+    models = {label: spec["path"] for label, spec in (ecfg.get("draft_models") or {}).items()
+              if spec and spec.get("path")}
+    if not heads and not (ecfg.get("draft_models") or {}):
+        raise ValueError("evaluate: nothing to evaluate (evaluate.heads and evaluate.draft_models are empty)")
+    for key, entries in (("heads", heads), ("draft_models", models)):
+        for label, path in entries.items():
+            if not Path(path).is_dir():
+                hint = (" (train it first: spechead train, or set evaluate.heads." + label + "=null)"
+                        if key == "heads" else "")
+                raise FileNotFoundError(f"evaluate.{key}.{label}={path}: no such directory{hint}")
+
+
 def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str, Any]]:
     ecfg = cfg.evaluate
     n = ecfg.get("num_prompts")
@@ -242,6 +270,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     from inference_eval.speculative import DraftModelProposer
 
     ecfg = cfg.evaluate
+    check_evaluation_config(cfg)
     temperature = float(ecfg.get("temperature", 0.0))
     sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
                         torch.Generator().manual_seed(int(cfg.seed)))

@@ -238,10 +238,12 @@ def tied_from_model(target: "LlamaForCausalLM"):
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
-    """`auto` → `engine` for a Llama-family checkpoint (what this module implements), else `hf`."""
+    """`auto` → `engine` for a Llama-family checkpoint (what this module implements), else `hf`;
+    precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
     backend = backend or "auto"
-    if backend not in ("auto", "engine", "hf"):
-        raise ValueError(f"{stage}.backend={backend!r}: expected auto, engine or hf")
+    choices = ("auto", "engine", "hf", "vllm") if stage == "precompute" else ("auto", "engine", "hf")
+    if backend not in choices:
+        raise ValueError(f"{stage}.backend={backend!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
     if backend != "auto":
         return backend
     try:
@@ -307,7 +309,12 @@ class HFTarget:
 
 def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
     """The target a stage runs, placed by `target.device` (`resolve_device`): the engine's model, or for
-    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set."""
+    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set, or
+    for `vllm` (precompute only) a vLLM worker process placed by vLLM (`precompute.vllm.*`)."""
+    if backend == "vllm":
+        from inference_eval.vllm_backend import VLLMBackend
+
+        return VLLMBackend.from_config(cfg, target_dir, dtype)
     device = resolve_device(cfg.target.get("device", "auto"))
     if backend == "engine":
         return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)

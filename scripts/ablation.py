@@ -109,7 +109,7 @@ def run_ablation(cfg: DictConfig) -> dict:
         dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
         dm.setup("validate")
         tied, args, _ = tied_target(target_dir)
-        head = load_native(head_dir, tied, args)
+        head = load_native(head_dir, tied, args, expected_fingerprint=fingerprint)
         limit = acfg.get("heldout_conversations")  # a cost bound: the first n held-out conversations
         if limit is not None:
             dm.val_idx = dm.val_idx[: int(limit)]

@@ -82,7 +82,8 @@ def run_fp8_study(cfg: DictConfig) -> dict:
     dm.setup("validate")
     tied, args, _ = tied_target(target_dir)
     for dtype, r in results.items():
-        r["heldout"] = heldout_agreement(load_native(r["head"], tied, args), dm.val_dataloader(), depth)
+        r["heldout"] = heldout_agreement(load_native(r["head"], tied, args, expected_fingerprint=fingerprint),
+                                         dm.val_dataloader(), depth)
     out = Path(cfg.run_dir) / "fp8_study.json"
     atomic_write_bytes(out, json.dumps({"results": results, "heldout_conversations": len(dm.val_idx)}, indent=2).encode())
     b, f = results["bfloat16"], results["fp8"]

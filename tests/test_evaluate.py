@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from inference_eval.evaluate import evaluate_head, write_report
+from inference_eval.evaluate import evaluate_head, run_evaluation, write_report
 from inference_eval.model import LlamaForCausalLM
+from tests.conftest import compose_config
 from tests.helpers import StubHead
 from tests.test_speculative import OracleHead
 
@@ -212,3 +213,24 @@ def test_report_goes_to_wandb_offline(tiny_overrides, tiny_target, tmp_path, mon
     assert rows["data"][0][:3] == ["layer1", "draft_model", pytest.approx(report["results"]["layer1"]["tau"])]
     images = sorted(p.name for p in (runs[0] / "files" / "media" / "images").rglob("*.png"))
     assert len(images) == 2 and images[0].startswith("eval_alpha")
+
+
+@pytest.mark.parametrize("override, error, words", [
+    (["evaluate.dataset=humaneval"], ValueError, "evaluate.dataset=jsonl evaluate.prompts_path"),
+    (["evaluate.dataset=jsonl"], ValueError, "needs evaluate.prompts_path"),
+    (["evaluate.dataset=jsonl", "evaluate.prompts_path=/nonexistent/p.jsonl"], FileNotFoundError, "no such file"),
+    (["evaluate.heads.trained=/nonexistent/head"], FileNotFoundError, "train it first"),
+    (["evaluate.heads.trained=null", "evaluate.heads.untrained=null"], ValueError, "nothing to evaluate"),
+    (["+evaluate.draft_models.small={path: /nonexistent/lm}", "evaluate.heads.trained=null",
+      "evaluate.heads.untrained=null"], FileNotFoundError, "draft_models.small"),
+])
+def test_config_errors_come_before_the_target_loads(override, error, words, tiny_overrides, monkeypatch):
+    from inference_eval.model import LlamaForCausalLM
+
+    def never(*a, **k):
+        raise AssertionError("the target was loaded before the configuration was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
+    cfg = compose_config([*tiny_overrides, *override])
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):
+        run_evaluation(cfg)

@@ -57,10 +57,11 @@ def record_placement(monkeypatch):
 
 
 @pytest.mark.parametrize("stage", ["precompute", "evaluate", "regenerate", "validation"])
-def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, record_placement):
+def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, record_placement, tmp_path):
     """`meta` stands in for a device this machine lacks: the point is that the configured device
     reaches the loader in each stage, not the CPU default."""
-    cfg = compose_config([*tiny_overrides, "target.device=meta"])
+    cfg = compose_config([*tiny_overrides, "target.device=meta", f"evaluate.heads.trained={tmp_path}",
+                          "evaluate.heads.untrained=null"])  # evaluation checks the head path exists first
     with pytest.raises(_Placed):
         if stage == "precompute":
             from data.precompute import run_precompute

