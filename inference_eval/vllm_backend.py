@@ -215,5 +215,6 @@ class VLLMBackend:
                     del _LIVE[key]
         if not self._log.closed:
             self._log.close()
+        self.tmp.cleanup()
         atexit.unregister(self.close)
 

@@ -187,18 +187,23 @@ def main() -> None:
                             "layer_ids": worker.layer_ids}) + "\n")
     from safetensors.torch import save_file
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            tensors = worker.run(req["batch"])
-            tmp = req["out"] + ".tmp"
-            save_file(tensors, tmp)
-            os.replace(tmp, req["out"])
-            reply.write(json.dumps({"ok": True}) + "\n")
-        except Exception:
-            reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+    import shutil
+
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                req = json.loads(line)
+                tensors = worker.run(req["batch"])
+                tmp = req["out"] + ".tmp"
+                save_file(tensors, tmp)
+                os.replace(tmp, req["out"])
+                reply.write(json.dumps({"ok": True}) + "\n")
+            except Exception:
+                reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+    finally:
+        shutil.rmtree(worker.tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from data.precompute import run_precompute
@@ -44,6 +44,11 @@ class RecordBatches(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         rows = [ids[valid].tolist() for ids, valid in zip(batch["input_ids"], batch["valid"])]
         self.seen.append({"epoch": trainer.current_epoch, "rows": rows})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 1:  # the first step ran on the initial weights: its batch and loss
+            torch.save({"batch": batch, "loss": outputs["loss"].detach()},
+                       Path(self.out_dir) / f"rank{trainer.global_rank}_first.pt")
 
     def on_train_end(self, trainer, pl_module) -> None:
         rank = trainer.global_rank
@@ -181,6 +186,17 @@ def test_ddp_trains_on_two_cpu_processes(strategy, tiny_overrides, tiny_target, 
     trained, untrained = load_native(head_dir, tied, args), load_native(cfg.train.untrained_dir, tied, args)
     assert not torch.equal(probe_logits(trained), probe_logits(untrained))
 
+    # each rank's first loss is what one process computes on that batch with the initial weights
+    from train.module import DraftHeadModule
+
+    single = DraftHeadModule(untrained, **OmegaConf.to_container(cfg.train.module, resolve=True))
+    losses = []
+    for r in range(2):
+        first = torch.load(record_dir / f"rank{r}_first.pt")
+        losses.append(float(first["loss"]))
+        assert torch.allclose(single.compute_loss(first["batch"])["loss"], first["loss"], rtol=1e-6, atol=0)
+    assert losses[0] != losses[1]  # two different batches, so the comparison is not trivially one number
+
 
 # ---- DeepSpeed ZeRO-2 on CPU -----------------------------------------------------------------------
 class _Loss(torch.nn.Module):
@@ -299,3 +315,29 @@ def test_deepspeed_zero2_trains_head_on_cpu(tiny_overrides, tmp_path):
     assert r["bf16_dtypes"] == ["torch.bfloat16"]
     assert r["bf16_losses"] == pytest.approx(r["ref_losses"], rel=1e-2)
     assert r["ref_moved"] > 10 * r["bf16_error"] > 0, r  # trained, and along the fp32 path
+
+
+def test_ranks_wait_for_rank0s_validation_without_a_collective_timeout(tiny_overrides, monkeypatch):
+    """Rank 0 validates for longer than the process group's timeout (3 s here; 30 min with NCCL): the
+    other rank must wait on the validation's own long-timeout barrier, not in the next step's
+    gradient all-reduce, where it would time out and end the job."""
+    import time
+
+    from train.validation import EngineValidation
+
+    def slow(self, head, store, val_idx):
+        time.sleep(6)
+        return {"engine_val/tau": 1.0}
+
+    monkeypatch.setattr(EngineValidation, "evaluate", slow)  # fork: both ranks inherit it
+    cfg = compose_config([*tiny_overrides, "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                          "trainer.precision=32-true", "trainer.max_steps=3", "trainer.max_epochs=5",
+                          "train.data.batch_tokens=512", "train.engine_validation.every_n_steps=1"])
+    with open_dict(cfg):
+        cfg.trainer.strategy = {"_target_": "lightning.pytorch.strategies.DDPStrategy", "start_method": "fork",
+                                "timeout": {"_target_": "datetime.timedelta", "seconds": 3}}
+    run_precompute(cfg)
+    t0 = time.perf_counter()
+    head_dir, metrics = run_training(cfg)
+    assert time.perf_counter() - t0 > 3 * 6  # validations at steps 1, 2, 3 (the end adds none): all waited for
+    assert (Path(head_dir) / "model.safetensors").exists() and metrics["train/loss"] > 0

