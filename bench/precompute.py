@@ -96,11 +96,12 @@ def hf_precompute(hf, samples: Samples, batch_tokens: int, writer: StoreWriter, 
             for r, (i, n) in enumerate(zip(batch, lengths)):
                 ids[r, :n] = torch.tensor(samples[i][1])
                 mask[r, :n] = 1
-            hf(input_ids=ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=logits_to_keep)
+            hf(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device), output_hidden_states=True,
+               logits_to_keep=logits_to_keep)
             hidden = captured["hidden"]  # [B, T, H] pre-norm output of the last decoder layer
             for r, (i, n) in enumerate(zip(batch, lengths)):
                 sid, input_ids, loss_mask = samples[i]
-                writer.add(Sample(sid, torch.tensor(input_ids), torch.tensor(loss_mask), hidden[r, :n].clone()))
+                writer.add(Sample(sid, torch.tensor(input_ids), torch.tensor(loss_mask), hidden[r, :n].to("cpu", copy=True)))
         writer.close()
     finally:
         handle.remove()
@@ -120,6 +121,7 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch, both paths")
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="tokens per paired timing unit")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="target.device for both paths (auto: CUDA when there)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both paths (default: torch's); with 1, ours runs one "
                              "worker, and the comparison is per core, free of thread scheduling effects")
@@ -135,22 +137,23 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from data.assets import ensure_smollm2_checkpoint
-    from inference_eval.model import LlamaForCausalLM
+    from inference_eval.model import LlamaForCausalLM, resolve_device
 
     hf_logging.disable_progress_bar()
     target_dir = ensure_smollm2_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     samples = load_samples(tokenizer, args.samples, args.max_length)
     tokens = sum(len(s[1]) for s in samples)
-    ours = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    device = resolve_device(args.device)
+    ours = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16, device=device)
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(device).eval()
     hidden_size = ours.args.hidden_size
     fingerprint = target_fingerprint(target_dir, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", "bfloat16")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     chunks = chunks_of(samples, args.chunk_tokens)
 
     with torch.inference_mode():  # warm-up: oneDNN picks and JITs its kernels on first use
-        warm = torch.tensor([samples[0][1][:128]])
+        warm = torch.tensor([samples[0][1][:128]], device=device)
         ours(warm, logits="none")
         hf(input_ids=warm, attention_mask=torch.ones_like(warm), output_hidden_states=True)
 

@@ -118,7 +118,8 @@ class VLLMBackend:
                 "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.3)),
                 "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE":
-               str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false"}
+               str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false",
+               **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}}
         keep = bool(vcfg.get("keep_worker", False))
         key = json.dumps([str(python), init], sort_keys=True)
         with _LOCK:
