@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,7 @@ class Request:
     cached: int = 0  # the target's cache holds positions < cached (= m while running)
     state: torch.Tensor | None = None  # the proposer's state for this sequence
     fed: int = 0  # draft model: positions < fed are in its cache
+    draft: torch.Tensor | None = None  # k = 1 schedule: the head's next draft token, left on the device
     preemptions: int = 0
     done: bool = False
 
@@ -108,12 +110,49 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.model.norm(hidden))
 
 
+class HostSyncError(RuntimeError):
+    """A tensor value was read back to the host where the schedule promises not to."""
+
+
+_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def forbid_host_reads():
+    """Within the block, any read of a tensor's value into Python (`.item()`, `.tolist()`, `.numpy()`,
+    `bool` / `int` / `float` / index use) raises HostSyncError: on an accelerator each of them waits for
+    the queued work. Process-wide and not thread-safe: a test and debugging aid."""
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def refuse(name: str):
+        def read(self, *args, **kwargs):
+            raise HostSyncError(f"Tensor.{name} read a value back to the host inside a no-sync region")
+        return read
+
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
 class Engine:
     """Continuous-batching engine over a paged KV cache; see the module docstring."""
 
     def __init__(self, target, proposer=None, k: int = 1, block_size: int = 16, num_blocks: int | None = None,
-                 max_batch: int = 8, max_seq_len: int | None = None, prefill_tokens: int = 8192) -> None:
+                 max_batch: int = 8, max_seq_len: int | None = None, prefill_tokens: int = 8192,
+                 k1_schedule: bool = True) -> None:
         self.target = target
+        # the seed's k = 1 MTP schedule (`_k1_round`) for chain heads at k = 1; False: the generic chain round
+        self.k1_schedule = k1_schedule
+        self.guard_host_reads = False  # tests: run the k = 1 round's device part under `forbid_host_reads`
         a = target.args
         self.device = target.model.embed_tokens.weight.device
         self.block_size, self.max_batch, self.prefill_tokens = block_size, max_batch, prefill_tokens
@@ -186,6 +225,8 @@ class Engine:
                 self._decode()
             elif self.proposer.tree:
                 self._tree_round()
+            elif self._k1_applies():
+                self._k1_round()
             else:
                 self._chain_round()
         self.steps += 1
@@ -231,7 +272,7 @@ class Engine:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.release(req.table.clear())
-        req.cached, req.state, req.fed = 0, None, 0
+        req.cached, req.state, req.fed, req.draft = 0, None, 0, None
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -271,7 +312,7 @@ class Engine:
             for j, i in enumerate(fresh):
                 reqs[i].output.append(reqs[i].sampling.pick(logits[j])[0])
         for r, f in zip(reqs, feeds):
-            r.cached = len(f)
+            r.cached, r.draft = len(f), None
         self.running.extend(reqs)
         if self.proposer is not None:
             self.proposer.prefill(reqs, out, rows)
@@ -322,10 +363,55 @@ class Engine:
         rows = [(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(reqs))]
         self.proposer.update(reqs, vout, rows, accepted, emitted, argmax if greedy else None)
         for r, a, e in zip(reqs, accepted, emitted):
+            r.draft = None  # drafted here on the host; a later k = 1 round drafts from r.state again
             self._count(r, a, len(e))
             r.cached = r.m + a + 1
             r.output.extend(e)
             self._finish_check(r)
+
+    def _k1_applies(self) -> bool:
+        return (self.k1_schedule and self.k == 1 and getattr(self.proposer, "supports_k1", False)
+                and all(r.sampling.greedy for r in self.running))
+
+    def _k1_round(self) -> None:
+        """The seed's MTP schedule for one draft token (greedy). Each of the D sequences verifies a fixed
+        2 tokens — t_m and the head's draft d — so the target pass has 2·D rows whatever is accepted.
+        On the device: the target's argmax g at both rows, acceptance a = [d == g_0], the head re-run
+        on both positions with the target's states and tokens g (the row after a rejected draft is
+        wasted, as in the seed), its state at row a, and from it the next round's draft — all queued
+        without reading a value back. The host then reads g and a once, to extend the outputs and
+        schedule the next batch. The positions, slots and attention metadata of the round are built
+        beforehand from what the host already knows (each sequence's m)."""
+        reqs, dev = list(self.running), self.device
+        positions = torch.tensor([[r.m, r.m + 1] for r in reqs], device=dev).view(1, -1)  # [1, 2D]
+        batch = PagedBatch([SeqSlice(r.table, r.m, 2) for r in reqs], dev)
+        last = torch.tensor([r.tokens[-1] for r in reqs], device=dev)  # t_m, known on the host
+        with forbid_host_reads() if self.guard_host_reads else _nothing():
+            g, a, state, nxt = self._k1_device(reqs, last, positions, batch)
+        g_host, a_host = g.tolist(), a.tolist()  # the round's one read, after its device work is queued
+        for i, r in enumerate(reqs):
+            emitted = g_host[i][: a_host[i] + 1]  # an accepted draft equals g_0; then the target's bonus token
+            self._count(r, a_host[i], len(emitted))
+            r.cached = r.m + a_host[i] + 1
+            r.output.extend(emitted)
+            r.state, r.draft = state[i], nxt[i]
+            self._finish_check(r)
+
+    def _k1_device(self, reqs: list[Request], last: torch.Tensor, positions: torch.Tensor, batch: PagedBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device part of `_k1_round`: (g [D, 2], a [D], the head's new states [D, S], next drafts [D])."""
+        prop = self.proposer
+        fresh = [i for i, r in enumerate(reqs) if r.draft is None]  # after a prefill or a generic round
+        drafted = prop.draft_k1(torch.stack([reqs[i].state for i in fresh])) if fresh else None
+        draft = torch.stack([r.draft if r.draft is not None else drafted[fresh.index(i)] for i, r in enumerate(reqs)])
+        ids = torch.stack([last, draft], dim=1).view(1, -1)  # [1, 2D]: t_m, d per sequence
+        vout = self.target(ids, positions, cache=PagedCache(self.pool, batch), logits="none",
+                           capture_layers=self.capture)
+        g = _logits(self.target, vout.hidden[0]).argmax(-1).view(-1, 2)  # [D, 2]
+        a = (g[:, 0] == draft).long()  # [D] 0/1
+        h = prop.refresh_k1(_target_state(prop.head, vout.hidden, vout.aux), g.view(1, -1), positions, batch)
+        state = h[torch.arange(len(reqs), device=self.device) * 2 + a]  # [D, S]: the state at row a
+        return g, a, state, prop.draft_k1(state)
 
     def _tree_round(self) -> None:
         reqs = list(self.running)
@@ -489,6 +575,25 @@ class PagedHeadProposer(ChainProposer):
                 r.state = h[s + a]
             return
         self.update_tree(reqs, vout, rows, [list(range(1, a + 1)) for a in accepted], emitted)
+
+    @property
+    def supports_k1(self) -> bool:
+        return self.head.chain and not self.tree
+
+    def draft_k1(self, state: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens [D] from head states [D, S], as a device tensor."""
+        return self._logits(state[None])[0].argmax(-1)
+
+    def refresh_k1(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   batch: PagedBatch) -> torch.Tensor:
+        """`_refresh` with the tokens and positions already on the device and the round's attention
+        metadata shared with the target's pass (same slots): [N, S]."""
+        cache = PagedCache(self.pool, batch)
+        out = self.head(states, tokens, positions, cache, 0)
+        if self.head.separate_modules:
+            for d in range(2, len(self.head.layers) + 1):
+                self.head(states, tokens, positions, cache, 0, depth=d)
+        return out[0]
 
     def update_tree(self, reqs: list[Request], vout, rows: list[tuple[int, int]], paths: list[list[int]],
                     emitted: list[list[int]]) -> None:

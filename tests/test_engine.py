@@ -412,3 +412,62 @@ def test_grouped_attention_takes_a_strided_sdpa_output(monkeypatch):
     assert not strided(q.reshape(b, n_kv, -1, d), k, v, attn_mask=grouped).is_contiguous()
     got = grouped_attention(q, k, v, grouped)
     assert got.shape == (b, n_heads, t, d) and torch.allclose(got, want, atol=1e-6)
+
+
+# ---- the seed's k = 1 schedule --------------------------------------------------------------------------
+def _k1(target, head, prompts, k1_schedule=True, guard=False, arrivals=ARRIVALS, **kw):
+    if "num_blocks" not in kw:
+        kw["max_seq_len"] = max(len(p) for p in prompts) + 30
+    eng = Engine(target, proposer=head, k=1, k1_schedule=k1_schedule, max_batch=kw.pop("max_batch", 8), **kw)
+    eng.guard_host_reads = guard
+    rounds = []
+    real = eng._k1_round
+    eng._k1_round = lambda: (rounds.append(len(eng.running)), real())[1]
+    rids = [eng.add_request(p, 20, arrival=a) for p, a in zip(prompts, arrivals)]
+    res = eng.run()
+    return [res[r].tokens for r in rids], eng, rounds
+
+
+def test_k1_round_reads_nothing_back_inside_its_device_part(varied, reference):
+    """The whole device part — drafting the fresh sequences, the 2-token verification, acceptance, the
+    head's re-run on both rows and the next drafts — runs under a guard that raises on any value read
+    back to the host; the output is plain greedy's, token for token, in a batch of 8 joining at
+    different steps."""
+    from inference_eval.engine import HostSyncError, forbid_host_reads
+
+    target, head, prompts, *_ = varied
+    out, eng, rounds = _k1(target, head, prompts, guard=True)
+    assert out == reference and max(rounds) >= 6 and len(set(rounds)) >= 4  # the batch grew and shrank
+    assert 0 < eng.stats.alpha[0] < 1  # rounds both accepted and rejected their draft
+    # the guard itself: the generic chain round reads drafts and acceptance on the host, so it must trip
+    generic = Engine(target, proposer=head, k=1, k1_schedule=False, max_batch=8, max_seq_len=64)
+    generic.add_request(prompts[0], 4)
+    generic.step()  # prefill
+    with forbid_host_reads(), pytest.raises(HostSyncError):
+        generic.step()
+
+
+@pytest.mark.parametrize("max_batch", [8, 1])
+def test_k1_round_equals_the_generic_chain_round(varied, reference, max_batch):
+    """Same verification rows, same acceptance: the same tokens and the same counts as the generic
+    round at k = 1 (batch 1 and batch 8), and the k = 1 round is what runs by default."""
+    target, head, prompts, *_ = varied
+    fast, eng_fast, rounds = _k1(target, head, prompts, max_batch=max_batch)
+    slow, eng_slow, none = _k1(target, head, prompts, k1_schedule=False, max_batch=max_batch)
+    assert fast == slow == reference and rounds and not none
+    assert eng_fast.stats.accepted == eng_slow.stats.accepted and eng_fast.stats.steps == eng_slow.stats.steps
+    assert eng_fast.stats.emitted == eng_slow.stats.emitted
+
+
+def test_k1_round_with_preemption_in_the_middle(varied, reference):
+    target, head, prompts, *_ = varied
+    out, eng, rounds = _k1(target, head, prompts, block_size=4, num_blocks=30, arrivals=[0] * 8)
+    assert eng.preemptions >= 1 and rounds and out == reference
+
+
+def test_k1_round_mixes_with_sampled_requests(varied, reference):
+    """A sampled request in the batch sends its rounds to the generic path; the greedy ones stay exact."""
+    target, head, prompts, *_ = varied
+    samplings = [Sampling(0.9, generator=torch.Generator().manual_seed(0))] + [Sampling()] * 7
+    out, _ = engine_generate(target, prompts, 20, proposer=head, k=1, sampling=samplings, arrivals=ARRIVALS)
+    assert out[1:] == reference[1:]
