@@ -11,6 +11,9 @@ typical HF-transformers precompute script, on the same ShareGPT samples, in one 
   for the pre-norm state (HF's `hidden_states[-1]` is after the final norm); the unpadded rows go
   into the same kind of store. Also timed, for information: the same batches with
   `logits_to_keep=1`, a baseline that knows to skip the logits.
+- vllm (`--vllm`, needs `make vllm-env`): the same `precompute` with `precompute.backend=vllm`
+  (inference_eval/vllm_backend.py: vLLM's CPU build in a subprocess, bf16), for information; its
+  speedup is printed beside the others and is not on the last line.
 
 Timing is paired because these machines are shared and their speed swings by several times within
 seconds: the samples are cut into chunks of about `--chunk-tokens` tokens, and each chunk is run by
@@ -127,6 +130,7 @@ def main() -> None:
                              "worker, and the comparison is per core, free of thread scheduling effects")
     parser.add_argument("--no-keep-1", dest="keep_1", action="store_false",
                         help="skip the informational hf logits_to_keep=1 baseline (quick does)")
+    parser.add_argument("--vllm", action="store_true", help="also time precompute.backend=vllm (make vllm-env)")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.max_length, args.chunk_tokens, args.rounds, args.keep_1 = 12, 256, 1024, 1, False
@@ -164,6 +168,16 @@ def main() -> None:
     }
     if not args.keep_1:
         del paths["hf_logits_to_keep_1"]
+    if args.vllm:
+        from omegaconf import OmegaConf
+
+        from inference_eval.vllm_backend import VLLMBackend
+
+        vcfg = OmegaConf.create({"precompute": {"aux_layers": "none", "vllm": {}},
+                                 "data": {"max_length": args.max_length}})
+        vllm = VLLMBackend.from_config(vcfg, target_dir, torch.bfloat16)  # closed at exit
+        vllm.hidden_states([samples[0][1][:128]], ())  # warm-up
+        paths["vllm"] = lambda part, w: precompute(vllm, part, w, args.batch_tokens, progress=False)
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     with tempfile.TemporaryDirectory(prefix="bench-precompute-") as tmp:
         tmp = Path(tmp)

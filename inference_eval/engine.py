@@ -205,11 +205,15 @@ class Engine:
         return bool(self.waiting or self.running)
 
     @torch.inference_mode()
-    def run(self) -> dict[int, Result]:
-        """Step until every request has finished; their results by request id."""
+    def run(self, on_finish=None) -> dict[int, Result]:
+        """Step until every request has finished; their results by request id. `on_finish(n)`: called
+        with the number of requests that finished in a step (a progress bar)."""
         t0 = time.perf_counter()
         while self.has_work:
+            before = len(self.finished)
             self.step()
+            if on_finish is not None and len(self.finished) > before:
+                on_finish(len(self.finished) - before)
         self.stats.seconds += time.perf_counter() - t0
         out = {rid: Result(r.output, r.stats, r.preemptions) for rid, r in sorted(self.finished.items())}
         self.stats.new_tokens = sum(len(r.tokens) for r in out.values())

@@ -65,19 +65,24 @@ def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_t
 
 def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
                      stop_ids: set[int], batch_size: int, label: str = "head", warmup: int = 0, repeats: int = 1,
-                     sampling: Sampling = GREEDY, outputs: list | None = None) -> EvalResult:
-    """`evaluate_head` through the batched engine (inference_eval/engine.py): every prompt queued at
-    once, `batch_size` sequences decoded together (continuous batching). `proposer`: None (plain
-    decoding), a head, a draft LM, or an engine proposer (e.g. a PagedTreeProposer); k is the tree's
-    depth for a tree. tokens/s = all new tokens / wall time, median over `repeats` passes."""
+                     sampling: Sampling = GREEDY, outputs: list | None = None, progress: bool = False) -> EvalResult:
+    """The evaluation of every stage and batch size, through the paged engine (inference_eval/engine.py):
+    every prompt queued at once, `batch_size` sequences decoded together (continuous batching; 1: one
+    slot). `proposer`: None (plain decoding), a head, a draft LM, or an engine proposer (e.g. a
+    PagedTreeProposer); k is the tree's depth for a tree. tokens/s = all new tokens / wall time, median
+    over `repeats` passes."""
     ids = [p["ids"] for p in prompts]
     max_len = max(map(len, ids)) + max_new_tokens + 2
     if warmup:
         run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
     speeds, first = [], None
-    for _ in range(max(repeats, 1)):
+    for r in range(max(repeats, 1)):
+        bar = tqdm(total=len(ids), unit="prompt", disable=not progress,
+                   desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""))
         t0 = time.perf_counter()
-        results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+        results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling, max_len,
+                                  on_finish=bar.update)
+        bar.close()
         speeds.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t0))
         first = first or (results, eng)
     results, eng = first
@@ -92,33 +97,22 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
 
 
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
-               batch_size: int, sampling: Sampling, max_len: int):
+               batch_size: int, sampling: Sampling, max_len: int, on_finish=None):
     from inference_eval.engine import Engine, engine_proposer
 
     proposer = engine_proposer(proposer) if proposer is not None else None
     room = proposer.lookahead(k) if proposer is not None else 1  # positions a round writes ahead
     eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + 2 * room)
     rids = [eng.add_request(p, max_new_tokens, stop_ids, sampling) for p in prompts]
-    done = eng.run()
+    done = eng.run(on_finish=on_finish)
     return [done[r] for r in rids], eng
 
 
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
                        warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY, batch_size: int = 1) -> float:
-    """Plain decoding speed: the median over `repeats` passes after `warmup` prompts (batch_size > 1:
-    through the batched engine)."""
-    if batch_size > 1:
-        return evaluate_batched(target, None, prompts, 1, max_new_tokens, stop_ids, batch_size, "plain", warmup,
-                                repeats, sampling).tokens_per_s
-    for p in prompts[:warmup]:
-        generate_plain(target, p["ids"], max_new_tokens, stop_ids, sampling)
-    speeds = []
-    for _ in range(max(repeats, 1)):
-        t0, n = time.perf_counter(), 0
-        for p in prompts:
-            n += len(generate_plain(target, p["ids"], max_new_tokens, stop_ids, sampling))
-        speeds.append(n / (time.perf_counter() - t0))
-    return statistics.median(speeds)
+    """Plain decoding speed in the paged engine: the median over `repeats` passes after `warmup` prompts."""
+    return evaluate_batched(target, None, prompts, 1, max_new_tokens, stop_ids, batch_size, "plain", warmup,
+                            repeats, sampling).tokens_per_s
 
 
 def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[dict[str, Any]]:
@@ -281,7 +275,6 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     tree = dict(ecfg.get("tree") or {}) if mode == "tree" else None
     if tree is not None and not sampling.greedy:
         raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")
-    batched = batch_size > 1 or tree is not None
     torch.manual_seed(int(cfg.seed))
     target_dir = resolve_target_dir(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -331,17 +324,13 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         proposers[label] = DraftModelProposer(draft, label)
     for label, prop in proposers.items():
         outputs: list[list[int]] = []
-        if batched:
-            from inference_eval.engine import PagedTreeProposer
+        from inference_eval.engine import PagedTreeProposer
 
-            is_head = not isinstance(prop, DraftModelProposer)
-            engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
-                           else prop if is_head else prop.draft)
-            res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
-                                   repeats, sampling, outputs)
-        else:
-            res = evaluate_head(target, prop, prompts, k, max_new, stops, label, progress=cfg.get("progress", True),
-                                warmup=warmup, repeats=repeats, sampling=sampling, outputs=outputs)
+        is_head = not isinstance(prop, DraftModelProposer)
+        engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
+                       else prop if is_head else prop.draft)
+        res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
+                               repeats, sampling, outputs, progress=cfg.get("progress", True))
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
         if isinstance(prop, DraftModelProposer):
@@ -349,7 +338,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         else:
             entry["checkpoint"] = str(ecfg.heads[label])
             if ecfg.get("simulated_tau", True) and sampling.greedy and tree is None:  # teacher-forced top-1: a greedy notion
-                from train.validation import simulated_tau
+                from inference_eval.scoring import simulated_tau
 
                 # along the decoded continuations: greedy speculative output is the target's greedy output
                 sim, accs = simulated_tau(target, prop, [p["ids"] for p in prompts], outputs, res.k)

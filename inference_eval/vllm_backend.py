@@ -142,7 +142,7 @@ class VLLMBackend:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
-        return f"\n--- vLLM worker log ({self.log_path}), last {chars} chars ---\n{text[-chars:]}"
+        return f"\n--- the vLLM worker's log, last {chars} chars ---\n{text[-chars:]}"
 
     def _reply(self, timeout_s: float | None, what: str) -> dict:
         waited = 0.0

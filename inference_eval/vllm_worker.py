@@ -121,7 +121,16 @@ class Worker:
         self.layer_ids = sorted(set(self.aux_layers + [self.num_layers]))  # vLLM caches them in layer order
         self.tmp = tempfile.mkdtemp(prefix="spechead-vllm-")
         kwargs = dict(init.get("llm_kwargs") or {})
-        self.llm = LLM(
+        try:
+            self.llm = self._start(LLM, init, kwargs)
+        except BaseException:
+            import shutil
+
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+    def _start(self, LLM, init: dict, kwargs: dict):
+        return LLM(
             model=init["model"], tokenizer=init["model"], skip_tokenizer_init=True, dtype=init["dtype"],
             enforce_eager=True, enable_prefix_caching=False,
             gpu_memory_utilization=float(init.get("gpu_memory_utilization", 0.3)),
@@ -172,8 +181,28 @@ def _die_with_parent() -> None:
         pass
 
 
+def _end_group() -> None:
+    """At exit (registered before vLLM starts, so it runs after vLLM's own shutdown): SIGTERM to what
+    is left of this process group — vLLM's engine core and tensor-parallel workers, should a signal
+    have cut vLLM's shutdown short."""
+    import signal
+
+    if os.getpgid(0) != os.getpid():  # not a group leader (run by hand): leave the group alone
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+
+
 def main() -> None:
+    import atexit
+    import signal
+
+    def terminate(signum, frame):  # an exit that runs the finally blocks and atexit (vLLM's shutdown)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     _die_with_parent()
+    atexit.register(_end_group)
     reply = _protocol_stdout()
     init = json.loads(sys.argv[1])
     try:

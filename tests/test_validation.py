@@ -52,7 +52,7 @@ def test_speculative_scores_match_the_decoder(store, tiny_target):
     assert all(p and len(p) < store[i]["input_ids"].shape[0] for i, p in enumerate(prompts))
     got = speculative_scores(target, head, prompts, 2, 12, set())
     emitted = steps = 0
-    for p in prompts:
+    for p in prompts:  # the batch-1 loop, now only a reference: the same acceptance, so the same τ
         _, st = generate_speculative(target, head, p, 2, 12)
         emitted, steps = emitted + st.emitted, steps + st.steps
     assert got["tau"] == pytest.approx(emitted / steps)
@@ -86,13 +86,15 @@ def test_bf16_divergence_is_counted_not_fatal(store, tiny_target, monkeypatch):
 
     head = make(tiny_target, "mtp3").eval()
     target = LlamaForCausalLM.from_pretrained(tiny_target)
-    real = V.generate_speculative
+    real = V.engine_decode
 
-    def flipped(*args, **kwargs):  # a divergence at the third new token
-        out, st = real(*args, **kwargs)
-        return out[:2] + [(out[2] + 1) % 512] + out[3:], st
+    def flipped(target, head, *args, **kwargs):  # the speculative run diverges at the third new token
+        outs, eng = real(target, head, *args, **kwargs)
+        if head is not None:
+            outs = [outs[0][:2] + [(outs[0][2] + 1) % 512] + outs[0][3:], *outs[1:]]
+        return outs, eng
 
-    monkeypatch.setattr(V, "generate_speculative", flipped)
+    monkeypatch.setattr(V, "engine_decode", flipped)
     prompt = first_reply_prompt(store[0]["input_ids"], store[0]["loss_mask"])
     got = speculative_scores(target, head, [prompt], 2, 8, set(), strict=False)
     assert got["mismatches"] == 1 and got["tau"] >= 1.0
@@ -130,14 +132,16 @@ def test_lossless_violation_in_float32_fails_the_run(tiny_overrides, monkeypatch
     import train.validation as V
     from train.run import run_training
 
-    real, seen = V.generate_speculative, {}
+    real, seen = V.engine_decode, {}
 
-    def flipped(*args, **kwargs):  # a divergence at the third new token
-        out, st = real(*args, **kwargs)
-        seen["real"] = list(out)
-        return out[:2] + [(out[2] + 1) % 512] + out[3:], st
+    def flipped(target, head, *args, **kwargs):  # the speculative run diverges at the third new token
+        outs, eng = real(target, head, *args, **kwargs)
+        if head is None:
+            return outs, eng
+        seen["real"] = list(outs[0])
+        return [outs[0][:2] + [(outs[0][2] + 1) % 512] + outs[0][3:], *outs[1:]], eng
 
-    monkeypatch.setattr(V, "generate_speculative", flipped)
+    monkeypatch.setattr(V, "engine_decode", flipped)
     ev = "train.engine_validation."
     cfg = compose_config(tiny_overrides + ["trainer.max_epochs=1", "train.module.depth=2", f"{ev}every_n_steps=null",
                                            f"{ev}prompts=1", f"{ev}conversations=1", f"{ev}max_new_tokens=6", f"{ev}k=2"])
@@ -238,3 +242,34 @@ def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):
     with pytest.raises(IndexError, match="index 9"):
         cb.run(*_stub_run(store, make(tiny_target, "mtp3"), tmp_path))
     assert cb.results == []
+
+
+def test_validation_and_evaluation_decode_through_the_paged_engine(store, tiny_target, tiny_overrides, monkeypatch,
+                                                                   tmp_path):
+    """With the batch-1 loop made unusable, validation's τ and evaluation's τ still come out: both run
+    the paged engine (and evaluation's simulated τ no longer needs train/)."""
+    import inference_eval.evaluate as E
+    import inference_eval.speculative as S
+    import train.validation as V
+    from inference_eval.evaluate import run_evaluation
+    from train.run import run_training
+
+    cfg = compose_config(tiny_overrides + ["trainer.max_epochs=1", "train.engine_validation.enabled=false",
+                                           "evaluate.heads.untrained=null", f"run_dir={tmp_path / 'paged'}"])
+    run_precompute(cfg)
+    run_training(cfg)
+
+    def old_loop(*args, **kwargs):
+        raise AssertionError("the batch-1 decoding loop ran")
+
+    for module in (S, E):
+        for name in ("generate_speculative", "generate_plain", "evaluate_head"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, old_loop)
+    head = make(tiny_target, "mtp3").eval()
+    target = LlamaForCausalLM.from_pretrained(tiny_target)
+    prompts = [first_reply_prompt(store[i]["input_ids"], store[i]["loss_mask"]) for i in range(2)]
+    got = V.speculative_scores(target, head, prompts, 2, 8, set())
+    assert got["tau"] >= 1.0 and got["mismatches"] == 0
+    report = run_evaluation(cfg)
+    assert report["results"]["trained"]["tau"] >= 1.0 and "simulated_tau" in report["results"]["trained"]

@@ -46,8 +46,8 @@ import lightning as L
 import torch
 
 from heads.unroll import unroll
-from inference_eval.speculative import (Sampling, SpecStats, draft_chain, generate_plain, generate_speculative,
-                                        refresh)
+from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
+from inference_eval.speculative import GREEDY, Sampling
 from train.losses import fused_linear_kl, hidden_regression
 
 log = logging.getLogger(__name__)
@@ -112,52 +112,16 @@ def score_rows(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, nor
     return DepthScores(reg, float(kl), int(agree), preds.shape[0])
 
 
-def _scored(loss_mask: torch.Tensor, rows: list[int], d: int) -> list[int]:
-    """Rows i whose depth-d prediction is scored: t_{i+d+1} exists and is a loss token."""
-    t = loss_mask.shape[0]
-    return [j for j, i in enumerate(rows) if i + d + 1 < t and bool(loss_mask[i + d + 1])]
-
-
-def select_rows(loss_mask: torch.Tensor, max_rows: int | None) -> list[int]:
-    """Rows i (0..T-2) with a depth-1 loss token t_{i+2}, evenly thinned to at most `max_rows`."""
-    rows = [i for i in range(loss_mask.shape[0] - 2) if bool(loss_mask[i + 2])]
-    if max_rows is not None and len(rows) > max_rows:
-        step = len(rows) / max_rows
-        rows = [rows[int(j * step)] for j in range(max_rows)]
-    return rows
-
-
 @torch.no_grad()
 def engine_teacher_forced(target, head, ids: torch.Tensor, loss_mask: torch.Tensor, depth: int,
                           rows: list[int], normed: bool = True) -> list[DepthScores]:
-    """Per-depth scores of `head` on one conversation through the engine: the target recomputes H
-    (and the aux layers), the head runs its cached draft path with the true tokens forced."""
-    t = ids.shape[0]
-    ids = ids.to(target.device)  # everything below runs where the target and the head are
-    out = target(ids[None], logits="none", capture_layers=head.capture_layers)
-    hidden = out.hidden.float()
-    aux = torch.cat(out.aux, dim=-1).float() if head.capture_layers else None
-    states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
-    if not head.chain:  # medusa: every depth straight from the target state
-        for d in range(1, depth + 1):
-            states[d] = list(head(hidden[:, rows], depth=d)[0])
-    else:
-        x = head.target_input(hidden, aux)
-        cache = head.new_cache(1, t + depth + 2)
-        s1 = refresh(head, x[:, : t - 1], ids[None, 1:t], 0, cache, last_only=False)  # [1, T-1, H]
-        states[1] = [s1[0, i] for i in rows]
-        if depth > 1:
-            # rows in descending order: row i's chain overwrites slots i+1.., which only rows > i read
-            deeper: dict[int, list[torch.Tensor]] = {}
-            for i in sorted(rows, reverse=True):
-                forced = ids[i + 2: i + depth + 1].tolist()
-                forced += [0] * (depth - 1 - len(forced))  # past the end: scored out below, as in the unroll
-                deeper[i] = draft_chain(head, s1[:, i: i + 1], depth, i + 1, cache, forced)[1]
-            for d in range(2, depth + 1):
-                states[d] = [deeper[i][d - 1][0, 0] for i in rows]
+    """Per-depth scores of `head` on one conversation through the engine (inference_eval/scoring.py:
+    the target recomputes H and the aux layers, the head runs its cached draft path with the true
+    tokens forced), with the training loss's parts."""
+    states, hidden = teacher_forced_states(target, head, ids, depth, rows)
     scores = []
     for d in range(1, depth + 1):
-        keep = _scored(loss_mask, rows, d)
+        keep = scored_rows(loss_mask, rows, d)
         preds = torch.stack([states[d][j] for j in keep]) if keep else hidden.new_zeros(0, head.args.hidden_size)
         teacher = hidden[0, [rows[j] + d for j in keep]]
         scores.append(score_rows(head, preds, teacher, d, normed))
@@ -175,7 +139,7 @@ def training_forward_scores(head, sample: dict[str, torch.Tensor], depth: int, r
                   aux.to(head.dtype) if aux is not None else None)
     scores = []
     for d in range(1, depth + 1):
-        keep = [rows[j] for j in _scored(sample["loss_mask"], rows, d)]
+        keep = [rows[j] for j in scored_rows(sample["loss_mask"], rows, d)]
         scores.append(score_rows(head, outs[d - 1][0, keep], hidden[0, [i + d for i in keep]], d, normed))
     return scores
 
@@ -186,61 +150,48 @@ def first_reply_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> list[int] 
     return ids[: int(idx[0])].tolist() if idx.numel() and int(idx[0]) > 0 else None
 
 
+def engine_decode(target, head, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
+                  sampling: Sampling | list[Sampling] = GREEDY):
+    """The prompts through the paged engine (inference_eval/engine.py) together, as serving runs them:
+    (outputs in prompt order, the engine's stats). `head` None: plain decoding."""
+    from inference_eval.engine import engine_generate
+
+    return engine_generate(target, prompts, max_new_tokens, proposer=head, k=k, stop_ids=stop_ids,
+                           sampling=sampling, max_batch=len(prompts))
+
+
 @torch.no_grad()
 def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_tokens: int,
                        stop_ids: set[int], normed: bool = True, strict: bool = True) -> dict[str, Any]:
-    """Real τ / α_d of greedy speculative decoding, and the simulated τ from teacher-forced agreement
-    along the target's own greedy continuation of the same prompts.
+    """Real τ / α_d of greedy speculative decoding in the paged engine (all prompts in one batch), and
+    the simulated τ from teacher-forced agreement along the target's own greedy continuation.
 
     Speculative and plain greedy outputs must be equal token for token. In float32 (`strict`) a
     difference raises `LosslessViolation`; in bf16 the target's k+1-token verification and its 1-token
     decode round differently, so a near-tie can flip the argmax and the outputs part: those prompts are
     counted (`mismatches`) and logged, not raised."""
-    total = SpecStats(k=k)
-    mismatches, conts = 0, []
-    for n, p in enumerate(prompts):
-        cont = generate_plain(target, p, max_new_tokens, stop_ids)
-        out, st = generate_speculative(target, head, p, k, max_new_tokens, stop_ids)
-        if out != cont:
-            at = next((i for i, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
-            spec_tok = out[at] if at < len(out) else None  # None: that output ended here
-            plain_tok = cont[at] if at < len(cont) else None
-            msg = (f"speculative output differs from plain greedy output at new token {at} of a {len(p)}-token "
-                   f"prompt (prompt {n} of {len(prompts)}, k={k}): speculative token {spec_tok} vs plain "
-                   f"{plain_tok}; {len(out)} vs {len(cont)} new tokens")
-            if strict:
-                raise LosslessViolation(msg + " (float32): the engine is not lossless", prompt=n,
-                                        prompt_tokens=len(p), new_token=at, speculative_token=spec_tok,
-                                        plain_token=plain_tok, speculative_len=len(out), plain_len=len(cont), k=k)
-            log.warning("%s (%s target: a near-tie rounded differently in verification and decode)", msg,
-                        target.dtype)
-            mismatches += 1
-        total.merge(st)
-        conts.append(cont)
-    sim, accs = simulated_tau(target, head, prompts, conts, k, normed)
-    return {"tau": total.tau, "alpha": total.alpha, "sim_tau": sim, "tf_acc": accs,
-            "new_tokens": total.new_tokens, "seconds": total.seconds, "mismatches": mismatches}
-
-
-@torch.no_grad()
-def simulated_tau(target, head, prompts: list[list[int]], continuations: list[list[int]], k: int,
-                  normed: bool = True) -> tuple[float, list[float]]:
-    """τ simulated from teacher-forced agreement: the head's top-1 agreement per depth d = 1..k along
-    each prompt's greedy continuation (scored rows: those predicting a continuation token), pooled,
-    then 1 + Σ_d Π_{j≤d} acc_j — what τ would be if acceptance at each depth were independent."""
-    tf = [DepthScores() for _ in range(k)]
-    for p, cont in zip(prompts, continuations):
-        seq = torch.tensor(p + cont)
-        mask = torch.zeros(seq.shape[0], dtype=torch.bool)
-        mask[len(p):] = True
-        rows = select_rows(mask, None)
-        for d, sc in enumerate(engine_teacher_forced(target, head, seq, mask, k, rows, normed)):
-            tf[d].add(sc)
-    sim, survive = 1.0, 1.0
-    for sc in tf:
-        survive *= sc.acc
-        sim += survive
-    return sim, [sc.acc for sc in tf]
+    conts, _ = engine_decode(target, None, prompts, 1, max_new_tokens, stop_ids)
+    outs, eng = engine_decode(target, head, prompts, k, max_new_tokens, stop_ids)
+    mismatches = 0
+    for n, (p, out, cont) in enumerate(zip(prompts, outs, conts)):
+        if out == cont:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(out, cont)) if a != b), min(len(out), len(cont)))
+        spec_tok = out[at] if at < len(out) else None  # None: that output ended here
+        plain_tok = cont[at] if at < len(cont) else None
+        msg = (f"speculative output differs from plain greedy output at new token {at} of a {len(p)}-token "
+               f"prompt (prompt {n} of {len(prompts)}, k={k}): speculative token {spec_tok} vs plain "
+               f"{plain_tok}; {len(out)} vs {len(cont)} new tokens")
+        if strict:
+            raise LosslessViolation(msg + " (float32): the engine is not lossless", prompt=n,
+                                    prompt_tokens=len(p), new_token=at, speculative_token=spec_tok,
+                                    plain_token=plain_tok, speculative_len=len(out), plain_len=len(cont), k=k)
+        log.warning("%s (%s target: a near-tie rounded differently in verification and decode)", msg,
+                    target.dtype)
+        mismatches += 1
+    sim, accs = simulated_tau(target, head, prompts, conts, k)
+    return {"tau": eng.stats.tau, "alpha": eng.stats.alpha, "sim_tau": sim, "tf_acc": accs,
+            "new_tokens": sum(len(o) for o in outs), "seconds": eng.stats.seconds, "mismatches": mismatches}
 
 
 class EngineValidation(L.Callback):
@@ -400,9 +351,7 @@ class EngineValidation(L.Callback):
             m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
             if self.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
                 sampling = Sampling(self.temperature, self.top_p, self.top_k, torch.Generator().manual_seed(self.seed))
-                total = SpecStats(k=k)
-                for p in prompts:
-                    total.merge(generate_speculative(target, head, p, k, self.max_new_tokens, self._stops, sampling)[1])
+                total = engine_decode(target, head, prompts, k, self.max_new_tokens, self._stops, sampling)[1].stats
                 m["engine_val/tau_sampled"] = total.tau
                 m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
         log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
