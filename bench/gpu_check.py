@@ -7,7 +7,8 @@ On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (th
 3. the in-loop engine validation at the end of training, on the GPU (τ, engine-vs-training gap);
 4. evaluation of the trained head through the engine on CUDA (τ, α_d, greedy, k = `--k`);
 5. plain decoding in the paged engine at batch 1 and 8 — tokens/s (CUDA-synchronised wall time).
-vLLM's precompute backend is reported as absent until it exists in spechead (docs/scale.md).
+6. where `precompute.vllm.python` exists, the same precompute through `precompute.backend=vllm`
+   (tokens/s and its largest difference from the engine's store).
 
 Assets: the GGUF and conversations come from their pip packages when installed; on a machine that
 cannot install them pass `--gguf`, `--data` (ShareGPT-style JSONL) and `--prompts` (JSONL of
@@ -21,6 +22,7 @@ Last line: `gpu_check precompute_tok_s=<x> train_tok_s=<y> tau=<t> decode_tok_s_
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import sys
@@ -77,6 +79,34 @@ def decode_tok_s(target, prompts: list[list[int]], new: int, device: torch.devic
 
     run()  # warm-up
     return max(run() for _ in range(2))
+
+
+def vllm_precompute(cfg, engine_store: Path, out: Path) -> float:
+    """The same precompute through `precompute.backend=vllm` when its environment exists: tokens/s, and
+    the largest difference from the engine's store relative to the largest state (printed)."""
+    from omegaconf import open_dict
+
+    from data.precompute import run_precompute
+    from data.store import FeatureStore
+    from inference_eval.vllm_backend import vllm_python
+
+    try:
+        vllm_python(cfg.precompute.get("vllm", {}).get("python"))
+    except FileNotFoundError as e:
+        print(f"      vllm precompute: skipped ({e})", flush=True)
+        return float("nan")
+    vcfg = copy.deepcopy(cfg)
+    with open_dict(vcfg):
+        vcfg.precompute.backend, vcfg.store_dir = "vllm", str(out / "features_vllm")
+    store, stats = run_precompute(vcfg)
+    a, b = FeatureStore(engine_store), FeatureStore(store)
+    worst = 0.0
+    for i in range(min(len(a), len(b), 16)):
+        x, y = a[i]["hidden"].float(), b[i]["hidden"].float()
+        worst = max(worst, float((x - y).abs().max() / x.abs().max()))
+    print(f"      vllm precompute: {stats.tokens_per_s:.0f} tok/s; max |vllm - engine| / max |engine| {worst:.2e} "
+          f"over {min(len(a), len(b), 16)} samples", flush=True)
+    return stats.tokens_per_s
 
 
 def main() -> None:
@@ -189,7 +219,7 @@ def main() -> None:
     figures["lossless"] = same / len(prompts)
     print(f"      greedy speculative (k={args.k}, batch {len(prompts)}) == plain: {same}/{len(prompts)} sequences, "
           f"engine tau {eng.stats.tau:.3f}", flush=True)
-    print("vllm precompute backend: not built in spechead yet (issue 14); no vllm row", flush=True)
+    figures["vllm_precompute_tok_s"] = vllm_precompute(cfg, store, out)
     (out / "gpu_check.json").write_text(json.dumps({"device": str(device), "name": name, **figures,
                                                     "engine_validation": ev, "seconds": time.perf_counter() - t_all},
                                                    indent=1))

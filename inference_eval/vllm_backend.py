@@ -51,6 +51,20 @@ def vllm_python(spec: str | None) -> Path:
     return path
 
 
+def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: int) -> dict[str, str]:
+    """Data-parallel replicas over a node: rank r of a launch (`LOCAL_RANK`, one precompute rank per
+    replica, `precompute.world_size` = GPUs / tensor_parallel_size) gets GPUs
+    [r·tp, (r+1)·tp) for its vLLM worker through CUDA_VISIBLE_DEVICES. Nothing when the caller set
+    CUDA_VISIBLE_DEVICES itself, without GPUs, or outside a launch."""
+    if "CUDA_VISIBLE_DEVICES" in environ or gpus == 0 or "LOCAL_RANK" not in environ:
+        return {}
+    rank, tp = int(environ["LOCAL_RANK"]), tensor_parallel_size
+    if (rank + 1) * tp > gpus:
+        raise ValueError(f"precompute rank {rank} with tensor_parallel_size={tp} needs GPUs {rank * tp}..{(rank + 1) * tp - 1}, "
+                         f"the node has {gpus}: run GPUs / tensor_parallel_size ranks")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))}
+
+
 def _hf_config(target_dir: str | Path) -> dict[str, Any]:
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
     return cfg.get("text_config") or cfg
@@ -119,6 +133,7 @@ class VLLMBackend:
                 "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE":
                str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false",
+               **replica_devices(init["tensor_parallel_size"], os.environ, torch.cuda.device_count()),
                **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}}
         keep = bool(vcfg.get("keep_worker", False))
         key = json.dumps([str(python), init], sort_keys=True)

@@ -202,3 +202,16 @@ def test_hf_backend_with_a_device_map_stores_the_same_states(tiny_overrides, tmp
     for name, tensors in stores["plain"].items():
         for key, value in tensors.items():
             assert torch.equal(value, stores["mapped"][name][key]), (name, key)
+
+
+def test_vllm_replicas_take_their_own_gpus():
+    """precompute.backend=vllm over a node: rank r's worker sees GPUs [r·tp, (r+1)·tp)."""
+    from inference_eval.vllm_backend import replica_devices
+
+    assert replica_devices(4, {"LOCAL_RANK": "1"}, 8) == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert replica_devices(2, {"LOCAL_RANK": "0"}, 8) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert replica_devices(1, {"LOCAL_RANK": "3"}, 8) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert replica_devices(4, {"LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2"}, 8) == {}  # the user's choice stands
+    assert replica_devices(4, {}, 8) == {} and replica_devices(4, {"LOCAL_RANK": "1"}, 0) == {}
+    with pytest.raises(ValueError, match="needs GPUs 8..11"):
+        replica_devices(4, {"LOCAL_RANK": "2"}, 8)

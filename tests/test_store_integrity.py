@@ -139,16 +139,6 @@ def test_read_only_store_opens_verified_without_stamp(tmp_path, monkeypatch, cap
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_read_only_directory(tmp_path):
-    _store(tmp_path)
-    os.chmod(tmp_path, 0o555)
-    try:
-        assert len(FeatureStore(tmp_path, verify="full")) == 7
-    finally:
-        os.chmod(tmp_path, 0o755)
-
-
 def test_bad_verify_mode_refused(tmp_path):
     _store(tmp_path)
     with pytest.raises(StoreError, match="verify='sha'"):
