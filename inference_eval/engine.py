@@ -63,6 +63,7 @@ class Request:
     state: torch.Tensor | None = None  # the proposer's state for this sequence
     fed: int = 0  # draft model: positions < fed are in its cache
     draft: torch.Tensor | None = None  # k = 1 schedule: the head's next draft token, left on the device
+    carry: torch.Tensor | None = None  # draft model: its logits at position fed-1, for the next d_1
     preemptions: int = 0
     done: bool = False
 
@@ -221,12 +222,12 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> None:
-        self._admit()
+        admitted = self._admit()
         if self.running:
             self._reserve()
         if self.running:
-            if self.proposer is None:
-                self._decode()
+            if self.proposer is None or (admitted and not getattr(self.proposer, "speculate_beside_prefill", True)):
+                self._decode()  # the seed's draft-model schedule: a batch with a prefill decodes plainly
             elif self.proposer.tree:
                 self._tree_round()
             elif self._k1_applies():
@@ -236,7 +237,7 @@ class Engine:
         self.steps += 1
 
     # ---- scheduling ------------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         admitted, budget = [], self.prefill_tokens
         # keep the pages the running sequences will reserve over the next two rounds, so a newcomer is
         # not admitted (and prefilled) only to be preempted by their growth at once
@@ -256,6 +257,7 @@ class Engine:
             admitted.append(req)
         if admitted:
             self._prefill(admitted)
+        return bool(admitted)
 
     def _reserve(self) -> None:
         for req in list(self.running):
@@ -457,6 +459,7 @@ class ChainProposer:
     the engine's block tables."""
 
     tree = False
+    speculate_beside_prefill = True  # False: a step that admits (prefills) a request decodes plainly
 
     def check(self, k: int) -> None:
         return None
@@ -701,50 +704,75 @@ class PagedTreeProposer(PagedHeadProposer):
 
 class PagedDraftModelProposer(ChainProposer):
     """A small LM with the target's tokenizer as the drafter, its cache in a pool over the engine's
-    block tables. Positions < `fed` of a sequence are in its cache; a round feeds the committed tokens
-    from `fed` to t_m (varlen, packed), then k-1 single-token steps; after acceptance the drafts that
-    were accepted stay cached and the rejected ones are overwritten by the next feed."""
+    block tables, on the seed's draft-model schedule:
+    - speculation only in decode-only batches: a step that prefills a newcomer decodes plainly;
+    - a round's first draft d_1 comes from the logits the draft computed at the end of the previous
+      round (`carry`), so drafting takes k-1 passes (d_2..d_k);
+    - after acceptance the draft runs once over the tokens it has not seen — the target's bonus token
+      (and d_k when all k were accepted) — which fills its cache and gives the next round's d_1.
+    So a speculative round costs k draft passes and one target pass. After a plain step, a prefill or
+    a preemption, positions ≥ `fed` are fed first (varlen) in the next round, at one pass more.
+    `passes` counts the draft's forward passes."""
 
     capture_layers = ()
+    speculate_beside_prefill = False
 
     def __init__(self, draft) -> None:
         self.draft = draft
+        self.passes = 0
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         self.pool = self._pool(self.draft.args.num_hidden_layers, self.draft.args, self.draft.dtype)
 
+    def lookahead(self, k: int) -> int:
+        return k + 2  # the fill after acceptance writes the bonus token at m+k+1 when all k were accepted
+
     def release(self, req: Request) -> None:
-        req.fed = 0
+        req.fed, req.carry = 0, None
 
     def prefill(self, reqs: list[Request], out, rows) -> None:
         for r in reqs:
-            r.fed = 0
+            r.fed, r.carry = 0, None
 
-    def _pick(self, reqs, hidden):
-        logits = _logits(self.draft, hidden)
-        picks = [r.sampling.pick(logits[i]) for i, r in enumerate(reqs)]
-        return [d for d, _ in picks], [q for _, q in picks]
+    def _feed(self, reqs: list[Request], feeds: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """One packed pass of the draft over each sequence's `feeds` at positions start..; logits at
+        each sequence's last row [B, V]."""
+        eng = self.engine
+        out = eng.forward(self.draft, self.pool, feeds, [list(range(s, s + len(f))) for s, f in zip(starts, feeds)],
+                          [SeqSlice(r.table, s, len(f)) for r, s, f in zip(reqs, starts, feeds)])
+        self.passes += 1
+        ends = torch.tensor([len(f) for f in feeds], device=eng.device).cumsum(0) - 1
+        return _logits(self.draft, out.hidden[0, ends])
 
     def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
         eng = self.engine
-        feeds = [r.tokens[r.fed: r.m + 1] for r in reqs]
-        out = eng.forward(self.draft, self.pool, feeds, [list(range(r.fed, r.m + 1)) for r in reqs],
-                          [SeqSlice(r.table, r.fed, len(f)) for r, f in zip(reqs, feeds)])
-        ends = torch.tensor([len(f) for f in feeds], device=eng.device).cumsum(0) - 1
-        cols = [self._pick(reqs, out.hidden[0, ends])]
+        stale = [i for i, r in enumerate(reqs) if r.carry is None or r.fed != r.m + 1]
+        if stale:  # positions fed..m are not in the draft's cache yet: feed them (varlen)
+            logits = self._feed([reqs[i] for i in stale], [reqs[i].tokens[reqs[i].fed: reqs[i].m + 1] for i in stale],
+                                [reqs[i].fed for i in stale])
+            for j, i in enumerate(stale):
+                reqs[i].carry, reqs[i].fed = logits[j], reqs[i].m + 1
+        picks = [r.sampling.pick(r.carry) for r in reqs]
+        cols = [([d for d, _ in picks], [q for _, q in picks])]
         for j in range(2, k + 1):
-            out = eng.forward(self.draft, self.pool, [[d] for d in cols[-1][0]], [[r.m + j - 1] for r in reqs],
-                              [SeqSlice(r.table, r.m + j - 1, 1) for r in reqs])
-            cols.append(self._pick(reqs, out.hidden[0]))
-        for r in reqs:
-            r.fed = r.m + 1
+            logits = self._feed(reqs, [[d] for d in cols[-1][0]], [r.m + j - 1 for r in reqs])
+            picks = [r.sampling.pick(logits[i]) for i, r in enumerate(reqs)]
+            cols.append(([d for d, _ in picks], [q for _, q in picks]))
+        for r in reqs:  # the cache now holds t_m and d_1..d_{k-1} at positions m..m+k-1
+            r.fed, r.carry = r.m + k, None
         return [[c[0][i] for c in cols] for i in range(len(reqs))], [[c[1][i] for c in cols] for i in range(len(reqs))]
 
     def update(self, reqs: list[Request], vout, rows, accepted: list[int], emitted, argmax) -> None:
+        """After acceptance: feed the emitted tokens the cache lacks (the bonus token; d_k too when all k
+        were accepted) at positions m+1+min(a, k-1).., one pass for the batch; its logits are the next
+        round's d_1."""
         k = self.engine.k
-        for r, a in zip(reqs, accepted):
-            r.fed = r.m + 1 + min(a, k - 1)
+        starts = [r.m + 1 + min(a, k - 1) for r, a in zip(reqs, accepted)]
+        feeds = [e[min(a, k - 1):] for e, a in zip(emitted, accepted)]
+        logits = self._feed(reqs, feeds, starts)
+        for i, (r, s, f) in enumerate(zip(reqs, starts, feeds)):
+            r.fed, r.carry = s + len(f), logits[i]  # = m' + 1 once the emitted tokens are committed
 
 
 def frequent_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
