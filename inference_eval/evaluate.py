@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from inference_eval.speculative import GREEDY, Sampling, SpecStats, generate_plain, generate_speculative
+from inference_eval.speculative import GREEDY, Sampling, SpecStats, generate_speculative
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +186,20 @@ def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=No
         cats.setdefault(q["category"], []).append(q)
     ordered = [q for group in zip(*cats.values()) for q in group]
     ordered = ordered[:num_prompts] if num_prompts else ordered
-    out = []
-    for q in ordered:
-        messages = [{"role": "user", "content": q["turns"][0]}]
-        if turn == 2:
-            if target is None:
-                raise ValueError("MT-Bench turn 2 needs the target to answer turn 1")
-            answer = generate_plain(target, tokenize_prompt(tokenizer, messages), max_new_tokens, stop_ids)
+    conversations = [[{"role": "user", "content": q["turns"][0]}] for q in ordered]
+    if turn == 2:
+        if target is None:
+            raise ValueError("MT-Bench turn 2 needs the target to answer turn 1")
+        from inference_eval.engine import engine_generate
+
+        # the target's greedy turn-1 answers, all questions in one batch of the engine
+        answers, _ = engine_generate(target, [tokenize_prompt(tokenizer, m) for m in conversations], max_new_tokens,
+                                     stop_ids=stop_ids, max_batch=8)
+        for messages, answer, q in zip(conversations, answers, ordered):
             messages += [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
                          {"role": "user", "content": q["turns"][1]}]
-        out.append({"ids": tokenize_prompt(tokenizer, messages), "category": q["category"], "id": q["question_id"],
-                    "turn": turn})
-    return out
+    return [{"ids": tokenize_prompt(tokenizer, messages), "category": q["category"], "id": q["question_id"],
+             "turn": turn} for messages, q in zip(conversations, ordered)]
 
 
 def stop_token_ids(tokenizer) -> set[int]:
