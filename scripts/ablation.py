@@ -22,10 +22,9 @@ import json
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from scripts import CONF, stage_main
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:
@@ -61,7 +60,7 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
     return wanted.pop() if wanted else ()
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@stage_main
 def main(cfg: DictConfig) -> None:
     run_ablation(cfg)
 

@@ -1,10 +1,11 @@
 """Evaluate head checkpoints (`evaluate.heads`) through the engine: τ and α_d, JSON report."""
 
-import hydra
 from omegaconf import DictConfig
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     from inference_eval.evaluate import run_evaluation
 

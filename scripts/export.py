@@ -4,8 +4,9 @@ validated against the target and read back before it is reported (heads/export.p
 
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
+
+from scripts import stage_main
 
 
 def run_export(cfg: DictConfig) -> dict[str, Path]:
@@ -29,7 +30,7 @@ def run_export(cfg: DictConfig) -> dict[str, Path]:
                        expected_fingerprint=expected, source=cfg.export.source)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@stage_main
 def main(cfg: DictConfig) -> None:
     print("export " + " ".join(f"{fmt}={path}" for fmt, path in run_export(cfg).items()))
 

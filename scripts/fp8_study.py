@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     run_fp8_study(cfg)
 

@@ -5,11 +5,12 @@ Last line: `demo tau_trained=<x> tau_untrained=<y> runtime_s=<z>`.
 
 import time
 
-import hydra
 from omegaconf import DictConfig
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     from data.precompute import run_precompute
     from inference_eval.evaluate import run_evaluation

@@ -1,10 +1,11 @@
 """Precompute: run the target over conversations and write the feature store (`store_dir`)."""
 
-import hydra
 from omegaconf import DictConfig
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     from data.precompute import run_precompute
 

@@ -2,11 +2,12 @@
 replies (self-distillation) and write them as JSONL to `regenerate.out`; train on them with
 `data.source=jsonl data.path=<out>`."""
 
-import hydra
 from omegaconf import DictConfig
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     from data.regenerate import regenerate
 

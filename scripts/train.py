@@ -1,10 +1,11 @@
 """Train the configured head on the feature store; writes the native checkpoint to `head_dir`."""
 
-import hydra
 from omegaconf import DictConfig
 
+from scripts import stage_main
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+
+@stage_main
 def main(cfg: DictConfig) -> None:
     from train.run import run_training
 
