@@ -20,15 +20,26 @@ OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
 CONF = Path(__file__).resolve().parents[1] / "conf"  # absolute: a stage may be defined anywhere
 
 
+def busy_elsewhere() -> float:
+    """How many CPUs other processes keep busy right now: the kernel's count of runnable tasks less
+    this one (/proc/loadavg), else the 1-minute load average. A snapshot, not an average, so work that
+    just ended (an install before the demo) does not count."""
+    try:
+        running = int(open("/proc/loadavg").read().split()[3].split("/")[0])
+        return max(0, running - 1)
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+
+
 def resolve_threads(spec, cpus: int | None = None, load: float | None = None) -> int | None:
     """`threads`: null = torch's default (every core); an int; or `auto` = the cores the machine's other
-    work leaves free (cores minus the 1-minute load average, at least 1) — several spechead processes
-    on one machine then share the cores instead of each taking all of them."""
+    work leaves free (cores minus what other processes keep busy, at least 1) — several spechead
+    processes on one machine then share the cores instead of each taking all of them."""
     if spec is None:
         return None
     cpus = cpus or os.cpu_count() or 1
     if spec == "auto":
-        load = os.getloadavg()[0] if load is None else load
+        load = busy_elsewhere() if load is None else load
         return max(1, min(cpus, cpus - int(load + 0.5)))
     n = int(spec)
     if n < 1:

@@ -49,3 +49,16 @@ def test_runs_started_in_the_same_second_get_their_own_hydra_directory(tmp_path)
         assert path.endswith(f"-{pid}") and path.startswith(str(tmp_path / "hydra"))
         dirs.append(path)
     assert len(set(dirs)) == 3
+
+
+def test_busy_elsewhere_counts_other_running_processes():
+    from scripts import busy_elsewhere
+
+    spin = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        import time
+        time.sleep(2)
+        assert busy_elsewhere() >= 2  # both spinners are runnable whenever they are looked at
+    finally:
+        for p in spin:
+            p.kill()
