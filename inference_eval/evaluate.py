@@ -214,6 +214,16 @@ def stop_token_ids(tokenizer) -> set[int]:
 DATASETS = ("mtbench", "sharegpt", "jsonl")
 
 
+def choose_k(ks, tokens_per_s, plain_tokens_per_s: float) -> tuple[int, dict[str, Any]]:
+    """`evaluate.k: auto`: measure `tokens_per_s(k)` for each k and take the fastest. Returns the k and
+    the table it came from (`chosen_speedup` ≤ 1 means no k beats plain decoding)."""
+    table = [{"k": k, "tokens_per_s": (t := float(tokens_per_s(k))), "speedup": t / plain_tokens_per_s}
+             for k in ks]
+    best = max(table, key=lambda row: row["tokens_per_s"])
+    return best["k"], {"plain_tokens_per_s": plain_tokens_per_s, "table": table, "chosen_k": best["k"],
+                       "chosen_speedup": best["speedup"]}
+
+
 def check_evaluation_config(cfg: Any) -> None:
     """What can be refused before any model or data is loaded: the dataset name, the prompts file,
     and every configured head or draft-model path (each error says how to fix it)."""
@@ -293,14 +303,18 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     prompts = load_prompts(cfg, tokenizer, target, stops)
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
-    k, max_new = int(ecfg.k), int(ecfg.max_new_tokens)
+    auto_k = str(ecfg.k) == "auto"
+    if auto_k and tree is not None:
+        raise ValueError("evaluate.k=auto chooses a chain's k; with evaluate.proposer=tree set evaluate.tree.depth")
+    k, max_new = (1 if auto_k else int(ecfg.k)), int(ecfg.max_new_tokens)
     if tree is not None:  # a tree's draft depth plays the part of k
         tree = {key: int(v) for key, v in tree.items()}
         k = tree.setdefault("depth", 4)
     warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
-                              "prompts": len(prompts), "k": k, "max_new_tokens": max_new, "temperature": temperature,
+                              "prompts": len(prompts), "k": "auto" if auto_k else k, "max_new_tokens": max_new,
+                              "temperature": temperature,
                               "top_p": sampling.top_p, "top_k": sampling.top_k,
                               "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": warmup,
                               "repeats": repeats, "results": {}}
@@ -324,6 +338,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         else:
             draft = target.truncated(int(spec["layers"]))
         proposers[label] = DraftModelProposer(draft, label)
+    plain_warm = None
     for label, prop in proposers.items():
         outputs: list[list[int]] = []
         from inference_eval.engine import PagedTreeProposer
@@ -331,10 +346,24 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
                        else prop if is_head else prop.draft)
+        auto = None
+        if auto_k:  # the k of the best measured speedup on a few prompts, before the timed evaluation
+            probe = prompts[: int(ecfg.get("auto_prompts", 4))]
+            if plain_warm is None:
+                plain_warm = plain_tokens_per_s(target, probe, max_new, stops, 1, 1, sampling, batch_size)
+            top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
+            k, auto = choose_k(range(1, top + 1), lambda kk: evaluate_batched(
+                target, engine_prop, probe, kk, max_new, stops, batch_size, label, 1, 1, sampling).tokens_per_s,
+                plain_warm)
+            log.info("evaluate %s: k=auto chose k=%d (speedup %.2fx on %d prompts)%s", label, k,
+                     auto["chosen_speedup"], len(probe), "" if auto["chosen_speedup"] > 1 else
+                     "; no k is faster than plain decoding here: speculation slows this head down")
         res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
                                repeats, sampling, outputs, progress=cfg.get("progress", True))
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
+        if auto is not None:
+            entry["k_auto"] = auto
         if isinstance(prop, DraftModelProposer):
             entry["draft_layers"] = prop.draft.args.num_hidden_layers
         else:
@@ -406,14 +435,14 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(json_path, json.dumps(report, indent=2).encode())
     results = report["results"]
-    k = report["k"]
+    k = report["k"] if isinstance(report["k"], int) else max((len(r["alpha"]) for r in results.values()), default=1)
     lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
              f"target {report['target']} ({report['target_dtype']}), "
              + ("greedy" if not report.get("temperature") else
                 f"temperature {report['temperature']} (top_p {report.get('top_p')}, top_k {report.get('top_k')}), "
                 "rejection sampling")
              + (f", tree (depth {k}, topk {report['tree'].get('topk')}, {report['tree'].get('total')} nodes)"
-                if report.get("tree") else f", k={k}") + f", batch {report.get('batch_size', 1)}, "
+                if report.get("tree") else f", k={report['k']}") + f", batch {report.get('batch_size', 1)}, "
              f"{report['max_new_tokens']} new tokens", "",
              "| head | proposer | τ | simulated τ | " + " | ".join(f"α{d + 1}" for d in range(k)) + " | tok/s | speedup |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in range(k)) + " | --- | --- |"]
@@ -438,7 +467,7 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for label, r in results.items():
-        ax.plot(range(1, k + 1), r["alpha"], marker="o", label=f"{label} (τ={r['tau']:.2f})")
+        ax.plot(range(1, len(r["alpha"]) + 1), r["alpha"], marker="o", label=f"{label} (τ={r['tau']:.2f})")
     ax.set(xlabel="draft position d", ylabel="α_d (given d-1 accepted)", ylim=(0, 1), xticks=range(1, k + 1))
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -234,3 +234,31 @@ def test_config_errors_come_before_the_target_loads(override, error, words, tiny
     cfg = compose_config([*tiny_overrides, *override])
     with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):
         run_evaluation(cfg)
+
+
+def test_k_auto_picks_the_fastest_measured_setting():
+    """A proposer whose costs are known: each draft token costs 0.1 of a plain step and is accepted with
+    probability 0.6, so tokens per unit time are (1 + Σ_{j≤k} 0.6^j) / (1 + 0.1 k): k = 3 is best."""
+    from inference_eval.evaluate import choose_k
+
+    speed = {k: (1 + sum(0.6 ** j for j in range(1, k + 1))) / (1 + 0.1 * k) for k in range(1, 6)}
+    k, auto = choose_k(range(1, 6), speed.__getitem__, plain_tokens_per_s=1.0)
+    assert k == max(speed, key=speed.get) == 3 and auto["chosen_speedup"] == pytest.approx(speed[3])
+    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4, 5]
+    slow = {k: 0.9 - 0.1 * k for k in range(1, 4)}  # nothing beats plain decoding: it says so (speedup < 1)
+    k, auto = choose_k(range(1, 4), slow.__getitem__, plain_tokens_per_s=1.0)
+    assert k == 1 and auto["chosen_speedup"] < 1
+
+
+def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):
+    from data.precompute import run_precompute
+    from train.run import run_training
+
+    cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
+                          "evaluate.heads.untrained=null", "evaluate.k=auto", "evaluate.auto_max_k=2"])
+    run_precompute(cfg)
+    run_training(cfg)
+    report = run_evaluation(cfg)
+    entry = report["results"]["trained"]
+    assert report["k"] == "auto" and [r["k"] for r in entry["k_auto"]["table"]] == [1, 2]
+    assert entry["k"] == entry["k_auto"]["chosen_k"] and entry["tau"] >= 1.0
