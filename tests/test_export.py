@@ -114,10 +114,12 @@ def test_golden_mtp(exported, tiny_target, heads):
 
 def test_default_formats_and_refusals(heads, tiny_target, tmp_path):
     tied, args, _ = tied_target(tiny_target)
-    assert default_formats(heads["mtp"]) == ["native", "mtp-stitched", "mtp-standalone"]
+    assert default_formats(heads["mtp"]) == ["native", "mtp-stitched", "mtp-standalone", "mtp-vllm"]
     assert default_formats(heads["eagle1"]) == ["native", "eagle1-vllm", "eagle1-sglang"]
     assert default_formats(heads["eagle1_bias"]) == ["native", "eagle1-sglang"]  # non-zero bias: no vLLM
-    assert default_formats(build_head({"type": "mtp", "num_modules": 2}, args, tied)) == ["native", "mtp-stitched"]
+    assert default_formats(build_head({"type": "mtp", "num_modules": 2}, args, tied)) == ["native", "mtp-stitched",
+                                                                                           "mtp-vllm"]
+    assert default_formats(build_head({"type": "mtp", "num_modules": 3}, args, tied)) == ["native", "mtp-stitched"]
     with pytest.raises(ValueError, match=r"non-zero fc\.bias .*head\.bias=false"):
         export_head(heads["eagle1_bias"], {"eagle1-vllm": tmp_path / "v"}, tiny_target)
     assert not (tmp_path / "v").exists()  # nothing half-written
@@ -376,3 +378,49 @@ def test_engine_name_mappings_cover_every_parameter(exported):
     # SGLang's standalone layout in vLLM loads nothing (§3.3): vLLM looks for model.layers.1.*
     with pytest.raises(AssertionError, match="never loaded"):
         _assert_covers(_keys(exported["mtp-standalone"]), lambda k: vllm_deepseek_mtp(k, 1, 1), vllm_mtp_params)
+
+
+# ---- mtp-vllm: spechead's vLLM plugin (inference_eval/vllm_plugin.py; served in tests/test_vllm_serving.py) --
+@pytest.mark.parametrize("modules", [1, 2])
+def test_mtp_vllm_layout_and_round_trip(tiny_target, tmp_path, modules):
+    from heads.export import detect_format
+    from heads.validate import MTP_VLLM_ARCH
+
+    tied, args, _ = tied_target(tiny_target)
+    head = _perturb(build_head({"type": "mtp", "num_modules": modules}, args, tied), 11)
+    out = export_head(head, {"mtp-vllm": tmp_path / "v"}, tiny_target)["mtp-vllm"]  # validated + read back
+    assert detect_format(out) == "mtp-vllm"
+    assert _keys(out) == {f"layers.{d}.{k}" for d in range(modules) for k in MTP_OWN} | \
+        {f"layers.{d}.layer.{k}" for d in range(modules) for k in LAYER}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [MTP_VLLM_ARCH] and cfg["num_hidden_layers"] == modules
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [N_TARGET_LAYERS] == \
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # the target's last pre-norm state H
+    assert cfg["eagle_config"]["use_aux_hidden_state"] is True and cfg["draft_vocab_size"] == cfg["vocab_size"]
+    back = load_export(out, "mtp-vllm", tied, args)
+    assert torch.equal(probe_logits(back), probe_logits(head))
+
+
+def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
+    from inference_eval.vllm_plugin import MTP_ARCH  # importable without vLLM: the classes are built lazily
+    from heads.validate import MTP_VLLM_ARCH
+
+    assert MTP_ARCH == MTP_VLLM_ARCH
+    tied, args, _ = tied_target(tiny_target)
+    with pytest.raises(ValueError, match="3 separate MTP modules"):
+        export_head(build_head({"type": "mtp", "num_modules": 3}, args, tied), {"mtp-vllm": tmp_path / "x"}, tiny_target)
+    assert not (tmp_path / "x").exists()
+    src = export_head(_perturb(build_head({"type": "mtp"}, args, tied), 3), {"mtp-vllm": tmp_path / "v"},
+                      tiny_target)["mtp-vllm"]
+    for i, (defect, expected) in enumerate([
+        ({"drop": ["layers.0.hnorm.weight"]}, ["missing tensor 'layers.0.hnorm.weight'"]),
+        ({"add": {"lm_head.weight": torch.zeros(512, 64)}}, ["unexpected tensor 'lm_head.weight'"]),
+        ({"config": {"eagle_aux_hidden_state_layer_ids": [1]}}, ["one id, top-level and in eagle_config alike"]),
+        ({"config": {"eagle_aux_hidden_state_layer_ids": [1], "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1], "use_aux_hidden_state": True}}}, ["the target's layer count 2"]),
+        ({"config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2], "use_aux_hidden_state": False}}},
+         ["use_aux_hidden_state must be true"]),
+        ({"config": {"architectures": ["LlamaForCausalLMEagle3"]}}, ["Eagle3SpecheadMTPForCausalLM"]),
+        ({"config": {"num_hidden_layers": 3}}, ["must be 1..2"]),
+    ]):
+        assert_rejects_planted_defect(src, tmp_path / f"bad{i}", "mtp-vllm", tiny_target, defect, expected)
