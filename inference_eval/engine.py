@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -137,11 +137,6 @@ def forbid_host_reads():
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 class Engine:
@@ -392,7 +387,7 @@ class Engine:
         positions = torch.tensor([[r.m, r.m + 1] for r in reqs], device=dev).view(1, -1)  # [1, 2D]
         batch = PagedBatch([SeqSlice(r.table, r.m, 2) for r in reqs], dev)
         last = torch.tensor([r.tokens[-1] for r in reqs], device=dev)  # t_m, known on the host
-        with forbid_host_reads() if self.guard_host_reads else _nothing():
+        with forbid_host_reads() if self.guard_host_reads else nullcontext():
             g, a, state, nxt = self._k1_device(reqs, last, positions, batch)
         g_host, a_host = g.tolist(), a.tolist()  # the round's one read, after its device work is queued
         for i, r in enumerate(reqs):
@@ -531,13 +526,11 @@ class PagedHeadProposer(ChainProposer):
     def _refresh(self, reqs: list[Request], states: torch.Tensor, tokens: list[list[int]], base: list[int]
                  ) -> torch.Tensor:
         """Depth-1 head pass over (target state, next token) rows at positions base.. (every module)."""
-        positions = [list(range(b, b + len(t))) for b, t in zip(base, tokens)]
-        slices = [SeqSlice(r.table, b, len(t)) for r, b, t in zip(reqs, base, tokens)]
-        out = self._head(states, tokens, positions, slices)
-        if self.head.separate_modules:
-            for d in range(2, len(self.head.layers) + 1):
-                self._head(states, tokens, positions, slices, depth=d)
-        return out[0]
+        dev = self.engine.device
+        flat_tok = torch.tensor([t for row in tokens for t in row], device=dev)[None]
+        flat_pos = torch.tensor([b + j for b, t in zip(base, tokens) for j in range(len(t))], device=dev)[None]
+        batch = PagedBatch([SeqSlice(r.table, b, len(t)) for r, b, t in zip(reqs, base, tokens)], dev)
+        return self.refresh_k1(states, flat_tok, flat_pos, batch)
 
     def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
         if not self.head.chain:
@@ -593,8 +586,9 @@ class PagedHeadProposer(ChainProposer):
 
     def refresh_k1(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                    batch: PagedBatch) -> torch.Tensor:
-        """`_refresh` with the tokens and positions already on the device and the round's attention
-        metadata shared with the target's pass (same slots): [N, S]."""
+        """Depth-1 head pass (every module, one attention metadata for all of them) over rows whose
+        tokens and positions are already on the device: [N, S]. The k = 1 round passes the metadata of
+        the target's own pass (same slots)."""
         cache = PagedCache(self.pool, batch)
         out = self.head(states, tokens, positions, cache, 0)
         if self.head.separate_modules:
