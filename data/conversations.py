@@ -23,13 +23,24 @@ This needs an incremental template: each ``prefix_j`` must be a prefix of ``full
 ``full_j`` a prefix of the final rendering. Templates that rewrite earlier text depending on later
 messages (e.g. dropping the reasoning of earlier turns) raise :class:`TemplateMaskError` rather
 than producing a wrong mask.
+
+The template is the tokenizer's own, or the file ``data.chat_template`` names (:func:`load_tokenizer`
+sets it on the tokenizer for every stage that renders conversations: precompute, regeneration,
+evaluation) — a base model has none. A tokenizer without any template stops the run with
+:class:`MissingTemplateError` instead of rejecting every conversation one by one.
+
+Plain text (``data.source=text``, for base models) needs no template: :func:`tokenize_text` tokenizes
+a document as the base model reads one (with the tokenizer's own BOS) and masks in every token but
+the first, which nothing before it predicts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
@@ -224,6 +235,102 @@ class SpecialTokenError(ValueError):
     reason = "special_token"
 
 
+class NoLossTokensError(ValueError):
+    """A plain text of one token (after the tokenizer's BOS and truncation): nothing to learn."""
+
+    reason = "no_loss_tokens"
+
+
+class MissingTemplateError(RuntimeError):
+    """The tokenizer has no chat template at all. Not one conversation's fault (a ValueError would reject
+    each of them in turn and hide the cause), so it stops the caller."""
+
+
+class TemplateFileError(ValueError):
+    """`data.chat_template` names a file that is missing, unreadable or not a Jinja template."""
+
+
+def read_chat_template(path: str | Path) -> str:
+    """The text of a chat-template file (`data.chat_template`), checked to compile as the Jinja template
+    transformers renders (its sandbox and extensions)."""
+    path = Path(str(path)).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TemplateFileError(f"data.chat_template={path}: no such file (a Jinja chat template, e.g. the "
+                                "chat_template.jinja of the chat model to mimic)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateFileError(f"data.chat_template={path}: cannot be read as UTF-8 text ({e})") from e
+    if not text.strip():
+        raise TemplateFileError(f"data.chat_template={path}: an empty file")
+    from jinja2 import TemplateError
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # older transformers: the same sandbox, without its custom {% generation %} tag
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def _compile_jinja_template(source):
+            return ImmutableSandboxedEnvironment(extensions=[loopcontrols]).from_string(source)
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        line = f" line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise TemplateFileError(f"data.chat_template={path}:{line} not a valid Jinja template "
+                                f"({type(e).__name__}: {e})") from e
+    return text
+
+
+def chat_template_sha256(data_cfg) -> str | None:
+    """The sha256 of the `data.chat_template` file's text (None when unset): part of a store's `source`
+    and of regenerated records' settings, so that nothing made with another template is resumed."""
+    path = (data_cfg or {}).get("chat_template")
+    return hashlib.sha256(read_chat_template(path).encode()).hexdigest() if path else None
+
+
+def load_tokenizer(target_dir: str | Path, data_cfg=None):
+    """The target's tokenizer, with its chat template replaced by the `data.chat_template` file when set."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    path = (data_cfg or {}).get("chat_template")
+    if path:
+        tokenizer.chat_template = read_chat_template(path)
+    return tokenizer
+
+
+def _require_template(tokenizer) -> None:
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:
+        raise MissingTemplateError(
+            "the target's tokenizer has no chat template, so no conversation can be rendered (a base model?): "
+            "set data.chat_template=<a Jinja template file>, put one into the target directory as "
+            "chat_template.jinja, or train on plain text with data.source=text")
+
+
+def tokenize_sample(tokenizer, content: Sequence[Message] | str, max_length: int | None = None
+                    ) -> TokenizedConversation:
+    """A source item (data/sources.py `load_conversations`): messages, or a plain text (data.source=text)."""
+    if isinstance(content, str):
+        return tokenize_text(tokenizer, content, max_length)
+    return tokenize_conversation(tokenizer, content, max_length)
+
+
+def tokenize_text(tokenizer, text: str, max_length: int | None = None) -> TokenizedConversation:
+    """Token ids of a plain text as a base model reads a document (the tokenizer's own special tokens
+    added: BOS for Llama or Gemma tokenizers, none for SmolLM2's), truncated to `max_length`; the loss
+    mask is 1 on every token but the first, which nothing before it predicts (a BOS is never generated).
+    A special token written verbatim in the text is refused as in a conversation (SpecialTokenError)."""
+    _check_special_tokens(tokenizer, [{"role": "text", "content": text}])
+    input_ids = list(_encode(tokenizer, text, add_special_tokens=True)["input_ids"])
+    if max_length is not None:
+        input_ids = input_ids[:max_length]
+    if len(input_ids) < 2:
+        raise NoLossTokensError(f"the text is {len(input_ids)} token(s) (max_length {max_length}): nothing follows "
+                                "the first token to learn")
+    return TokenizedConversation(input_ids=input_ids, loss_mask=[0] + [1] * (len(input_ids) - 1))
+
+
 def tokenize_conversation(
     tokenizer, messages: Sequence[Message], max_length: int | None = None
 ) -> TokenizedConversation:
@@ -234,8 +341,9 @@ def tokenize_conversation(
     conversation can fail is a ``ValueError`` subclass with a ``reason`` (TemplateMaskError,
     TooLongError, TemplateRenderError, TokenizerError, SpecialTokenError): errors raised inside the
     template or the tokenizer are converted here, so that a caller can reject one conversation and
-    go on with the others.
+    go on with the others. A tokenizer with no template at all raises :class:`MissingTemplateError`.
     """
+    _require_template(tokenizer)
     _check_special_tokens(tokenizer, messages)
     text, spans = _assistant_spans(tokenizer, list(messages))
     encoding = _encode(tokenizer, text, return_offsets_mapping=True)
@@ -255,7 +363,9 @@ def tokenize_prompt(tokenizer, messages: Sequence[Message]) -> list[int]:
     """Token ids of the conversation followed by the assistant generation prompt.
 
     The template's and the tokenizer's own exceptions pass through unchanged (regeneration stops a
-    conversation at jinja's ``TemplateError``)."""
+    conversation at jinja's ``TemplateError``); a tokenizer with no template raises
+    :class:`MissingTemplateError`."""
+    _require_template(tokenizer)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -284,9 +394,9 @@ def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> 
                                   f"{type(e).__name__}: {e}") from e
 
 
-def _encode(tokenizer, text: str, **kwargs):
+def _encode(tokenizer, text: str, add_special_tokens: bool = False, **kwargs):
     try:
-        return tokenizer(text, add_special_tokens=False, **kwargs)
+        return tokenizer(text, add_special_tokens=add_special_tokens, **kwargs)
     except MemoryError:
         raise
     except Exception as e:  # e.g. TypeError "TextEncodeInput must be Union[...]" for a lone surrogate

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from data.progress import Progress, log_interval
 from data.store import Sample, StoreWriter
 from inference_eval.paged import PackedRows
 
@@ -63,15 +64,16 @@ def tokenize_all(tokenizer, conversations: list[tuple[str, list[dict]]], max_len
     A conversation they cannot take is counted in `rejected` under the error's `reason`
     (data/conversations.py: `template_error`, `template_mask`, `too_long`, `tokenizer_error`,
     `special_token`; `no_loss_tokens`) and, while under the caps, added to `examples` with its
-    `<file>:<line>` from `where` (sample id -> location, `Conversations.where`); the others go on."""
-    from data.conversations import tokenize_conversation
+    `<file>:<line>` from `where` (sample id -> location, `Conversations.where`); the others go on.
+    A plain text (data.source=text) is tokenized with a loss on every token but the first."""
+    from data.conversations import tokenize_sample
     from data.sources import record_rejection
 
     where = where or {}
     out = []
     for sid, messages in conversations:
         try:
-            tc = tokenize_conversation(tokenizer, messages, max_length=max_length)
+            tc = tokenize_sample(tokenizer, messages, max_length=max_length)
         except ValueError as e:  # template / tokenizer / length problems: counted, never silently included
             record_rejection(rejected, examples, getattr(e, "reason", type(e).__name__), where.get(sid), str(e), sid)
             continue
@@ -179,7 +181,8 @@ def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
 
 
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
-               batch_tokens: int = 8192, workers: int | None = None, progress: bool = True) -> PrecomputeStats:
+               batch_tokens: int = 8192, workers: int | None = None, progress: bool = True,
+               progress_log_s: float | None = None) -> PrecomputeStats:
     """Compute and store H_i (and the inputs of the writer's aux layers, for EAGLE-3) for every sample
     not yet in a finished shard of `writer`'s store.
 
@@ -227,7 +230,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
             for batch in window if not all(samples[i][0] in done for i in batch)]
     t0 = time.perf_counter()
     count = tokens = loss_tokens = 0
-    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="precompute", disable=not progress)
+    bar = Progress(todo_tokens, "precompute", "tok", bar=progress, every_s=progress_log_s, unit_scale=True)
 
     def write(hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> None:  # a window, in input order
         nonlocal count, tokens, loss_tokens
@@ -257,7 +260,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
         if pool is not None:
             pool.shutdown(cancel_futures=True)
             torch.set_num_threads(threads)
-        bar.close()
+        bar.close(failed=sys.exc_info()[0] is not None)
     writer.close()
     return PrecomputeStats(samples=count, tokens=tokens, loss_tokens=loss_tokens,
                            skipped_done=len(samples) - count, rejected=Counter(),
@@ -307,8 +310,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     into `<store_dir>/ranks/rank-<rank>/`, a store of its own, resumable like any; the rank that finds
     every rank complete when it finishes writes the merged `<store_dir>/manifest.json`
     (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
-    from transformers import AutoTokenizer
-
+    from data.conversations import chat_template_sha256, load_tokenizer
     from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, resolve_target_dir
     from data.store import (
         DTYPES,
@@ -320,11 +322,14 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     )
     from inference_eval.model import load_target, resolve_backend
 
+    from data.checks import check_before_work
+
+    check_before_work(cfg, "precompute")
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)
     dtype = cfg.target.dtype
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
     convs = load_conversations(cfg.data)  # SourceError (naming the file) only if the file is unreadable as a whole
     rejected, examples = Counter(convs.rejected), list(convs.examples)
     # Every rank tokenizes every conversation and keeps its share: the rejections are then the whole
@@ -349,6 +354,8 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
     source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
               "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
+    if cfg.data.get("chat_template"):  # another template, other samples: never resumed across templates
+        source["chat_template_sha256"] = chat_template_sha256(cfg.data)
     if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends
         source["backend"] = {"name": "vllm", "vllm": model.info.get("vllm")}
     out_dir = Path(cfg.store_dir)
@@ -366,7 +373,8 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     writer.manifest["rejected"] = rejections
     try:
         stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
-                           workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True))
+                           workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True),
+                           progress_log_s=log_interval(cfg))
     finally:
         if hasattr(model, "release"):  # the vllm backend's worker process
             model.release()

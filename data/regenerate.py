@@ -41,13 +41,15 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+
+from data.progress import Progress, log_interval
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +243,8 @@ def finished_ids(path: Path, meta: dict[str, Any]) -> set[str]:
 
 def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, list[dict]]], out: Path,
                              settings: GenerationSettings, batch_size: int, max_prompt_tokens: int,
-                             meta: dict[str, Any], progress: bool = True) -> RegenerateStats:
+                             meta: dict[str, Any], progress: bool = True,
+                             progress_log_s: float | None = None) -> RegenerateStats:
     """Regenerate `conversations` (sample id, normalised messages) into the JSONL file `out`,
     resuming from the records it already holds."""
     from inference_eval.evaluate import stop_token_ids
@@ -255,12 +258,12 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
     groups = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
     todo = [(g, group) for g, group in enumerate(groups) if any(sid not in done for sid, _ in group)]
     stats = RegenerateStats(skipped_done=sum(sid in done for sid, _ in conversations))
-    bar = tqdm(total=len(conversations) - stats.skipped_done, unit="conv", desc="regenerate", disable=not progress)
+    bar = Progress(len(conversations) - stats.skipped_done, "regenerate", "conv", bar=progress, every_s=progress_log_s)
     t0 = time.perf_counter()
 
     def on_generate(replies: list[Reply]) -> None:
         stats.tokens += sum(r.new_tokens for r in replies)
-        bar.set_postfix(tok_s=f"{stats.tokens / max(time.perf_counter() - t0, 1e-9):.1f}", refresh=False)
+        bar.set(tok_s=round(stats.tokens / max(time.perf_counter() - t0, 1e-9), 1))
 
     try:
         with open(out, "ab") as f:
@@ -276,7 +279,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
                 stats.cut += sum(r["regenerated"]["cut"] for r in new)
                 bar.update(len(new))
     finally:
-        bar.close()
+        bar.close(failed=sys.exc_info()[0] is not None)
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -290,12 +293,16 @@ def settings_from_config(rcfg: Any) -> GenerationSettings:
 def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     """The regenerate entry point's body: target + data config + `regenerate:` → the JSONL at
     `regenerate.out`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from data.conversations import chat_template_sha256, load_tokenizer
     from data.sources import load_conversations, resolve_target_dir
     from data.store import DTYPES, target_fingerprint
     from inference_eval.model import resolve_backend
 
+    from data.checks import check_before_work
+
+    check_before_work(cfg, "regenerate")
     rcfg = cfg.regenerate
     settings = settings_from_config(rcfg)
     batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
@@ -308,13 +315,15 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
                 "".join(fp[k] for k in ("config_sha256", "weights_sha256", "tokenizer_sha256")).encode()).hexdigest(),
             "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
             "max_prompt_tokens": max_prompt_tokens, "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
+    if cfg.data.get("chat_template"):  # replies to prompts rendered otherwise: not resumed into one file
+        meta["chat_template_sha256"] = chat_template_sha256(cfg.data)
     convs = load_conversations(cfg.data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
     from inference_eval.model import resolve_device
 
     device = resolve_device(rcfg.get("device") or cfg.target.get("device", "auto"))
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
     if meta["backend"] == "engine":
         from inference_eval.model import LlamaForCausalLM
 
@@ -324,7 +333,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
     out = Path(rcfg.out)
     stats = regenerate_conversations(model, tokenizer, convs.items, out, settings, batch_size, max_prompt_tokens,
-                                     meta, progress=cfg.get("progress", True))
+                                     meta, progress=cfg.get("progress", True), progress_log_s=log_interval(cfg))
     stats.rejected = dict(convs.rejected)
     log.info("regenerate: %d conversations (%d already in the file), %d replies (%d cut at max_new_tokens), "
              "%d tokens in %.1fs (%.1f tok/s); rejected by the source %s; out %s", stats.conversations,

@@ -9,6 +9,10 @@ policy) and `duplicate_id` (a later record with an id already taken: the store k
 resume by id; ShareGPT repeats 123 ids, never between two usable records). The first rejections of
 each reason are kept as examples `{reason, where, id, detail}` (`Conversations.examples`, bounded).
 
+`data.source=text` (base models) reads a JSONL file of plain texts, `{"text": ..., "id"?: ...}` per line,
+through the same machinery: its items are the texts themselves (loss on every token, data/conversations.py
+`tokenize_text`), and a record without a string `text` is `malformed`, a blank one `empty`.
+
 Only a file that cannot be read as a whole stops the caller, with a :class:`SourceError` naming it:
 missing, a directory, unreadable, empty or without a single record, UTF-16/32 or gzip, a JSON array
 given as JSONL or the reverse, a JSONL file none of whose lines is JSON, a JSON array with a syntax
@@ -76,7 +80,7 @@ def _printable(text: str) -> str:
 
 @dataclass
 class Conversations:
-    items: list[tuple[str, list[dict]]]  # (sample id, messages)
+    items: list[tuple[str, list[dict] | str]]  # (sample id, messages; the text for data.source=text)
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     examples: list[dict] = field(default_factory=list)  # the first rejections: {reason, where, id, detail}
     where: dict[str, str] = field(default_factory=dict)  # sample id -> "<file>:<line>" of its record
@@ -123,6 +127,39 @@ def _check_file(path: Path, source: str) -> None:
                               f"(re-encode it, e.g. `iconv -f {name} -t UTF-8`)")
     if head.startswith(b"\x1f\x8b"):
         raise SourceError(f"{path}: gzip-compressed; decompress it first")
+
+
+def check_source(data_cfg: Any) -> None:
+    """What can be refused from the config and a file's first bytes, before any record is read: an
+    unknown `data.source`, a missing or unreadable file, and a source/path mismatch (a JSON array given
+    as JSONL or the reverse), each with the setting that fixes it."""
+    source = data_cfg.get("source", "sharegpt")
+    if source not in ("sharegpt", "json", "jsonl", "text"):
+        raise SourceError(f"data.source={source!r}: expected sharegpt (the packaged dump, or a file in its "
+                          "format), json (a file holding one JSON array of records), jsonl (one record per line) "
+                          "or text (plain texts for a base model, one {\"text\": ...} per line)")
+    if not data_cfg.get("path"):
+        if source != "sharegpt":
+            raise SourceError(f"data.source={source} needs data.path=<file>")
+        return
+    path = Path(data_cfg["path"]).expanduser()
+    _check_file(path, source)
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    text = head[len(UTF8_BOM):] if head.startswith(UTF8_BOM) else head
+    first = text.lstrip(b" \t\r\n")[:1]
+    if not first and len(head) < (1 << 16):
+        raise SourceError(f"{path}: no records (only whitespace)")
+    if source == "text" and first != b"{":
+        raise SourceError(f"data.path={path}: data.source=text reads JSONL, one {{\"text\": ...}} object per line; "
+                          f"this file starts with {first!r}. A plain .txt file becomes one record with "
+                          "`jq -Rs '{text: .}' file.txt > file.jsonl`")
+    if source == "jsonl" and first == b"[":
+        raise SourceError(f"data.path={path} starts with '[' (a JSON array of records), but data.source=jsonl "
+                          "reads one record per line: set data.source=json (or sharegpt)")
+    if source in ("json", "sharegpt") and first == b"{":
+        raise SourceError(f"data.path={path} starts with '{{' (one object per line: JSONL), but "
+                          f"data.source={source} reads one top-level JSON array: set data.source=jsonl")
 
 
 def _ends_inside(err: json.JSONDecodeError, text: str) -> bool:
@@ -253,13 +290,13 @@ def _records(data_cfg: Any):
     if source == "sharegpt" and not data_cfg.get("path"):
         from data.assets import sharegpt_path
         yield from _json_array_records(sharegpt_path())
-    elif source in ("sharegpt", "json", "jsonl"):
+    elif source in ("sharegpt", "json", "jsonl", "text"):
         if not data_cfg.get("path"):
             raise SourceError(f"data.source={source} needs data.path")
         path = Path(data_cfg["path"]).expanduser()
-        yield from _jsonl_records(path) if source == "jsonl" else _json_array_records(path)
+        yield from _jsonl_records(path) if source in ("jsonl", "text") else _json_array_records(path)
     else:
-        raise ValueError(f"data.source={source!r}: expected sharegpt, json or jsonl")
+        raise ValueError(f"data.source={source!r}: expected sharegpt, json, jsonl or text")
 
 
 def _sample_id(record: dict, index: int) -> tuple[str | None, Drop | None]:
@@ -276,11 +313,28 @@ def _sample_id(record: dict, index: int) -> tuple[str | None, Drop | None]:
     return sample_id, check_text(sample_id, "id")
 
 
+def explain_text(record: object) -> tuple[str | None, Drop | None]:
+    """A `data.source=text` record's text, or why it is not one."""
+    if not isinstance(record, dict):
+        return None, Drop("malformed", f"record: expected an object with 'text', got {json_type(record)}")
+    if "text" not in record:
+        return None, Drop("malformed", "record: no 'text' field (data.source=text reads {\"text\": ...} per line)")
+    text = record["text"]
+    if not isinstance(text, str):
+        return None, Drop("malformed", f"text: expected a string, got {json_type(text)}")
+    if not text.strip():
+        return None, Drop("empty", f"text: blank ({len(text)} characters)")
+    bad = check_text(text, "text")
+    return (None, bad) if bad else (text, None)
+
+
 def load_conversations(data_cfg: Any) -> Conversations:
     """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by
-    reason (see the module docstring); SourceError when the file cannot be read at all."""
+    reason (see the module docstring); SourceError when the file cannot be read at all. For
+    `data.source=text` the items are the texts."""
     from data.conversations import explain_record
 
+    explain = explain_text if data_cfg.get("source") == "text" else explain_record
     out = Conversations(items=[])
     skip, limit = int(data_cfg.get("skip", 0)), data_cfg.get("max_samples")
     seen = 0
@@ -296,7 +350,7 @@ def load_conversations(data_cfg: Any) -> Conversations:
         if drop is not None:
             out.reject(drop.reason, where, drop.detail, sample_id)
             continue
-        messages, drop = explain_record(record)
+        messages, drop = explain(record)
         if messages is None:
             out.reject(drop.reason, where, drop.detail, sample_id)
             continue

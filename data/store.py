@@ -53,6 +53,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -88,8 +89,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
     directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
-    prefix."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    prefix. The temp name carries the process and thread ids: concurrent writers never share one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -698,7 +699,9 @@ def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str,
     header (tensor names, dtypes, shapes, offsets, metadata), with `weights_bytes` their total size:
     milliseconds for a 140 GB target, no tensor bytes read. `full_hash=True` (or "full"; the hydra key
     `target.fingerprint`) adds `weights_content_sha256`, the sha256 of every file's bytes (what
-    `weights_sha256` was before `weights_hash` existed); `weights_hash` records "header" or "full"."""
+    `weights_sha256` was before `weights_hash` existed); `weights_hash` records "header" or "full".
+    A target whose family ties E, N_f, W_lm to a head otherwise than Llama (Gemma: E·√H, (1 + w) norm)
+    records how as `tied_conventions` (heads/layers.py TiedConventions); Llama-family ones record none."""
     import safetensors
     import transformers
 
@@ -728,12 +731,28 @@ def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "safetensors": safetensors.__version__},
     }
+    conventions = _tied_conventions(model_dir)
+    if conventions is not None:
+        fp["tied_conventions"] = conventions
     if full_hash:
         content = hashlib.sha256()
         for f in files:
             content.update(sha256_file(f).encode())
         fp["weights_content_sha256"] = content.hexdigest()
     return fp
+
+
+def _tied_conventions(model_dir: Path) -> dict[str, Any] | None:
+    """The target family's TiedConventions when they are not Llama's (None too for a family the engine
+    does not implement: its heads cannot be built)."""
+    from heads.layers import TiedConventions
+    from inference_eval.model import target_args
+
+    try:
+        conventions = target_args(model_dir).tied_conventions()
+    except (ValueError, NotImplementedError, KeyError):
+        return None
+    return None if conventions == TiedConventions() else conventions.to_dict()
 
 
 # ------------------------------------------------------------------------------------ several ranks

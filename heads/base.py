@@ -13,27 +13,52 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary, linear
+from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary, TiedConventions, linear, scale_embedding
 
 
 class TiedTarget(nn.Module):
     """Frozen target tensors shared by a head: E, W_lm, N_f. Non-persistent buffers, so they are
-    never trained, never in the optimizer and never in a head checkpoint."""
+    never trained, never in the optimizer and never in a head checkpoint. `conventions`: how the
+    target's family uses them (Gemma: E·√H, N_f = x̂·(1 + w), maybe capped logits)."""
 
-    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor, eps: float) -> None:
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor, norm: torch.Tensor, eps: float,
+                 conventions: TiedConventions | None = None) -> None:
         super().__init__()
         self.register_buffer("embed", embed.detach(), persistent=False)
         self.register_buffer("lm_head", lm_head.detach(), persistent=False)
         self.register_buffer("norm_weight", norm.detach(), persistent=False)
         self.eps = eps
+        self.conventions = conventions or TiedConventions()
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """E t, scaled as the target scales it."""
+        e = F.embedding(tokens, self.embed)
+        scale = self.conventions.embed_scale
+        return e if scale is None else scale_embedding(e, scale)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """N_f: the target's final norm (F_i = N_f(H_i))."""
-        return self.norm_weight * F.rms_norm(h.float(), (h.shape[-1],), eps=self.eps).to(h.dtype)
+        """N_f: the target's final norm (F_i = N_f(H_i)), in its family's form."""
+        offset = self.conventions.norm_offset
+        normed = F.rms_norm(h.float(), (h.shape[-1],), eps=self.eps)
+        if offset:  # Gemma: multiply in fp32, then cast
+            return (normed * (offset + self.norm_weight.float())).to(h.dtype)
+        return self.norm_weight * normed.to(h.dtype)
+
+    @property
+    def norm_scale(self) -> torch.Tensor:
+        """N_f's multiplier of the normalised state (w, or Gemma's 1 + w): what a head's Llama-form
+        RMSNorm copies to start as N_f."""
+        offset = self.conventions.norm_offset
+        return self.norm_weight.float() + offset if offset else self.norm_weight
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's tanh soft-cap of its final logits, where its family has one."""
+        cap = self.conventions.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def teacher_logits(self, h: torch.Tensor) -> torch.Tensor:
         """L = W_lm N_f(H): the target's logits recomputed from a stored state."""
-        return linear(self.final_norm(h), self.lm_head)
+        return self.cap_logits(linear(self.final_norm(h), self.lm_head))
 
 
 class DraftHead(nn.Module):
@@ -44,7 +69,7 @@ class DraftHead(nn.Module):
 
     def __init__(self, args: LlamaArgs, tied: TiedTarget) -> None:
         super().__init__()
-        self.args, self.tied = args, tied
+        self.args, self.tied = args.layer_args(), tied  # plain LlamaArgs: what the checkpoint records
         self.rotary = Rotary(args)
 
     # ---- defined by each head ---------------------------------------------------------------------
@@ -108,7 +133,7 @@ class DraftHead(nn.Module):
         return 0
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.tied.embed)
+        return self.tied.embed_tokens(tokens)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
              start: int = 0, depth: int = 1) -> torch.Tensor:
@@ -128,7 +153,7 @@ class DraftHead(nn.Module):
         return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras, mask)
 
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        return linear(self.features(hidden, depth), self.lm_head_weight)
+        return self.tied.cap_logits(linear(self.features(hidden, depth), self.lm_head_weight))
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None = None, start: int = 0, depth: int = 1) -> torch.Tensor:

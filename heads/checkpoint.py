@@ -30,6 +30,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from heads.draft_lm import DraftLMConfig, DraftLMHead
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs
@@ -40,7 +41,8 @@ from heads.mtp import MTPConfig, MTPHead
 log = logging.getLogger(__name__)
 
 HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head),
-              "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead)}
+              "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead),
+              "draft_lm": (DraftLMConfig, DraftLMHead)}
 FORMAT_VERSION = 1
 ARTIFACT_MARKER = ".spechead-artifact.json"
 NATIVE_KIND = "native-head"

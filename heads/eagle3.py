@@ -184,7 +184,7 @@ class Eagle3Head(DraftHead):
         init_random(self.midlayer, gen, self.cfg.init_std)
         if first_input_norm is not None:
             self.midlayer.input_layernorm.weight.copy_(first_input_norm)
-        self.norm.weight.copy_(self.tied.norm_weight)
+        self.norm.weight.copy_(self.tied.norm_scale)
         ids = self.draft_ids
         w = self.tied.lm_head if ids is None else self.tied.lm_head[ids.to(self.tied.lm_head.device)]
         self.lm_head.weight.copy_(w)

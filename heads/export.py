@@ -10,6 +10,7 @@
 | `mtp-standalone` | mtp    | §4.3: SGLang's NextN layout, `model.layers.0.*`, `num_hidden_layers: 1`       |
 | `eagle3`         | eagle3 | §9.3: one artifact for vLLM and SGLang, `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` |
 | `medusa-vllm`    | medusa | §9.6: `MedusaModel`, `blocks.{h}.layers.{l}.*`, the target's lm_head as `lm_heads.0` |
+| `draft-hf`       | draft_lm | a plain HF checkpoint of the target's class (`LlamaForCausalLM`): the draft LM's layers + the target's embedding; a vLLM / SGLang draft model |
 | `mtp-vllm`       | mtp    | spechead's vLLM plugin (inference_eval/vllm_plugin.py) via `method: "eagle3"`: arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, aux id L |
 
 Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
@@ -22,8 +23,10 @@ never replaced. docs/export.md says which engine loads what.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from safetensors.torch import save_file
 from heads.checkpoint import (ARTIFACT_MARKER, NATIVE_KIND, artifact_info, atomic_artifact_dir, check_replaceable,
                               check_target_fingerprint, export_kind, load_native, recover_interrupted_save,
                               save_native)
+from heads.draft_lm import EXPORT_FORMAT as DRAFT_HF, DraftLMHead, read_draft_hf, write_draft_hf
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs
@@ -43,15 +47,18 @@ from heads.mtp import MTPConfig, MTPHead
 from heads.validate import (EAGLE1_ARCH, EAGLE3_ARCH, INDEX_FILE, MTP_VLLM_ARCH, MTP_VLLM_MAX_MODULES, check_export,
                             read_json, scan_tensors, target_embed_and_head)
 
+log = logging.getLogger(__name__)
 Head = MTPHead | Eagle1Head | Eagle3Head | MedusaHead
 ENGINE_FORMATS = {"mtp": ("mtp-stitched", "mtp-standalone", "mtp-vllm"), "eagle1": ("eagle1-vllm", "eagle1-sglang"),
-                  "eagle3": ("eagle3",), "medusa": ("medusa-vllm",)}
+                  "eagle3": ("eagle3",), "medusa": ("medusa-vllm",), "draft_lm": (DRAFT_HF,)}
 
 
 @torch.no_grad()
 def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
     """Head logits (and, for a sub-vocabulary, the target ids of its rows) on a fixed random
     (state, token) sequence at every depth the head defines up to 3 — a fingerprint of the function."""
+    if isinstance(head, DraftLMHead):  # a draft LM reads tokens only: its logits on a fixed token sequence
+        return head.probe(seed, length)
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, length, head.state_size, generator=gen).to(head.dtype)
     tokens = torch.randint(0, head.args.vocab_size, (1, length), generator=gen)
@@ -81,19 +88,41 @@ def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] |
     return out
 
 
-def default_formats(head: Head) -> list[str]:
-    """`native` plus every engine format the head maps to without loss: eagle1-vllm only when fc has no
-    non-zero bias, mtp-standalone only for a single module (SGLang's NextN requires one)."""
-    formats = ["native"]
+# Formats no engine serves for a target of the families the engine implements (Llama, Mistral, Qwen2/3):
+# vLLM's `mtp` method and SGLang's NEXTN need a DeepSeek/MiMo-style target class, and SGLang has no Llama
+# NextN layer (docs/export.md). They are written on request (`export.formats`) only.
+UNSERVED_FORMATS = ("mtp-stitched", "mtp-standalone")
+# the target families whose heads' engine formats the validators and the real-vLLM tests cover
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def servable_formats(head: Head) -> list[str]:
+    """The engine formats an engine serves for this head on its target, without loss: eagle1-vllm only when
+    fc has no non-zero bias, mtp-vllm for one or two modules on a target without q/k norms. None for a
+    target whose tied tensors follow other conventions than Llama's (Gemma 3: E·√H, (1 + w) final norm):
+    the engines' draft classes apply Llama's, and no export of such a head is validated yet."""
+    from heads.layers import TiedConventions
+
+    if getattr(head.tied, "conventions", TiedConventions()) != TiedConventions():
+        return []
+    if head.args.model_type not in LLAMA_FAMILY:  # DeepSeek-V2 (MLA, YaRN): no engine format checked against it
+        return []
+    formats = []
     for fmt in ENGINE_FORMATS.get(head.kind, ()):
-        if fmt == "eagle1-vllm" and _nonzero_bias(head):
+        if fmt in UNSERVED_FORMATS:
             continue
-        if fmt == "mtp-standalone" and len(head.layers) != 1:
+        if fmt == "eagle1-vllm" and _nonzero_bias(head):
             continue
         if fmt == "mtp-vllm" and (len(head.layers) > MTP_VLLM_MAX_MODULES or head.args.qk_norm):
             continue
         formats.append(fmt)
     return formats
+
+
+def default_formats(head: Head) -> list[str]:
+    """`export.formats: null`: `native` plus every format an engine serves for this head
+    (`servable_formats`); the others only when asked for by name."""
+    return ["native", *servable_formats(head)]
 
 
 def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | Path,
@@ -123,7 +152,9 @@ def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | P
         recover_interrupted_save(out_dir)
         check_replaceable(out_dir, _kind(fmt))
     written: dict[str, Path] = {}
-    for fmt, out_dir in out_dirs.items():
+    for n, (fmt, out_dir) in enumerate(out_dirs.items(), start=1):
+        t0 = time.perf_counter()
+        log.info("export %d/%d: %s → %s", n, len(out_dirs), fmt, out_dir)
         if fmt == "native":
             written[fmt] = export_native(head, out_dir, fingerprint, expected_fingerprint)
         else:
@@ -134,6 +165,8 @@ def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | P
         reloaded = load_export(written[fmt], fmt, head.tied, head.args, expected_fingerprint)
         if not torch.equal(probe_logits(head), probe_logits(reloaded)):
             raise RuntimeError(f"{written[fmt]}: the {fmt} export read back gives different logits than the live head")
+        log.info("export %d/%d: %s written, validated and read back in %.1fs", n, len(out_dirs), fmt,
+                 time.perf_counter() - t0)
     return written
 
 
@@ -365,6 +398,7 @@ WRITERS = {
     "mtp-vllm": write_mtp_vllm,
     "eagle3": write_eagle3,
     "medusa-vllm": write_medusa,
+    DRAFT_HF: write_draft_hf,
 }
 
 
@@ -379,6 +413,8 @@ def detect_format(path: str | Path) -> str:
     archs = cfg.get("architectures") or []
     if "spechead_format" in cfg:
         return "native"
+    if (artifact_info(path) or {}).get("kind") == export_kind(DRAFT_HF):  # a plain HF model: only the marker tells
+        return DRAFT_HF
     if archs == [MTP_VLLM_ARCH]:
         return "mtp-vllm"
     if cfg.get("model_type") == "medusa" or archs == ["MedusaModel"]:
@@ -442,6 +478,8 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
             t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
             t2d[state["d2t"] + torch.arange(state["d2t"].shape[0])] = True
             state["t2d"] = t2d
+    elif fmt == DRAFT_HF:
+        return read_draft_hf(path, tied, args)
     elif fmt == "medusa-vllm":
         head = MedusaHead(args, MedusaConfig(num_heads=cfg["num_heads"], num_layers=cfg["num_hidden_layers"],
                                              bias=bool(cfg["medusa_fc_bias"])), tied)

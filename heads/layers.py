@@ -9,7 +9,7 @@ so training, validation and serving run the same numerics. Tensor names follow H
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -17,6 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads import native
+
+
+@dataclass(frozen=True)
+class TiedConventions:
+    """How the target's family uses the tensors a head shares with it (E, N_f, W_lm): the scale of the
+    embedding (Gemma: √H, rounded to the embedding's dtype), the final norm's multiplier of the
+    normalised state (`norm_offset + w`: Gemma's 1 + w, computed in fp32) and the tanh cap of the final
+    logits. The defaults are Llama's: plain E, w, no cap."""
+
+    embed_scale: float | None = None
+    norm_offset: float = 0.0
+    logit_softcap: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,22 @@ class LlamaArgs:
             model_type=model_type,
         )
 
+    def tied_conventions(self) -> TiedConventions:
+        """What the family does with E, N_f and W_lm (a family's subclass overrides this)."""
+        return TiedConventions()
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(KV heads, key dim, value dim) of what one token stores per layer in a KV cache (a family
+        with another cache, DeepSeek-V2's compressed latent, overrides this)."""
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
+    def layer_args(self) -> "LlamaArgs":
+        """These sizes as plain LlamaArgs: what a draft head's Llama layer takes and its checkpoint
+        records (a family's subclass drops its own fields)."""
+        if type(self) is LlamaArgs:
+            return self
+        return LlamaArgs(**{f.name: getattr(self, f.name) for f in fields(LlamaArgs)})
+
 
 # fp32 inference on CPU: for 2..256 rows, MKL's x·Wᵀ GEMM (what F.linear runs) is 1.3-5x slower than
 # (W·xᵀ)ᵀ on the same data, and for one row its GEMV is 2-3x slower than that GEMM on two rows
@@ -103,6 +134,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def scale_embedding(e: torch.Tensor, scale: float) -> torch.Tensor:
+    """e·scale, the scale rounded to e's dtype first (through fp32), as HF's Gemma embedding does
+    (bf16: √1152 = 33.94 becomes 34.0)."""
+    return e * torch.tensor(scale, dtype=torch.float32).to(e.dtype)
 
 
 class Linear(nn.Linear):
@@ -168,6 +205,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+def causal_mask(t: int, total: int, window: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[t, total] bool: queries at positions total-t..total-1 see the keys at positions ≤ their own, and
+    with a sliding `window` only the last `window` of them (key j visible from query i iff
+    0 ≤ i - j < window: HF's `sliding_window_overlay`)."""
+    m = torch.ones(t, total, dtype=torch.bool, device=device).tril(total - t)
+    if window is not None:
+        m &= ~torch.ones(t, total, dtype=torch.bool, device=device).tril(total - t - window)
+    return m
+
+
 class KVCache:
     """A contiguous per-layer key/value cache: `[B, n_kv, max_len, d]` per layer.
 
@@ -176,10 +223,11 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", value_dim: int | None = None) -> None:
         shape = (batch, n_kv, max_len, head_dim)
+        v_shape = shape if value_dim is None else (*shape[:3], value_dim)  # 0: values live in the keys (MLA)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

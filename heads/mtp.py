@@ -99,8 +99,8 @@ class MTPHead(DraftHead):
         h = self.args.hidden_size
         for m in self.layers:
             init_random(m, gen, self.cfg.init_std)
-            m.hnorm.weight.copy_(self.tied.norm_weight)
-            m.shared_head.norm.weight.copy_(self.tied.norm_weight)
+            m.hnorm.weight.copy_(self.tied.norm_scale)
+            m.shared_head.norm.weight.copy_(self.tied.norm_scale)
             if first_input_norm is not None:
                 m.enorm.weight.copy_(first_input_norm)
             if self.cfg.init == "copy":

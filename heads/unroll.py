@@ -43,6 +43,8 @@ def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
     (restarting at 0 in each sample) and `segments` (sample index per token): attention then stays
     inside each sample, and rows whose i+d crosses into the next sample are garbage the loss masks."""
     if hasattr(head, "unroll"):
+        if getattr(head, "packed_unroll", False):  # attends across rows (draft_lm): needs the packing metadata
+            return head.unroll(hidden, input_ids, depth, aux, positions, segments)
         return head.unroll(hidden, input_ids, depth, aux)
     if head.max_depth is not None and depth > head.max_depth:
         raise ValueError(f"depth {depth} exceeds the head's {head.max_depth} modules (module d drafts depth d)")

@@ -15,6 +15,8 @@ running an engine, against the key set, shapes, dtypes and config rules of its f
                    aux ids top-level and in `eagle_config`, never starting at 1;
 - `mtp-vllm`       the `mtp` head for spechead's vLLM plugin (inference_eval/vllm_plugin.py, `method="eagle3"`):
                    arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, the single aux id L;
+- `draft-hf`       the `draft_lm` head as a plain HF checkpoint of the target's class (`LlamaForCausalLM` for a
+                   Llama target; heads/draft_lm.py), a separate draft model;
 - `medusa-vllm`    vLLM's `MedusaModel` (§3.4, §9.6): `blocks.{h}.layers.{l}.*`, `medusa_fc_bias`
                    matching the biases, the target's lm_head as `lm_heads.0.weight`.
 
@@ -41,7 +43,7 @@ from heads.layers import LlamaArgs
 from heads.base import TiedTarget
 
 FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "mtp-vllm", "eagle3",
-           "medusa-vllm")
+           "medusa-vllm", "draft-hf")
 MTP_VLLM_ARCH = "Eagle3SpecheadMTPForCausalLM"  # = inference_eval/vllm_plugin.py MTP_ARCH (tests/test_export.py)
 MTP_VLLM_MAX_MODULES = 2  # the plugin reproduces spechead's per-module KV caches exactly up to 2 (its docstring)
 EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
@@ -182,6 +184,10 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
         _check_medusa(cfg, infos, target, tcfg, problems)
     elif fmt == "mtp-vllm":
         _check_mtp_vllm(cfg, infos, target, tcfg, problems)
+    elif fmt == "draft-hf":  # the draft_lm head as a plain HF checkpoint (heads/draft_lm.py)
+        from heads.draft_lm import validate_draft_hf
+
+        problems.extend(validate_draft_hf(cfg, path, target, tcfg))
     else:
         _check_mtp(fmt, cfg, infos, target, tcfg, problems)
     return problems
@@ -291,7 +297,9 @@ def _check_native(cfg: dict[str, Any], infos: dict[str, TensorInfo], tcfg: dict[
     _check_uniform_dtype(infos, floats, None, problems)
     _check_finite(infos, floats, problems)
     if tcfg is not None:
-        ta = LlamaArgs.from_hf_config(tcfg)
+        from inference_eval.families import args_from_hf_config
+
+        ta = args_from_hf_config(tcfg).layer_args()  # a head's layer is a Llama layer sized from any family's target
         for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(args, field) != getattr(ta, field):
                 problems.append(f"head was built for {field}={getattr(args, field)}, the target has {getattr(ta, field)}")

@@ -44,8 +44,8 @@ import torch
 
 from heads.layers import linear
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
-from inference_eval.speculative import (GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection,
-                                        full_vocab_logits)
+from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, accept_greedy,
+                                        accept_rejection, full_vocab_logits)
 
 
 @dataclass
@@ -156,8 +156,7 @@ class Engine:
             num_blocks = max_batch * math.ceil((max_seq_len or min(a.max_position_embeddings, 4096)) / block_size)
         self.num_blocks = num_blocks
         self.alloc = BlockAllocator(num_blocks)
-        self.pool = KVPool(a.num_hidden_layers, num_blocks, block_size, a.num_key_value_heads, a.head_dim,
-                           target.dtype, self.device)
+        self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, target.dtype, self.device)
         self.proposer = engine_proposer(proposer) if proposer is not None else None
         self.k = k
         if self.proposer is not None:
@@ -470,7 +469,7 @@ class ChainProposer:
 
     def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
         e = self.engine
-        return KVPool(num_layers, e.num_blocks, e.block_size, args.num_key_value_heads, args.head_dim, dtype, e.device)
+        return KVPool.for_args(args, num_layers, e.num_blocks, e.block_size, dtype, e.device)
 
 
 class PagedHeadProposer(ChainProposer):
@@ -781,6 +780,8 @@ def engine_proposer(x, tree: dict | None = None):
     a tree over it when `tree` gives depth/topk/total)."""
     if hasattr(x, "attach"):
         return x
+    if isinstance(x, DraftModelProposer):  # a named draft LM
+        x = x.draft
     if hasattr(x, "lm_head") and hasattr(x, "model"):
         return PagedDraftModelProposer(x)
     if tree:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from inference_eval.speculative import GREEDY, Sampling, SpecStats, generate_speculative
+from data.progress import Progress, log_interval
+from inference_eval.speculative import GREEDY, Sampling, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -35,37 +35,10 @@ class EvalResult:
         return f"{self.label}: tau={self.tau:.3f} alpha=[{a}] tok/s={self.tokens_per_s:.1f} ({self.prompts} prompts)"
 
 
-def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
-                  stop_ids: set[int], label: str = "head", progress: bool = True, warmup: int = 0,
-                  repeats: int = 1, sampling: Sampling = GREEDY, outputs: list | None = None) -> EvalResult:
-    """prompts: dicts with `ids` (token ids) and `category`. `head`: a head or a proposer
-    (inference_eval/speculative.py). Acceptance comes from the first pass over the prompts (greedy:
-    every repeat is identical); tokens/s is the median over `repeats` passes after `warmup` prompts."""
-    total = SpecStats(k=k)
-    by_cat: dict[str, SpecStats] = {}
-    for p in prompts[:warmup]:
-        generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
-    speeds = []
-    for r in range(max(repeats, 1)):
-        seconds = new_tokens = 0
-        for p in tqdm(prompts, desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""),
-                      disable=not progress):
-            out, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
-            seconds, new_tokens = seconds + st.seconds, new_tokens + st.new_tokens
-            if r == 0:
-                if outputs is not None:
-                    outputs.append(out)
-                total.merge(st)
-                by_cat.setdefault(p.get("category", "all"), SpecStats(k=k)).merge(st)
-        speeds.append(new_tokens / max(seconds, 1e-9))
-    return EvalResult(label=label, k=k, tau=total.tau, alpha=total.alpha, target_passes=total.steps,
-                      new_tokens=total.new_tokens, tokens_per_s=statistics.median(speeds),
-                      per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
-
-
 def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
                      stop_ids: set[int], batch_size: int, label: str = "head", warmup: int = 0, repeats: int = 1,
-                     sampling: Sampling = GREEDY, outputs: list | None = None, progress: bool = False) -> EvalResult:
+                     sampling: Sampling = GREEDY, outputs: list | None = None, progress: bool = False,
+                     progress_log_s: float | None = None) -> EvalResult:
     """The evaluation of every stage and batch size, through the paged engine (inference_eval/engine.py):
     every prompt queued at once, `batch_size` sequences decoded together (continuous batching; 1: one
     slot). `proposer`: None (plain decoding), a head, a draft LM, or an engine proposer (e.g. a
@@ -77,12 +50,12 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
         run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
     speeds, first = [], None
     for r in range(max(repeats, 1)):
-        bar = tqdm(total=len(ids), unit="prompt", disable=not progress,
-                   desc=f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""))
+        bar = Progress(len(ids), f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""), "prompt",
+                       bar=progress, every_s=progress_log_s)
         t0 = time.perf_counter()
-        results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling, max_len,
-                                  on_finish=bar.update)
-        bar.close()
+        with bar:
+            results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling,
+                                      max_len, on_finish=bar.update)
         speeds.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t0))
         first = first or (results, eng)
     results, eng = first
@@ -138,9 +111,11 @@ def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[
 def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[dict[str, Any]]:
     """Prompts from a JSONL file: one object per line with `prompt` (a user message) or
     `messages` / `conversations` (the prompt is everything before the first assistant turn);
-    optional `category` and `id`."""
+    optional `category` and `id`. A tokenizer without a chat template (a base model) takes `prompt`
+    records as the raw text it continues (with its BOS, as data.source=text tokenizes), nothing else."""
     from data.conversations import normalize_record, tokenize_prompt
 
+    raw = not getattr(tokenizer, "chat_template", None)
     out = []
     path = Path(path)
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -152,6 +127,9 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
             raise ValueError(f"{path}:{n}: not JSON ({e})") from e
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             messages = [{"role": "user", "content": rec["prompt"]}]
+        elif raw:
+            raise ValueError(f"{path}:{n}: no `prompt` string; the target has no chat template, so only "
+                             "`prompt` records (raw text) can be used — or set data.chat_template=<file>")
         else:
             # a prompt need not have an answer: normalise the turns with a placeholder reply appended,
             # then keep everything before the first assistant turn
@@ -167,7 +145,8 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
             messages = messages[:first]
         if not messages:
             raise ValueError(f"{path}:{n}: the prompt is empty (the record starts with an assistant turn)")
-        out.append({"ids": tokenize_prompt(tokenizer, messages), "category": str(rec.get("category", "jsonl")),
+        ids = list(tokenizer(rec["prompt"])["input_ids"]) if raw else tokenize_prompt(tokenizer, messages)
+        out.append({"ids": ids, "category": str(rec.get("category", "jsonl")),
                     "id": str(rec.get("id", n))})
         if num_prompts and len(out) >= num_prompts:
             break
@@ -214,23 +193,61 @@ def stop_token_ids(tokenizer) -> set[int]:
 DATASETS = ("mtbench", "sharegpt", "jsonl")
 
 
-def choose_k(ks, tokens_per_s, plain_tokens_per_s: float) -> tuple[int, dict[str, Any]]:
-    """`evaluate.k: auto`: measure `tokens_per_s(k)` for each k and take the fastest. Returns the k and
-    the table it came from (`chosen_speedup` ≤ 1 means no k beats plain decoding)."""
-    table = [{"k": k, "tokens_per_s": (t := float(tokens_per_s(k))), "speedup": t / plain_tokens_per_s}
-             for k in ks]
-    best = max(table, key=lambda row: row["tokens_per_s"])
-    return best["k"], {"plain_tokens_per_s": plain_tokens_per_s, "table": table, "chosen_k": best["k"],
-                       "chosen_speedup": best["speedup"]}
+def choose_k(settings, tokens_per_s, plain_tokens_per_s: float | None = None) -> tuple[Any, dict[str, Any]]:
+    """`evaluate.k: auto`: measure each setting — a k, or a dict {"k": k, "draft_vocab": n} (n most
+    frequent tokens; None: the whole vocabulary) — and take the one of the best speedup over plain
+    decoding. `tokens_per_s(setting)` gives the setting's tokens/s, or a pair (its tokens/s, plain
+    decoding's measured right beside it: a paired ratio that machine-speed drift cancels out of);
+    `plain_tokens_per_s` is the baseline of unpaired figures. Returns that setting and the table it came
+    from (`chosen_speedup` ≤ 1 means nothing beats plain decoding)."""
+    table, best = [], None
+    for setting in settings:
+        got = tokens_per_s(setting)
+        t, plain = (float(got[0]), float(got[1])) if isinstance(got, tuple) else (float(got), plain_tokens_per_s)
+        row = {**(setting if isinstance(setting, dict) else {"k": setting}), "tokens_per_s": t,
+               "plain_tokens_per_s": plain, "speedup": t / plain}
+        table.append(row)
+        if best is None or row["speedup"] > best[1]["speedup"]:
+            best = (setting, row)
+    setting, row = best
+    return setting, {"table": table, "chosen_k": row["k"], "chosen_draft_vocab": row.get("draft_vocab"),
+                     "chosen_speedup": row["speedup"], "faster_than_plain": row["speedup"] > 1}
 
 
-def check_evaluation_config(cfg: Any) -> None:
+def draft_vocab_options(cfg: Any, head, vocab_size: int) -> dict[int | None, torch.Tensor | None]:
+    """`evaluate.auto_draft_vocab` for k=auto: {size: ids} of the draft vocabularies to try — None is the
+    whole vocabulary; a size n drafts among the n tokens most frequent as assistant tokens in the
+    training store (`store_dir`; without a store only the whole vocabulary is tried). A head with a
+    sub-vocabulary of its own (EAGLE-3's d2t) keeps it."""
+    sizes = list(cfg.evaluate.get("auto_draft_vocab") or [None])
+    options: dict[int | None, torch.Tensor | None] = {None: None} if None in sizes else {}
+    smaller = sorted({int(n) for n in sizes if n is not None and 0 < int(n) < vocab_size})
+    if not smaller or getattr(head, "draft_ids", None) is not None or not hasattr(head, "lm_head_weight"):
+        return options or {None: None}
+    store_dir = Path(str(cfg.get("store_dir") or ""))
+    if not (store_dir / "manifest.json").is_file():
+        log.info("evaluate: k=auto tries the whole vocabulary only: no training store at %s to take token "
+                 "frequencies from", store_dir)
+        return options or {None: None}
+    from data.store import FeatureStore
+    from inference_eval.engine import frequent_ids
+
+    counts = FeatureStore(store_dir).token_counts(vocab_size)
+    for n in smaller:
+        options[n] = frequent_ids(counts, n)
+    return options
+
+
+def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
     """What can be refused before any model or data is loaded: the dataset name, the prompts file,
-    and every configured head or draft-model path (each error says how to fix it)."""
+    the k setting, and every configured head or draft-model path (each error says how to fix it;
+    `heads_must_exist=False`: the demo's heads are trained later)."""
     ecfg = cfg.evaluate
     if ecfg.dataset not in DATASETS:
         raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected one of {', '.join(DATASETS)} "
                          "(other prompt sets: evaluate.dataset=jsonl evaluate.prompts_path=<file>)")
+    if str(ecfg.get("k", 3)) != "auto" and not (str(ecfg.k).isdigit() and int(ecfg.k) >= 1):
+        raise ValueError(f"evaluate.k={ecfg.k!r}: expected auto or a number of draft tokens ≥ 1")
     if ecfg.dataset == "jsonl":
         if not ecfg.get("prompts_path"):
             raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per line)")
@@ -241,7 +258,7 @@ def check_evaluation_config(cfg: Any) -> None:
               if spec and spec.get("path")}
     if not heads and not (ecfg.get("draft_models") or {}):
         raise ValueError("evaluate: nothing to evaluate (evaluate.heads and evaluate.draft_models are empty)")
-    for key, entries in (("heads", heads), ("draft_models", models)):
+    for key, entries in (("heads", heads if heads_must_exist else {}), ("draft_models", models)):
         for label, path in entries.items():
             if not Path(path).is_dir():
                 hint = (" (train it first: spechead train, or set evaluate.heads." + label + "=null)"
@@ -267,16 +284,17 @@ def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str,
 def run_evaluation(cfg: Any) -> dict[str, Any]:
     """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
     on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
-    from transformers import AutoTokenizer
-
+    from data.conversations import load_tokenizer
     from data.sources import resolve_target_dir
     from data.store import DTYPES
     from heads.export import load_any
     from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
     from inference_eval.speculative import DraftModelProposer
 
+    from data.checks import check_before_work
+
     ecfg = cfg.evaluate
-    check_evaluation_config(cfg)
+    check_before_work(cfg, "evaluate")
     temperature = float(ecfg.get("temperature", 0.0))
     sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
                         torch.Generator().manual_seed(int(cfg.seed)))
@@ -288,8 +306,11 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     if tree is not None and not sampling.greedy:
         raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")
     torch.manual_seed(int(cfg.seed))
+    show_bar, every_s = bool(cfg.get("progress", True)), log_interval(cfg)
+    t_load = time.perf_counter()
     target_dir = resolve_target_dir(cfg.target)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    log.info("evaluate: loading the target %s (%s) from %s", cfg.target.name, cfg.target.dtype, target_dir)
+    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
     device = resolve_device(cfg.target.get("device", "auto"))
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
     head_dtype = ecfg.get("head_dtype") or cfg.target.dtype
@@ -300,9 +321,14 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
                  "embedding and lm_head", head_dtype, cfg.target.dtype)
     stops = stop_token_ids(tokenizer)
+    log.info("evaluate: target loaded in %.0fs; preparing %s prompts%s", time.perf_counter() - t_load, ecfg.dataset,
+             " (turn 2: the target answers turn 1 first)" if 2 in [int(t) for t in ecfg.get("turns", [1])] else "")
     prompts = load_prompts(cfg, tokenizer, target, stops)
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
+    log.info("evaluate: %d prompts; heads %s; k=%s, %d new tokens, batch %d", len(prompts),
+             [label for label, path in (ecfg.get("heads") or {}).items() if path], ecfg.k, int(ecfg.max_new_tokens),
+             batch_size)
     auto_k = str(ecfg.k) == "auto"
     if auto_k and tree is not None:
         raise ValueError("evaluate.k=auto chooses a chain's k; with evaluate.proposer=tree set evaluate.tree.depth")
@@ -341,29 +367,51 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     plain_warm = None
     for label, prop in proposers.items():
         outputs: list[list[int]] = []
-        from inference_eval.engine import PagedTreeProposer
+        from inference_eval.engine import PagedHeadProposer, PagedTreeProposer, engine_proposer
 
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
                        else prop if is_head else prop.draft)
         auto = None
-        if auto_k:  # the k of the best measured speedup on a few prompts, before the timed evaluation
+        if auto_k:  # the fastest measured (k, draft vocabulary) on a few prompts, before the timed evaluation
             probe = prompts[: int(ecfg.get("auto_prompts", 4))]
-            if plain_warm is None:
+            if plain_warm is None:  # warms the engine up; each setting is then timed beside a plain pass of its own
                 plain_warm = plain_tokens_per_s(target, probe, max_new, stops, 1, 1, sampling, batch_size)
             top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
-            k, auto = choose_k(range(1, top + 1), lambda kk: evaluate_batched(
-                target, engine_prop, probe, kk, max_new, stops, batch_size, label, 1, 1, sampling).tokens_per_s,
-                plain_warm)
-            log.info("evaluate %s: k=auto chose k=%d (speedup %.2fx on %d prompts)%s", label, k,
-                     auto["chosen_speedup"], len(probe), "" if auto["chosen_speedup"] > 1 else
-                     "; no k is faster than plain decoding here: speculation slows this head down")
+            # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
+            drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
+            vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
+            settings = [{"k": kk, "draft_vocab": nv} for kk in range(1, top + 1) for nv in vocabs]
+            bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=show_bar, every_s=every_s)
+
+            def measure(setting):
+                proposer = (PagedHeadProposer(prop, vocabs[setting["draft_vocab"]])
+                            if setting["draft_vocab"] is not None else engine_prop)
+                plain = plain_tokens_per_s(target, probe, max_new, stops, 0, 1, sampling, batch_size)
+                t = evaluate_batched(target, proposer, probe, setting["k"], max_new, stops, batch_size, label, 1,
+                                     1, sampling).tokens_per_s
+                bar.update(1, k=setting["k"], draft_vocab=setting["draft_vocab"] or "all", speedup=round(t / plain, 2))
+                return t, plain
+
+            with bar:
+                chosen, auto = choose_k(settings, measure)
+            k = chosen["k"]
+            if chosen["draft_vocab"] is not None:
+                engine_prop = PagedHeadProposer(prop, vocabs[chosen["draft_vocab"]])
+            log.info("evaluate %s: k=auto measured on %d prompts, each setting beside a plain pass:\n%s\n→ chose "
+                     "k=%d, draft vocabulary %s: %.2fx plain%s", label, len(probe),
+                     "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['tokens_per_s']:.1f} tok/s "
+                               f"vs plain {r['plain_tokens_per_s']:.1f} ({r['speedup']:.2f}x)" for r in auto["table"]),
+                     k, chosen["draft_vocab"] or "all", auto["chosen_speedup"],
+                     "" if auto["faster_than_plain"] else
+                     "; NO setting is faster than plain decoding here: speculation slows this head down")
         res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
-                               repeats, sampling, outputs, progress=cfg.get("progress", True))
+                               repeats, sampling, outputs, progress=show_bar, progress_log_s=every_s)
         log.info(res.summary())
         entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
         if auto is not None:
             entry["k_auto"] = auto
+            entry["draft_vocab"] = auto["chosen_draft_vocab"]
         if isinstance(prop, DraftModelProposer):
             entry["draft_layers"] = prop.draft.args.num_hidden_layers
         else:
@@ -378,7 +426,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
                 entry["simulated_minus_real_tau"] = sim - res.tau
         report["results"][label] = entry
     if ecfg.get("plain_baseline"):
-        plain = plain_tokens_per_s(target, prompts, max_new, stops, warmup, repeats, sampling, batch_size)
+        log.info("evaluate: plain decoding of the same %d prompts (the speedup's baseline)", len(prompts))
+        plain = evaluate_batched(target, None, prompts, 1, max_new, stops, batch_size, "plain", warmup, repeats,
+                                 sampling, progress=show_bar, progress_log_s=every_s).tokens_per_s
         report["plain_tokens_per_s"] = plain
         for entry in report["results"].values():
             entry["speedup"] = entry["tokens_per_s"] / plain

@@ -1,5 +1,6 @@
 """The engine's target model: a Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) loaded from
-an HF checkpoint by its own tensor names.
+an HF checkpoint by its own tensor names; other families (Gemma 3) subclass it in
+inference_eval/families/, whose table `from_pretrained` and `target_args` dispatch on.
 
 The forward returns the last decoder layer's output before the final norm (H_i, DESIGN.md §2) and,
 on demand, logits and the inputs of chosen layers (EAGLE-3's "input of layer i" convention). The
@@ -44,6 +45,8 @@ class LlamaForCausalLM(nn.Module):
     """Target model. Module names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` loads as is."""
 
     supports_packing = True  # forward takes packed samples (`cache=PackedRows`, per-sample positions)
+    args_class = LlamaArgs
+    keep_fp32: tuple[str, ...] = ()  # name suffixes of tensors loaded in fp32 whatever the dtype (a router's)
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -58,10 +61,16 @@ class LlamaForCausalLM(nn.Module):
                         device: str | torch.device = "cpu") -> "LlamaForCausalLM":
         """Build on the meta device, then stream the checkpoint tensor by tensor onto `device` in
         `dtype`: host memory holds one tensor at a time (plus the model itself when `device` is the
-        CPU), never a whole state dict beside the model."""
+        CPU), never a whole state dict beside the model. Called on this class, it builds the class
+        of the checkpoint's family (inference_eval/families: a Gemma 3 checkpoint gives a Gemma 3 model)."""
+        from inference_eval.families import model_class
+
         path = Path(path)
         device = torch.device(device)
-        args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+        config = json.loads((path / "config.json").read_text())
+        if cls is LlamaForCausalLM:
+            cls = model_class(config)
+        args = cls.args_class.from_hf_config(config)
         with torch.device("meta"):
             model = cls(args)
         expected = set(model.state_dict())
@@ -73,11 +82,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{path}: checkpoint does not match a {args.model_type} model: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
         for name, tensor in stream_safetensors_dir(path, expected - skip, device):
-            _assign_tensor(model, name, tensor.to(dtype))
+            _assign_tensor(model, name, tensor.to(torch.float32 if name.endswith(cls.keep_fp32) else dtype))
         if args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.rotary_emb = Rotary(args)  # buffers were on meta
+        model.init_buffers()  # buffers were on meta
         return model.to(device).eval().requires_grad_(False)
+
+    def init_buffers(self) -> None:
+        """Compute the non-persistent buffers (RoPE tables), which a meta-device build leaves empty."""
+        self.model.rotary_emb = Rotary(self.args)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,11 +107,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"truncate to {num_layers} layers: the model has {self.args.num_hidden_layers}")
         args = dataclasses.replace(self.args, num_hidden_layers=num_layers)
         with torch.device("meta"):
-            draft = LlamaForCausalLM(args)
-        draft.model.embed_tokens, draft.model.norm = self.model.embed_tokens, self.model.norm
-        draft.model.layers = nn.ModuleList(self.model.layers[:num_layers])
-        draft.model.rotary_emb, draft.lm_head = self.model.rotary_emb, self.lm_head
+            draft = type(self)(args)
+        for name, module in self.model.named_children():  # embedding, norm, RoPE tables: shared
+            setattr(draft.model, name, nn.ModuleList(module[:num_layers]) if name == "layers" else module)
+        draft.lm_head = self.lm_head
         return draft.eval()
+
+    def layer_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) per layer: here one table shared by all (a family may give layers their own)."""
+        return [self.model.rotary_emb(positions, dtype)] * len(self.model.layers)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         a = self.args
@@ -113,11 +130,12 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        rope = self.layer_rope(positions, x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
                 aux.append(x)
+            cos, sin = rope[i]
             x = layer(x, cos, sin, cache.layer(i) if cache is not None else None, start)
         out = None
         if logits != "none":
@@ -198,24 +216,29 @@ class FrozenTargetParts:
     embed: torch.Tensor  # [V, H]
     norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]
-    first_input_norm: torch.Tensor  # [H], layer 0's input_layernorm (norm init for the embedding)
+    first_input_norm: torch.Tensor  # [H], layer 0's input_layernorm multiplier (w, Gemma 1 + w: enorm's init)
 
 
 def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> FrozenTargetParts:
     """Read only the shared tensors from a target checkpoint (no full model load)."""
     path = Path(path)
-    args = LlamaArgs.from_hf_config(json.loads((path / "config.json").read_text()))
+    args = target_args(path)
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
              "model.layers.0.input_layernorm.weight"}
     s = {k: v.to(dtype) for k, v in stream_safetensors_dir(path, names, device)}
     lm = s["model.embed_tokens.weight"] if args.tie_word_embeddings or "lm_head.weight" not in s else s["lm_head.weight"]
+    first = s["model.layers.0.input_layernorm.weight"]
+    offset = args.tied_conventions().norm_offset  # a family's (1 + w) norms: the multiplier a Llama norm copies
     return FrozenTargetParts(embed=s["model.embed_tokens.weight"], norm=s["model.norm.weight"],
-                             lm_head=lm, first_input_norm=s["model.layers.0.input_layernorm.weight"])
+                             lm_head=lm, first_input_norm=first + offset if offset else first)
 
 
 def target_args(path: str | Path) -> LlamaArgs:
-    return LlamaArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+    """The engine args of a checkpoint, read by its family (LlamaArgs or a family's subclass)."""
+    from inference_eval.families import args_from_hf_config
+
+    return args_from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
 def tied_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -225,7 +248,7 @@ def tied_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 
     args = target_args(path)
     parts = load_frozen_parts(path, dtype, device)
-    return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps), args, parts
+    return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps, args.tied_conventions()), args, parts
 
 
 def tied_from_model(target: "LlamaForCausalLM"):
@@ -234,12 +257,12 @@ def tied_from_model(target: "LlamaForCausalLM"):
     from heads.base import TiedTarget
 
     return TiedTarget(target.model.embed_tokens.weight, target.lm_head.weight, target.model.norm.weight,
-                      target.args.rms_norm_eps)
+                      target.args.rms_norm_eps, target.args.tied_conventions())
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
-    """`auto` → `engine` for a Llama-family checkpoint (what this module implements), else `hf`;
-    precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
+    """`auto` → `engine` for a checkpoint of a family the engine implements (inference_eval/families),
+    else `hf`; precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
     backend = backend or "auto"
     choices = ("auto", "engine", "hf", "vllm") if stage == "precompute" else ("auto", "engine", "hf")
     if backend not in choices:

@@ -15,6 +15,12 @@ linear layers). `SeqSlice` says, for one sequence, where its rows go and what th
   (None: every earlier one and causal among the new rows) — the tree attention of a draft tree,
   or a draft step that must see only its own ancestors.
 
+Sliding-window layers (Gemma 3) pass their `window` to `attend`: the batch then also hides the keys
+more than `window - 1` positions behind each query (every block is kept; out-of-window keys are only
+masked). A query's position is `base` plus the number of new-region keys it sees, minus one — its
+slot position for a chain, its depth for a draft tree whose root is the first new row; keys are at
+their slot positions, exact for every key of the committed context.
+
 Attention is pure torch. When padding the query rows of all sequences to the longest would more
 than double them (prefills of different lengths), or there is one sequence with several rows, each
 sequence is one SDPA call over exactly its own keys (causal fast path for a fresh prefill);
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from heads.layers import causal_mask
 
 
 class OutOfBlocks(RuntimeError):
@@ -59,14 +67,25 @@ class BlockAllocator:
 
 
 class KVPool:
-    """Keys and values of `num_layers` layers in `num_blocks × block_size` slots: `[slots, n_kv, d]`."""
+    """Keys and values of `num_layers` layers in `num_blocks × block_size` slots: `[slots, n_kv, d]`
+    (values `[slots, n_kv, value_dim]` when given: 0 for DeepSeek-V2's latent, whose values are a
+    prefix of its keys)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, n_kv: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", value_dim: int | None = None) -> None:
         shape = (num_blocks * block_size, n_kv, head_dim)
+        v_shape = shape if value_dim is None else (*shape[:2], value_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
+
+    @classmethod
+    def for_args(cls, args, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> "KVPool":
+        """A pool in the cache layout a model's args give (`LlamaArgs.kv_layout`: per-head K and V, or
+        a family's own, e.g. DeepSeek-V2's compressed latent)."""
+        n_kv, key_dim, value_dim = args.kv_layout()
+        return cls(num_layers, num_blocks, block_size, n_kv, key_dim, dtype, device, value_dim)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move the entries of slots `src` to slots `dst` in every layer (tree compaction)."""
@@ -121,6 +140,7 @@ class PagedBatch:
     def __init__(self, seqs: list[SeqSlice], device: torch.device | str = "cpu",
                  per_sequence: bool | None = None) -> None:
         self.seqs = seqs
+        self._window_masks: dict[int, list[torch.Tensor | None]] = {}
         for s in seqs:
             if s.end > s.table.capacity:
                 raise OutOfBlocks(f"a sequence needs slots up to position {s.end}, its blocks hold {s.table.capacity}")
@@ -157,14 +177,48 @@ class PagedBatch:
             row += s.n
         self.kv_idx, self.q_idx, self.mask, self.unpad = kv_idx, q_idx, mask, torch.cat(unpad)
         self.t_max = t_max
-        self._grouped: dict[int, torch.Tensor] = {1: mask}
+        self._grouped: dict[tuple[int, int | None], torch.Tensor] = {(1, None): mask}
 
-    def grouped_mask(self, g: int) -> torch.Tensor:
-        """The padded path's mask for `grouped_attention` with g query heads per key head, built once
-        per batch (every layer of the target and the drafter shares it)."""
-        if g not in self._grouped:
-            self._grouped[g] = self.mask.repeat(1, 1, g, 1)
-        return self._grouped[g]
+    def grouped_mask(self, g: int, window: int | None = None) -> torch.Tensor:
+        """The padded path's mask for `grouped_attention` with g query heads per key head (and a sliding
+        `window`), built once per batch (every such layer of the target and the drafter shares it)."""
+        if window is not None and max(s.end for s in self.seqs) <= window:
+            window = None  # no key can be out of the window
+        if (g, window) not in self._grouped:
+            if window is None:
+                self._grouped[(g, None)] = self.mask.repeat(1, 1, g, 1)
+            else:
+                q_pos = torch.zeros(len(self.seqs), self.t_max, dtype=torch.long, device=self.mask.device)
+                for i, s in enumerate(self.seqs):  # padded rows stay at 0: they keep seeing key 0
+                    q_pos[i, : s.n] = self._query_positions(s, self.mask.device)
+                keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+                near = (q_pos[:, None, :, None] - keys) < window  # [B, 1, T, K]
+                self._grouped[(g, window)] = (self.mask & near).repeat(1, 1, g, 1)
+        return self._grouped[(g, window)]
+
+    def window_masks(self, window: int | None) -> list[torch.Tensor | None]:
+        """The per-sequence path's masks (`masks`), with a sliding `window` applied."""
+        if window is None:
+            return self.masks
+        if window not in self._window_masks:
+            out = []
+            for s, m in zip(self.seqs, self.masks):
+                if s.end <= window:  # every visible key is inside the window
+                    out.append(m)
+                    continue
+                device = s.table.slots.device if m is None else m.device
+                m = causal_mask(s.n, s.end, device=device) if m is None else m
+                near = (self._query_positions(s, device)[:, None] - torch.arange(s.end, device=device)) < window
+                out.append(m & near)
+            self._window_masks[window] = out
+        return self._window_masks[window]
+
+    @staticmethod
+    def _query_positions(s: SeqSlice, device) -> torch.Tensor:
+        """[n] positions of a sequence's new rows, as the sliding window counts them (module docstring)."""
+        if s.mask is None:
+            return torch.arange(s.base + s.offset, s.end, device=device)
+        return s.base + s.mask.to(device).sum(-1) - 1
 
     @staticmethod
     def _mask(s: SeqSlice, end: int, device) -> torch.Tensor:
@@ -181,20 +235,25 @@ class PagedLayer:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch) -> None:
         self.k_pool, self.v_pool, self.batch = k_pool, v_pool, batch
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, gqa: bool, window: int | None = None,
+               scale: float | None = None, value_dim: int | None = None) -> torch.Tensor:
         """q [1, nH, N, d], k/v [1, nKV, N, d] of the packed rows → attention output [1, nH, N, d];
-        the rows' keys and values are written to their slots first."""
+        the rows' keys and values are written to their slots first. `window`: a sliding-window layer's;
+        `scale`: the scores' scale (None: d^-0.5). `v=None`: the values are the keys' first `value_dim`
+        channels (DeepSeek-V2's absorbed MLA: one pool holds the latent), output [1, nH, N, value_dim]."""
         meta = self.batch
         self.k_pool.index_copy_(0, meta.write_slots, k[0].transpose(0, 1))
-        self.v_pool.index_copy_(0, meta.write_slots, v[0].transpose(0, 1))
+        if v is not None:
+            self.v_pool.index_copy_(0, meta.write_slots, v[0].transpose(0, 1))
         if meta.per_sequence:
             outs = []
+            masks = meta.window_masks(window)
             for i, s in enumerate(meta.seqs):
                 qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
                 ks = self._gather(self.k_pool, meta.key_slots[i][None])
-                vs = self._gather(self.v_pool, meta.key_slots[i][None])
+                vs = ks[..., :value_dim] if v is None else self._gather(self.v_pool, meta.key_slots[i][None])
                 outs.append(F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=meta.masks[i], is_causal=meta.masks[i] is None, enable_gqa=gqa))
+                    qs, ks, vs, attn_mask=masks[i], is_causal=masks[i] is None, scale=scale, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
         n_heads, d = q.shape[1], q.shape[3]
         b = len(meta.seqs)
@@ -204,11 +263,12 @@ class PagedLayer:
             rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
             qb = rows[meta.q_idx].transpose(1, 2)
         kb = self._gather(self.k_pool, meta.kv_idx)  # [B, nKV, K, d]
-        vb = self._gather(self.v_pool, meta.kv_idx)
-        out = grouped_attention(qb, kb, vb, meta.grouped_mask(n_heads // kb.shape[1]))  # [B, nH, T, d]
+        vb = kb[..., :value_dim] if v is None else self._gather(self.v_pool, meta.kv_idx)
+        out = grouped_attention(qb, kb, vb, meta.grouped_mask(n_heads // kb.shape[1], window), scale)  # [B, nH, T, dv]
+        dv = out.shape[-1]
         if meta.uniform:
-            return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, d)[None]
-        out = out.transpose(1, 2).reshape(-1, n_heads, d)[meta.unpad]  # [N, nH, d]
+            return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, dv)[None]
+        out = out.transpose(1, 2).reshape(-1, n_heads, dv)[meta.unpad]  # [N, nH, dv]
         return out.transpose(0, 1)[None]
 
     @staticmethod
@@ -218,7 +278,8 @@ class PagedLayer:
         return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, *pool.shape[1:]).transpose(1, 2)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
     """SDPA with a boolean mask, q [B, nH, T, d], k/v [B, nKV, K, d]. The g = nH/nKV query heads that
     share a key head are folded into its query rows ([B, nKV, g·T, d]), so each key head is one SDPA
     problem with g·T queries: the same result as `enable_gqa`, and on CPU several times faster for the
@@ -226,8 +287,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     [B, 1, g·T, K]: the [B, 1, T, K] mask repeated g times along the rows (`PagedBatch.grouped_mask`)."""
     b, n_heads, t, d = q.shape
     g = n_heads // k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v, attn_mask=mask)
-    return out.reshape(b, n_heads, t, d)  # CUDA's SDPA may return a non-contiguous layout: view fails there
+    out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], g * t, d), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, n_heads, t, v.shape[-1])  # CUDA's SDPA may return a non-contiguous layout: view fails there
 
 
 class PagedCache:
@@ -260,12 +321,18 @@ class PackedRows:
     def layer(self, i: int) -> "PackedRows":
         return self
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """q [1, nH, N, d], k/v [1, nKV, N, d] → [1, nH, N, d], causal within each sample."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, window: int | None = None,
+               scale: float | None = None) -> torch.Tensor:
+        """q [1, nH, N, d], k/v [1, nKV, N, d] → [1, nH, N, d], causal within each sample (and within
+        a sliding `window`; `scale` as in PagedLayer.attend)."""
         if q.shape[2] != self.bounds[-1]:
             raise ValueError(f"packed forward of {q.shape[2]} rows, the samples hold {self.bounds[-1]}")
+
+        def one(a: int, b: int) -> torch.Tensor:
+            mask = None if window is None or b - a <= window else causal_mask(b - a, b - a, window, q.device)
+            return F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask,
+                                                  is_causal=mask is None, scale=scale, enable_gqa=gqa)
+
         if len(self.lengths) == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
-                                                         is_causal=True, enable_gqa=gqa)
-                          for a, b in zip(self.bounds, self.bounds[1:])], dim=2)
+            return one(0, self.bounds[-1])
+        return torch.cat([one(a, b) for a, b in zip(self.bounds, self.bounds[1:])], dim=2)

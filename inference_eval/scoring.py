@@ -41,6 +41,8 @@ def teacher_forced_states(target, head, ids: torch.Tensor, depth: int, rows: lis
     out = target(ids[None], logits="none", capture_layers=head.capture_layers)
     hidden = out.hidden.float()
     aux = torch.cat(out.aux, dim=-1).float() if head.capture_layers else None
+    if hasattr(head, "teacher_forced_states"):  # a draft LM (heads/draft_lm.py): tokens only, its own forward
+        return head.teacher_forced_states(ids, depth, rows), hidden
     states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
     if not head.chain:  # medusa: every depth straight from the target state
         for d in range(1, depth + 1):

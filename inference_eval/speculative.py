@@ -1,10 +1,14 @@
-"""Decoding, plain and speculative with k draft tokens from a head or a draft model (DESIGN.md §5):
-greedy, or sampled with lossless rejection sampling (`Sampling`, `accept_rejection`).
+"""Speculative decoding's shared pieces (DESIGN.md §5): acceptance statistics, the greedy and the
+rejection-sampling accept rules (`Sampling`, `accept_rejection`), a head's logits over the target
+vocabulary, and the head's cached draft path along one sequence (`refresh`, `draft_chain`) that
+teacher-forced scoring runs (inference_eval/scoring.py). The decoder itself is the paged engine
+(inference_eval/engine.py): `generate_speculative` / `generate_plain` below are that engine with one
+slot. (The earlier batch-1 loop over a contiguous cache survives only as the tests' reference,
+tests/reference_decoding.py.)
 
-KV-cached on both sides, batch 1. After each verification the head re-runs over the newly accepted
-positions with the *target's* hidden states, so its cache only ever holds step-1 entries computed
-from target states plus the current round's deeper draft steps — the layout the training unroll
-reproduces.
+After each verification the head re-runs over the newly accepted positions with the *target's* hidden
+states, so its cache only ever holds step-1 entries computed from target states plus the current
+round's deeper draft steps — the layout the training unroll reproduces.
 
 Indexing (t_0..t_m committed, t_m not yet seen by the target; both caches valid for slots < m):
   draft 1:  head(H_{m-1}, t_m) at position m-1 was already run → d_1 = argmax logits
@@ -22,8 +26,8 @@ the target state of the last committed position and keeps no cache.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -154,21 +158,6 @@ def full_vocab_logits(head, hidden: torch.Tensor, depth: int = 1) -> torch.Tenso
     return out
 
 
-@torch.inference_mode()
-def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
-                   sampling: Sampling = GREEDY) -> list[int]:
-    cache = target.new_cache(1, len(prompt) + max_new_tokens + 1)
-    dev = target.device
-    out = target(torch.tensor([prompt], device=dev), cache=cache, logits="last")
-    new = [sampling.pick(out.logits[0, -1])[0]]
-    pos = len(prompt)
-    while not _finish(new, max_new_tokens, stop_ids)[1]:
-        out = target(torch.tensor([[new[-1]]], device=dev), cache=cache, start=pos, logits="last")
-        new.append(sampling.pick(out.logits[0, -1])[0])
-        pos += 1
-    return _finish(new, max_new_tokens, stop_ids)[0]
-
-
 def _target_state(head, out) -> torch.Tensor:
     """What the head consumes from a target pass: H, or the captured aux layers (EAGLE-3)."""
     aux = torch.cat(out.aux, dim=-1) if head.capture_layers else None
@@ -211,138 +200,37 @@ def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[i
     return drafts, states, qs
 
 
-class HeadProposer:
-    """Drafts with a head from heads/: a chain (mtp, eagle1, eagle3) or all at once (medusa)."""
-
-    def __init__(self, head) -> None:
-        self.head = head
-        self.capture_layers = head.capture_layers
-        self.state = self.cache = None
-
-    @property
-    def label(self) -> str:
-        return getattr(self.head, "kind", "head")
-
-    def check(self, k: int) -> None:
-        if self.head.max_depth is not None and k > self.head.max_depth:
-            raise ValueError(f"k={k} draft tokens, but the {self.head.kind} head defines {self.head.max_depth} draft steps")
-
-    def start(self, out, prompt: list[int], first: int, max_len: int) -> None:
-        head = self.head
-        if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
-            self.cache = head.new_cache(1, max_len)
-            self.state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + [first]], device=out.hidden.device),
-                                 0, self.cache)
-        else:  # a parallel head drafts from the target state of the last committed position
-            self.state = out.hidden[:, -1:]
-
-    def propose(self, k: int, m: int, committed: list[int], sampling: Sampling = GREEDY
-                ) -> tuple[list[int], list[torch.Tensor | None]]:
-        if self.head.chain:
-            drafts, _, qs = draft_chain(self.head, self.state, k, m, self.cache, sampling=sampling)
-            return drafts, qs
-        picks = [sampling.pick(full_vocab_logits(self.head, self.head(self.state, depth=j), j)[0, -1])
-                 for j in range(1, k + 1)]
-        return [d for d, _ in picks], [q for _, q in picks]
-
-    def update(self, vout, emitted: list[int], a: int, m: int) -> None:
-        """After verification of positions m..m+k: a drafts accepted, `emitted` = t_{m+1}..t_{m+a+1}."""
-        if self.head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
-            vstate = _target_state(self.head, vout)[:, : a + 1]
-            self.state = refresh(self.head, vstate, torch.tensor([emitted], device=vstate.device), m, self.cache)
-        else:
-            self.state = vout.hidden[:, a: a + 1]
-
-
+@dataclass
 class DraftModelProposer:
-    """Drafts k tokens greedily with a small LM that shares the target's tokenizer (a checkpoint, or
-    `LlamaForCausalLM.truncated`), keeping its own KV cache. The cache holds the tokens in `fed`;
-    before each proposal the longest prefix of `fed` that is still committed is kept and the rest of
-    the committed tokens is fed, so rejected drafts are simply overwritten."""
+    """A draft LM sharing the target's tokenizer (a checkpoint, or `LlamaForCausalLM.truncated`), named for
+    reports. Not a decoder of its own: the engine drafts with it through `PagedDraftModelProposer`
+    (`engine_proposer` unwraps it)."""
 
-    capture_layers = ()
-
-    def __init__(self, draft, label: str = "draft_model") -> None:
-        self.draft, self.label = draft, label
-        self.cache, self.fed = None, []
-
-    def check(self, k: int) -> None:
-        return None
-
-    def start(self, out, prompt: list[int], first: int, max_len: int) -> None:
-        self.cache, self.fed = self.draft.new_cache(1, max_len), []
-
-    def propose(self, k: int, m: int, committed: list[int], sampling: Sampling = GREEDY
-                ) -> tuple[list[int], list[torch.Tensor | None]]:
-        keep = 0
-        for a, b in zip(self.fed, committed):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(committed) - 1)  # the last committed token is always fed: its logits draft d_1
-        feed = committed[keep:]
-        dev = self.draft.device
-        out = self.draft(torch.tensor([feed], device=dev), cache=self.cache, start=keep, logits="last")
-        self.fed = committed[:]
-        d, q = sampling.pick(out.logits[0, -1])
-        drafts, qs = [d], [q]
-        for _ in range(k - 1):
-            out = self.draft(torch.tensor([[drafts[-1]]], device=dev), cache=self.cache, start=len(self.fed),
-                             logits="last")
-            self.fed.append(drafts[-1])
-            d, q = sampling.pick(out.logits[0, -1])
-            drafts.append(d)
-            qs.append(q)
-        return drafts, qs
-
-    def update(self, vout, emitted: list[int], a: int, m: int) -> None:
-        return None
-
-
-def as_proposer(x):
-    """A proposer as is, or a head wrapped in HeadProposer."""
-    return x if hasattr(x, "propose") else HeadProposer(x)
+    draft: Any
+    label: str = "draft_model"
 
 
 @torch.inference_mode()
-def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY
+def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
+                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
                          ) -> tuple[list[int], SpecStats]:
-    """Speculative decoding of `prompt` with `head` (a head from heads/, or a proposer:
-    HeadProposer / DraftModelProposer), plus acceptance stats. Greedy: output equal to
-    `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s (rejection sampling)."""
-    proposer = as_proposer(head)
-    proposer.check(k)
-    stats = SpecStats(k=k)
-    t0 = time.perf_counter()
-    m = len(prompt)
-    max_len = m + max_new_tokens + k + 2
-    capture = proposer.capture_layers
-    tcache = target.new_cache(1, max_len)
-    dev = target.device
-    out = target(torch.tensor([prompt], device=dev), cache=tcache, logits="last", capture_layers=capture)
-    new = [sampling.pick(out.logits[0, -1])[0]]
-    proposer.start(out, prompt, new[0], max_len)
-    while not _finish(new, max_new_tokens, stop_ids)[1]:
-        drafts, qs = proposer.propose(k, m, prompt + new, sampling)
-        verify_in = torch.tensor([[new[-1]] + drafts], device=dev)  # [1, k+1]
-        vout = target(verify_in, cache=tcache, start=m, logits="all", capture_layers=capture)
-        if sampling.greedy:
-            g = vout.logits[0].argmax(-1)  # [k+1]
-            a = accept_greedy(torch.tensor(drafts, device=g.device), g)
-            last = int(g[a])
-        else:
-            a, last = accept_rejection(drafts, torch.stack(qs), sampling.probs(vout.logits[0]), sampling.generator)
-        for d in range(min(a + 1, k)):
-            stats.reached[d] += 1
-            stats.accepted[d] += int(d < a)
-        emitted = drafts[:a] + [last]
-        stats.steps += 1
-        stats.emitted += len(emitted)
-        new.extend(emitted)
-        proposer.update(vout, emitted, a, m)
-        m += a + 1
-    result = _finish(new, max_new_tokens, stop_ids)[0]
-    stats.seconds = time.perf_counter() - t0
-    stats.new_tokens = len(result)
-    return result, stats
+    """Speculative decoding of one prompt by the paged engine (inference_eval/engine.py) with one slot —
+    the one decoder every stage runs. `proposer`: a head from heads/, a draft LM, or an engine proposer.
+    Greedy: output equal to `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s
+    (rejection sampling). Returns the new tokens and the acceptance stats."""
+    from inference_eval.engine import engine_generate
+
+    outs, eng = engine_generate(target, [prompt], max_new_tokens, proposer, k, stop_ids, sampling,
+                                **{"max_batch": 1, **engine_kw})
+    return outs[0], eng.stats
+
+
+@torch.inference_mode()
+def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                   sampling: Sampling = GREEDY, **engine_kw) -> list[int]:
+    """Plain decoding of one prompt by the paged engine with one slot."""
+    from inference_eval.engine import engine_generate
+
+    outs, _ = engine_generate(target, [prompt], max_new_tokens, None, 1, stop_ids, sampling,
+                              **{"max_batch": 1, **engine_kw})
+    return outs[0]

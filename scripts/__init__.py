@@ -1,15 +1,21 @@
 """Thin hydra entry points: precompute, train, evaluate, export, pipeline (the demo).
 
 Every entry point is `@stage_main`: hydra's main over conf/config.yaml plus the process-wide settings
-each stage shares — the CPU thread policy (`threads`) — and the `pid` resolver that keeps the run
-directories of invocations started in the same second apart (`hydra.run.dir`).
+each stage shares — the CPU thread policy (`threads`) — the `pid` resolver that keeps the run
+directories of invocations started in the same second apart (`hydra.run.dir`), and the run's status
+file `<run_dir>/status.json`: each stage records `running`, then `done` or `failed` (with the error, and
+which partial artifacts it left and how to resume them), so a failed run is never mistaken for a
+finished one.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import time
+import traceback
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -57,14 +63,78 @@ def apply_threads(spec) -> int:
     return torch.get_num_threads()
 
 
+# what a stage leaves behind when it stops part-way, and how to go on from there
+PARTIAL = {
+    "precompute": ("store_dir", "finished shards are kept; rerun the same command to resume"),
+    "regenerate": ("regenerate.out", "finished records are kept; rerun the same command to resume"),
+    "train": ("train.checkpoint_dir", "resume with train.resume=last"),
+    "pipeline": ("run_dir", "each stage resumes where it stopped: rerun the same command (training: add train.resume=last)"),
+}
+
+
+def _select(cfg, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def record_status(cfg, stage: str, state: str, error: BaseException | None = None) -> Path | None:
+    """Update `<run_dir>/status.json` (atomically): {stage: {state, time, pid, error?, partial?, resume?}}.
+    Returns the file (None without a run_dir)."""
+    run_dir = _select(cfg, "run_dir")
+    if not run_dir:
+        return None
+    import fcntl
+
+    from data.store import atomic_write_bytes
+
+    path = Path(str(run_dir)) / "status.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(".status.lock"), "a") as lock:  # stages of one run may run at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            status = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            status = {}
+        status[stage] = status_entry(cfg, stage, state, error)
+        atomic_write_bytes(path, json.dumps(status, indent=2).encode())
+    return path
+
+
+def status_entry(cfg, stage: str, state: str, error: BaseException | None) -> dict:
+    entry = {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
+    if error is not None:
+        entry["error"] = f"{type(error).__name__}: {error}"[:2000]
+        entry["where"] = "".join(traceback.format_tb(error.__traceback__)[-1:]).strip()[:1000]
+        if stage in PARTIAL:
+            key, how = PARTIAL[stage]
+            partial = _select(cfg, key)
+            if partial and Path(str(partial)).exists():
+                entry["partial"], entry["resume"] = str(partial), how
+    return entry
+
+
 def stage_main(fn):
-    """hydra's main for a stage function `fn(cfg)`, with the thread policy applied first."""
+    """hydra's main for a stage function `fn(cfg)`: the thread policy applied first, the stage's state
+    recorded in `<run_dir>/status.json` (running → done, or failed with the error and what is partial)."""
     import hydra
+
+    stage = Path(fn.__code__.co_filename).stem  # scripts/<stage>.py (its __module__ is __main__ under -m)
 
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     @functools.wraps(fn)
     def main(cfg):
         apply_threads(cfg.get("threads"))
-        return fn(cfg)
+        record_status(cfg, stage, "running")
+        try:
+            out = fn(cfg)
+        except BaseException as err:
+            path = record_status(cfg, stage, "failed", err)
+            entry = json.loads(path.read_text())[stage] if path is not None else {}
+            log.error("%s failed: %s: %s%s", stage, type(err).__name__, err,
+                      f"; partial artifacts at {entry['partial']} ({entry['resume']})" if entry.get("partial") else "")
+            raise
+        record_status(cfg, stage, "done")
+        return out
 
     return main

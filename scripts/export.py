@@ -2,22 +2,31 @@
 formats `export.formats` (default: every format of the head type) under `export.root`; each one is
 validated against the target and read back before it is reported (heads/export.py, docs/export.md)."""
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from scripts import stage_main
 
+log = logging.getLogger(__name__)
+
 
 def run_export(cfg: DictConfig) -> dict[str, Path]:
     """Returns {format: directory}; "native" is always among them."""
+    from data.checks import check_before_work
     from data.sources import resolve_target_dir
     from data.store import target_fingerprint
     from heads.checkpoint import load_native, read_config
     from heads.export import default_formats, export_head
     from inference_eval.model import tied_target
 
+    check_before_work(cfg, "export")
+    if not Path(cfg.export.source).is_dir():
+        raise FileNotFoundError(f"export.source={cfg.export.source}: no such directory (train a head first, or point "
+                                "export.source at a native head checkpoint)")
     target_dir = resolve_target_dir(cfg.target)
+    log.info("export: loading %s and the target's embedding / lm_head from %s", cfg.export.source, target_dir)
     tied, args, _ = tied_target(target_dir)
     # the configured target's fingerprint: a head trained for another target (or target.dtype) is refused
     expected = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,

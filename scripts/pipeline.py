@@ -1,22 +1,54 @@
 """The one-shot demo: precompute → train → evaluate (trained vs untrained head) → export.
 
-Last line: `demo tau_trained=<x> tau_untrained=<y> runtime_s=<z>`.
+Every setting the stages need is checked before the first one starts (data/checks.py). Last line:
+`demo tau_trained=<x> tau_untrained=<y> speedup=<s> k=<k> draft_vocab=<n|all> runtime_s=<z> disk_mb=<d>` —
+the trained head's τ and its speedup over plain decoding at the k (and draft vocabulary) `evaluate.k=auto`
+chose, and the disk the run directory takes.
 """
 
+import os
 import time
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from scripts import stage_main
 
 
+def disk_use(root: str | Path) -> dict[str, int]:
+    """Bytes under each entry of `root` (files counted once, links not followed)."""
+    root, out = Path(root), {}
+    if not root.is_dir():
+        return out
+    for entry in sorted(root.iterdir()):
+        total = 0
+        if entry.is_file() and not entry.is_symlink():
+            total = entry.stat().st_size
+        elif entry.is_dir() and not entry.is_symlink():
+            for base, _, files in os.walk(entry):
+                total += sum(os.lstat(os.path.join(base, f)).st_size for f in files)
+        out[entry.name] = total
+    return out
+
+
+def stage_line(label: str, r: dict) -> str:
+    alpha = " ".join(f"α{d + 1}={a:.3f}" for d, a in enumerate(r["alpha"]))
+    speed = f"{r['tokens_per_s']:.1f} tok/s"
+    if r.get("speedup") is not None:
+        speed += f", {r['speedup']:.2f}x plain"
+    chosen = f"k={r['k']}" + (f", draft vocabulary {r['draft_vocab'] or 'all'}" if "draft_vocab" in r else "")
+    return f"      {label:>9}: τ={r['tau']:.3f}  {alpha}  ({speed}; {chosen})"
+
+
 @stage_main
 def main(cfg: DictConfig) -> None:
+    from data.checks import check_before_work
     from data.precompute import run_precompute
     from inference_eval.evaluate import run_evaluation
     from scripts.export import run_export
     from train.run import run_training
 
+    check_before_work(cfg, "pipeline")  # every stage's settings, before the first one loads anything
     t0 = time.perf_counter()
     store, pstats = run_precompute(cfg)
     print(f"[1/4] precompute: {pstats.samples} conversations, {pstats.tokens} tokens "
@@ -24,18 +56,32 @@ def main(cfg: DictConfig) -> None:
     head_dir, metrics = run_training(cfg)
     print(f"[2/4] train: val acc_d1={metrics.get('val/acc_d1', float('nan')):.3f} → {head_dir}")
     report = run_evaluation(cfg)
-    print(f"[3/4] evaluate on MT-Bench ({report['prompts']} first turns, greedy, k={report['k']}, "
+    print(f"[3/4] evaluate on {report['dataset']} ({report['prompts']} prompts, "
+          f"{'greedy' if not report['temperature'] else 'T=' + str(report['temperature'])}, k={report['k']}, "
           f"{report['max_new_tokens']} new tokens):")
     for label, r in report["results"].items():
-        alpha = " ".join(f"α{d + 1}={a:.3f}" for d, a in enumerate(r["alpha"]))
-        print(f"      {label:>9}: τ={r['tau']:.3f}  {alpha}  ({r['tokens_per_s']:.1f} tok/s)")
+        print(stage_line(label, r))
+    trained = report["results"]["trained"]
+    if trained.get("speedup") is not None and trained["speedup"] <= 1:
+        print("      the trained head does not beat plain decoding at any measured setting: serve without it, "
+              "or train longer (docs/RESULTS.md)")
     exports = run_export(cfg)
     native = exports["native"]
     print("[4/4] export (validated, read back): " + ", ".join(f"{fmt} → {p}" for fmt, p in exports.items()))
     print(f"artifacts: store={store} head={head_dir} report={cfg.evaluate.report} export={native}")
+    use = disk_use(cfg.run_dir)
+    total = sum(use.values())
+    big = [(name, b) for name, b in sorted(use.items(), key=lambda kv: -kv[1]) if b >= 2**17]
+    rest = total - sum(b for _, b in big)
+    print(f"disk: {cfg.run_dir} takes {total / 2**20:.1f} MB ("
+          + ", ".join([f"{name} {b / 2**20:.1f} MB" for name, b in big] + ([f"other {rest / 2**20:.1f} MB"] if rest else []))
+          + ")")
     res = report["results"]
+    speed = trained.get("speedup")
     print(f"demo tau_trained={res['trained']['tau']:.3f} tau_untrained={res['untrained']['tau']:.3f} "
-          f"runtime_s={time.perf_counter() - t0:.0f}")
+          f"speedup={'nan' if speed is None else f'{speed:.2f}'} k={trained['k']} "
+          f"draft_vocab={trained.get('draft_vocab') or 'all'} runtime_s={time.perf_counter() - t0:.0f} "
+          f"disk_mb={total / 2**20:.0f}")
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def tiny_overrides(tiny_target, conversations_file, tmp_path) -> list[str]:
             "data.source=jsonl", f"data.path={conversations_file}", "data.max_length=512",
             f"run_dir={tmp_path / 'run'}", "logger=csv", "progress=false", "precompute.store_dtype=float32",
             "trainer.precision=32-true", "trainer.max_epochs=3", "train.data.batch_tokens=1024",
-            "train.data.val_fraction=0.2", "evaluate.num_prompts=2", "evaluate.max_new_tokens=8"]
+            "train.data.val_fraction=0.2", "evaluate.num_prompts=2", "evaluate.max_new_tokens=8",
+            "evaluate.k=3", "evaluate.plain_baseline=false"]  # the defaults (k=auto, speedup) cost time: tested alone
 
 
 @pytest.fixture(scope="session")

@@ -40,3 +40,60 @@ class StubHead:
 
     def to_target_ids(self, ids):
         return ids
+
+
+def pool_and_tables(model, lengths, block_size: int = 4, num_blocks: int = 64):
+    """A paged pool in the model's cache layout (`KVPool.for_args`, as the engine builds it) and one block
+    table per sequence length."""
+    from inference_eval.paged import BlockAllocator, BlockTable, KVPool
+
+    a = model.args
+    pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, model.dtype)
+    alloc, tables = BlockAllocator(num_blocks), []
+    for n in lengths:
+        t = BlockTable(block_size)
+        t.extend(alloc.allocate(-(-n // block_size)))
+        tables.append(t)
+    return pool, tables
+
+
+def paged_steps_per_sequence(model, seqs: list[list[int]], steps: list[list[int]], prefill_per_sequence: bool,
+                             block_size: int = 4) -> list[torch.Tensor]:
+    """Prefill `seqs` together into a paged pool (the first sequence's blocks scattered in reverse), then
+    feed every sequence the rows of each step in one padded batch (decode, verification); returns each
+    sequence's logits [len(seq) + Σ len(step), V] in order."""
+    from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
+
+    pool, tables = pool_and_tables(model, [len(s) + sum(map(len, steps)) for s in seqs], block_size)
+    tables[0].blocks.reverse()
+    tables[0].slots = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for b in tables[0].blocks])
+    ids = torch.tensor([t for s in seqs for t in s])[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    batch = PagedBatch([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)], per_sequence=prefill_per_sequence)
+    got = [model(ids, pos, cache=PagedCache(pool, batch)).logits[0]]
+    lens = [len(s) for s in seqs]
+    for rows in steps:
+        n = len(rows)
+        pos = torch.cat([torch.arange(m, m + n) for m in lens])[None]
+        batch = PagedBatch([SeqSlice(t, m, n) for t, m in zip(tables, lens)])
+        assert not batch.per_sequence
+        got.append(model(torch.tensor(rows * len(seqs))[None], pos, cache=PagedCache(pool, batch)).logits[0])
+        lens = [m + n for m in lens]
+    out = []
+    for i, s in enumerate(seqs):
+        mine = [got[0][sum(map(len, seqs[:i])): sum(map(len, seqs[: i + 1]))]]
+        mine += [r[i * len(st): (i + 1) * len(st)] for r, st in zip(got[1:], steps)]
+        out.append(torch.cat(mine))
+    return out
+
+
+def random_hf_model(model_cls, config, seed: int, norm_jitter: float = 0.1):
+    """An HF model of `config`, seeded, in eval mode, its norm weights moved off their init by
+    `norm_jitter`·N(0, 1) (so a norm applied in the wrong form shows in the logits)."""
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(norm_jitter * torch.randn_like(p))
+    return model

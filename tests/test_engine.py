@@ -12,7 +12,8 @@ import torch
 from inference_eval.engine import Engine, PagedTreeProposer, Tree, engine_generate
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
-from inference_eval.speculative import (DraftModelProposer, Sampling, generate_plain, generate_speculative)
+from inference_eval.speculative import DraftModelProposer, Sampling
+from tests.reference_decoding import generate_plain, generate_speculative  # the former batch-1 loop: a reference
 from tests.conftest import make_hf_model
 
 ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 13]

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from inference_eval.evaluate import evaluate_head, run_evaluation, write_report
+from inference_eval.evaluate import run_evaluation, write_report
 from inference_eval.model import LlamaForCausalLM
 from tests.conftest import compose_config
 from tests.helpers import StubHead
+from tests.reference_decoding import evaluate_head
 from tests.test_speculative import OracleHead
 
 
@@ -248,6 +249,12 @@ def test_k_auto_picks_the_fastest_measured_setting():
     slow = {k: 0.9 - 0.1 * k for k in range(1, 4)}  # nothing beats plain decoding: it says so (speedup < 1)
     k, auto = choose_k(range(1, 4), slow.__getitem__, plain_tokens_per_s=1.0)
     assert k == 1 and auto["chosen_speedup"] < 1
+    # paired figures: the machine ran twice as fast while k = 2 was timed (so did its plain pass); the
+    # choice follows the ratio, not the raw rate
+    paired = {1: (1.2, 1.0), 2: (2.2, 2.0), 3: (1.05, 1.0)}
+    k, auto = choose_k([1, 2, 3], paired.__getitem__)
+    assert k == 1 and auto["chosen_speedup"] == pytest.approx(1.2)
+    assert [r["plain_tokens_per_s"] for r in auto["table"]] == [1.0, 2.0, 1.0]
 
 
 def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):

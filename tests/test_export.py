@@ -5,6 +5,7 @@ pure functions so that every engine parameter is shown to be covered by exactly 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -114,12 +115,14 @@ def test_golden_mtp(exported, tiny_target, heads):
 
 def test_default_formats_and_refusals(heads, tiny_target, tmp_path):
     tied, args, _ = tied_target(tiny_target)
-    assert default_formats(heads["mtp"]) == ["native", "mtp-stitched", "mtp-standalone", "mtp-vllm"]
+    # only what an engine serves on a Llama-family target; mtp-stitched / mtp-standalone on request only
+    assert default_formats(heads["mtp"]) == ["native", "mtp-vllm"]
     assert default_formats(heads["eagle1"]) == ["native", "eagle1-vllm", "eagle1-sglang"]
     assert default_formats(heads["eagle1_bias"]) == ["native", "eagle1-sglang"]  # non-zero bias: no vLLM
-    assert default_formats(build_head({"type": "mtp", "num_modules": 2}, args, tied)) == ["native", "mtp-stitched",
-                                                                                           "mtp-vllm"]
-    assert default_formats(build_head({"type": "mtp", "num_modules": 3}, args, tied)) == ["native", "mtp-stitched"]
+    assert default_formats(build_head({"type": "mtp", "num_modules": 2}, args, tied)) == ["native", "mtp-vllm"]
+    assert default_formats(build_head({"type": "mtp", "num_modules": 3}, args, tied)) == ["native"]
+    qk = dataclasses.replace(args, qk_norm=True)  # a Qwen3 target: vLLM's eagle3 layer has no q/k norms
+    assert default_formats(build_head({"type": "mtp"}, qk, tied)) == ["native"]
     with pytest.raises(ValueError, match=r"non-zero fc\.bias .*head\.bias=false"):
         export_head(heads["eagle1_bias"], {"eagle1-vllm": tmp_path / "v"}, tiny_target)
     assert not (tmp_path / "v").exists()  # nothing half-written

@@ -1,4 +1,6 @@
-"""The demo entry point end to end on the tiny target, through the real CLI and hydra config."""
+"""The demo entry point end to end on the tiny target, through the real CLI and hydra config, with its
+output sent to files as a new user running it under nohup would: progress lines from every stage, k=auto
+with the speedup, no unservable export, the disk use, and the run's status file."""
 
 import json
 import os
@@ -11,18 +13,39 @@ from tests.conftest import ROOT
 
 def test_pipeline_cli_on_tiny_target(tiny_overrides, tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "scripts.pipeline", *tiny_overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"demo tau_trained=([\d.]+) tau_untrained=([\d.]+) runtime_s=(\d+)", last)
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    # the demo's own defaults for evaluation (k=auto, plain baseline), a progress line at every update
+    overrides = [*tiny_overrides, "evaluate.k=auto", "evaluate.plain_baseline=true", "evaluate.auto_max_k=2",
+                 "evaluate.auto_prompts=1", "progress_log_s=0", "train.engine_validation.every_n_steps=2"]
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.run([sys.executable, "-m", "scripts.pipeline", *overrides], cwd=ROOT, env=env,
+                              stdout=fo, stderr=fe, text=True, timeout=600)
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    last = stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"demo tau_trained=([\d.]+) tau_untrained=([\d.]+) speedup=([\d.]+) k=(\d) "
+                     r"draft_vocab=(\w+) runtime_s=(\d+) disk_mb=(\d+)", last)
     assert m, last
     run = tmp_path / "run"
     report = json.loads((run / "eval.json").read_text())
-    assert float(m.group(1)) == round(report["results"]["trained"]["tau"], 3)
+    trained = report["results"]["trained"]
+    assert float(m.group(1)) == round(trained["tau"], 3)
     assert float(m.group(2)) == round(report["results"]["untrained"]["tau"], 3)
+    assert float(m.group(3)) == round(trained["speedup"], 2) and trained["speedup"] > 0
+    assert int(m.group(4)) == trained["k"] == trained["k_auto"]["chosen_k"]
+    assert report["k"] == "auto" and [r["k"] for r in trained["k_auto"]["table"]] == [1, 2]
     for r in report["results"].values():
-        assert r["prompts"] == 2 and r["k"] == 3 and 1.0 <= r["tau"] <= 4.0 and len(r["alpha"]) == 3
+        assert r["prompts"] == 2 and 1.0 <= r["tau"] <= 3.0 and len(r["alpha"]) == r["k"]
         assert r["new_tokens"] == 2 * 8 or r["new_tokens"] < 16  # stops early only on an end-of-turn token
-    assert (run / "export" / "native" / "model.safetensors").exists()
-    assert "artifacts: store=" in proc.stdout
+    # exports: native + what an engine serves for an mtp head on a Llama target; no mtp-stitched copy
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["mtp-vllm", "native"]
+    assert "artifacts: store=" in stdout and re.search(r"disk: .* takes [\d.]+ MB \(.*features [\d.]+ MB", stdout)
+    # progress lines from every stage in the output file (hydra logs to stdout)
+    for pattern in (r"precompute: [\d,]+/[\d,]+ tok \(\d+%\)", r"\btrain: \d+/\d+ step \(\d+%\).*loss=",
+                    r"engine validation: \d+/\d+ item", r"evaluate trained: \d+/2 prompt",
+                    r"evaluate trained: k=auto: \d+/2 setting", r"evaluate plain: \d+/2 prompt",
+                    r"export 1/2: native", r"export 2/2: mtp-vllm written, validated and read back"):
+        assert re.search(pattern, stdout), pattern
+    assert re.search(r"ETA \d+", stdout)  # a line with the time left
+    status = json.loads((run / "status.json").read_text())
+    assert status["pipeline"]["state"] == "done"

@@ -1,6 +1,7 @@
 """Precompute on a tiny target: stored states are the target's, masks are the template's, bad
 records are counted, and a rerun resumes."""
 
+import pytest
 import torch
 
 from data.conversations import tokenize_conversation
@@ -224,6 +225,11 @@ def test_a_family_the_engine_lacks_goes_through_hf(tiny_overrides, tmp_path):
     assert resolve_backend("auto", path, "precompute") == "hf"
     overrides = [o for o in tiny_overrides if not o.startswith("target.path=")]
     cfg = compose_config(overrides + [f"target.path={path}", f"store_dir={tmp_path / 'store'}"])
+    with pytest.raises(ValueError, match="training, evaluation and export would fail on this target: refused"):
+        run_precompute(cfg)  # auto: the stages after it could not use the store
+    assert not (tmp_path / "store").exists()
+    cfg = compose_config(overrides + [f"target.path={path}", f"store_dir={tmp_path / 'store'}",
+                                      "precompute.backend=hf"])  # asked for by name: goes on, with a warning
     store = FeatureStore(run_precompute(cfg)[0])
     assert len(store) == len(CONVERSATIONS)
     for i in (0, 7):

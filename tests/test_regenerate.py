@@ -209,3 +209,20 @@ def test_script_prints_its_summary(tiny_overrides, text_target, tmp_path):
     tokens = int(last.split("tokens=")[1].split()[0])
     assert 0 < tokens <= 4 * 2 * len(CONVERSATIONS)
     assert len(out.read_text().splitlines()) == len(CONVERSATIONS)
+
+
+def test_regeneration_logs_progress_lines(tiny_overrides, text_target, tmp_path, caplog):
+    """With a 0 s interval every finished group of conversations gives a progress line (done/total,
+    rate, tok/s) and the stage ends with a closing line: what a run sent to a file shows."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="spechead.progress"):
+        _, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl", "progress_log_s=0",
+                                         "progress=false"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "spechead.progress"]
+    n = len(CONVERSATIONS)
+    groups = -(-n // 5)  # regenerate.batch_size=5
+    assert len(lines) == groups + 1, lines
+    assert lines[0].startswith(f"regenerate: 5/{n} conv (") and " tok_s=" in lines[0]
+    assert lines[-2].startswith(f"regenerate: {n}/{n} conv (100%)")
+    assert lines[-1].startswith("regenerate: done after ") and stats.conversations == n

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from inference_eval.model import LlamaForCausalLM
-from inference_eval.speculative import (DraftModelProposer, Sampling, accept_rejection, generate_plain,
-                                        generate_speculative)
+from inference_eval.engine import engine_generate
+from inference_eval.speculative import DraftModelProposer, Sampling, accept_rejection, generate_speculative
+from tests.reference_decoding import generate_plain  # the former batch-1 loop: the reference sampler
 from tests.test_heads_family import make
 
 
@@ -99,11 +100,11 @@ def test_speculative_sampling_matches_the_targets_joint_distribution(target, tin
     prompt = [5, 17, 42, 9]
     exact = _exact(target, prompt, Sampling(temperature=0.8, top_k=6))
     draft = make(tiny_target, "mtp3") if proposer == "mtp" else DraftModelProposer(target.truncated(1))
-    n, counts, rejected = 1000, Counter(), 0
-    for _ in range(n):
-        out, st = generate_speculative(target, draft, prompt, 2, 3, sampling=sampling)
-        counts[tuple(out[:2])] += 1
-        rejected += sum(st.reached) - sum(st.accepted)
+    n = 1000
+    # the engine: n independent requests of the same prompt, 16 decoded together
+    outs, eng = engine_generate(target, [prompt] * n, 3, draft, 2, sampling=sampling, max_batch=16)
+    counts = Counter(tuple(out[:2]) for out in outs)
+    rejected = sum(eng.stats.reached) - sum(eng.stats.accepted)
     stat, df = chi2(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
     assert rejected > n // 4  # the drafts really were rejected often: the residual path was exercised

@@ -1,12 +1,16 @@
 """Greedy speculative decoding: exact accept rule, output identical to plain greedy, exact τ/α on
-stub drafts with a known acceptance pattern."""
+stub drafts with a known acceptance pattern. Stub heads run through the reference batch-1 loop
+(tests/reference_decoding.py); real heads and draft models through the product's decoder, the paged
+engine with one slot (`generate_speculative`), against the reference loop's plain output."""
 
 import pytest
 import torch
 
 from heads.checkpoint import build_head
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import accept_greedy, generate_plain, generate_speculative
+from inference_eval.speculative import accept_greedy
+from inference_eval.speculative import generate_speculative as engine_speculative
+from tests.reference_decoding import generate_plain, generate_speculative
 from tests.helpers import StubHead
 
 
@@ -87,8 +91,12 @@ def test_real_head_speculative_equals_plain(target, tiny_target, k):
     head.reset_parameters(0, parts.first_input_norm)
     for prompt in PROMPTS:
         plain = generate_plain(target, prompt, 24)
-        spec, st = generate_speculative(target, head, prompt, k, 24)
-        assert spec == plain
+        spec, st = engine_speculative(target, head, prompt, k, 24)
+        ref, ref_st = generate_speculative(target, head, prompt, k, 24)
+        assert spec == plain == ref
+        # the engine's τ and per-position acceptance == the former batch-1 loop's on the same prompt
+        assert (st.steps, st.emitted, st.reached, st.accepted) == (ref_st.steps, ref_st.emitted, ref_st.reached,
+                                                                   ref_st.accepted)
         assert st.steps >= 1 and st.emitted >= st.steps
 
 
@@ -109,14 +117,17 @@ def test_draft_model_proposer_is_lossless(target, k):
     draft = DraftModelProposer(target.truncated(1))
     for prompt in PROMPTS:
         plain = generate_plain(target, prompt, 20)
-        spec, st = generate_speculative(target, draft, prompt, k, 20)
-        assert spec == plain
+        spec, st = engine_speculative(target, draft, prompt, k, 20)
+        ref, _ = generate_speculative(target, draft, prompt, k, 20)  # the reference loop: the same output
+        # (not the same rounds: the engine's draft-model schedule decodes a round with a prefill plainly)
+        assert spec == plain == ref
         assert 1 <= st.steps <= len(plain) - 1  # each verification pass emits at least one token
-    # the whole target as its own draft: every draft accepted, τ = k + 1 up to the last round's cut
+    # the whole target as its own draft: every draft accepted. The engine's round with the prefill decodes
+    # plainly (the seed's draft-model schedule: 1 token), then 4 rounds of k + 1 tokens each
     full = DraftModelProposer(target.truncated(target.args.num_hidden_layers))
-    spec, st = generate_speculative(target, full, PROMPTS[0], k, 4 * (k + 1) + 1)
+    spec, st = engine_speculative(target, full, PROMPTS[0], k, 4 * (k + 1) + 1)
     assert spec == generate_plain(target, PROMPTS[0], 4 * (k + 1) + 1)
-    assert st.accepted == st.reached and st.steps == 4 and st.tau == k + 1
+    assert st.accepted == st.reached == [4] * k and st.steps == 5 and st.emitted == 1 + 4 * (k + 1)
 
 
 def test_truncated_model_shares_weights(target):

@@ -10,7 +10,7 @@ import torch
 from data.precompute import run_precompute
 from data.store import FeatureStore
 from inference_eval.model import LlamaForCausalLM
-from inference_eval.speculative import generate_speculative
+from tests.reference_decoding import generate_speculative  # the former batch-1 loop: a reference
 from tests.conftest import compose_config
 from tests.test_heads_family import make
 from train.validation import (engine_teacher_forced, first_reply_prompt, select_rows, speculative_scores,
@@ -246,30 +246,41 @@ def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):
 
 def test_validation_and_evaluation_decode_through_the_paged_engine(store, tiny_target, tiny_overrides, monkeypatch,
                                                                    tmp_path):
-    """With the batch-1 loop made unusable, validation's τ and evaluation's τ still come out: both run
-    the paged engine (and evaluation's simulated τ no longer needs train/)."""
+    """Validation's τ and evaluation's τ are the paged engine's: every decode goes through Engine.run
+    (counted), the product holds no other decoder (the batch-1 loop lives in tests/reference_decoding.py
+    only), and the τ reported is the one the engine measured."""
+    import inference_eval.engine as G
     import inference_eval.evaluate as E
     import inference_eval.speculative as S
     import train.validation as V
     from inference_eval.evaluate import run_evaluation
     from train.run import run_training
 
+    for module, names in ((S, ("HeadProposer", "as_proposer", "RefDraftModelProposer")), (E, ("evaluate_head",))):
+        assert not any(hasattr(module, n) for n in names)  # one decoder: no batch-1 loop left in the product
     cfg = compose_config(tiny_overrides + ["trainer.max_epochs=1", "train.engine_validation.enabled=false",
                                            "evaluate.heads.untrained=null", f"run_dir={tmp_path / 'paged'}"])
     run_precompute(cfg)
     run_training(cfg)
+    runs = []
+    real_run = G.Engine.run
 
-    def old_loop(*args, **kwargs):
-        raise AssertionError("the batch-1 decoding loop ran")
+    def counted(self, *args, **kwargs):
+        out = real_run(self, *args, **kwargs)
+        runs.append(self)
+        return out
 
-    for module in (S, E):
-        for name in ("generate_speculative", "generate_plain", "evaluate_head"):
-            if hasattr(module, name):
-                monkeypatch.setattr(module, name, old_loop)
+    monkeypatch.setattr(G.Engine, "run", counted)
     head = make(tiny_target, "mtp3").eval()
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     prompts = [first_reply_prompt(store[i]["input_ids"], store[i]["loss_mask"]) for i in range(2)]
     got = V.speculative_scores(target, head, prompts, 2, 8, set())
-    assert got["tau"] >= 1.0 and got["mismatches"] == 0
+    spec_runs = [e for e in runs if e.proposer is not None]
+    assert len(spec_runs) == 1 and got["tau"] == pytest.approx(spec_runs[0].stats.tau) and got["mismatches"] == 0
+    runs.clear()
     report = run_evaluation(cfg)
-    assert report["results"]["trained"]["tau"] >= 1.0 and "simulated_tau" in report["results"]["trained"]
+    spec_runs = [e for e in runs if e.proposer is not None]
+    assert len(spec_runs) == 2  # evaluate.warmup=1: a warm-up engine, then the timed pass over every prompt
+    assert report["results"]["trained"]["tau"] == pytest.approx(spec_runs[-1].stats.tau)
+    assert report["results"]["trained"]["target_passes"] == spec_runs[-1].stats.steps
+    assert "simulated_tau" in report["results"]["trained"]

@@ -11,6 +11,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
+from data.checks import check_before_work
+from data.progress import log_interval
 from data.sources import resolve_target_dir
 from data.store import target_fingerprint
 from heads.checkpoint import build_head, save_native
@@ -18,6 +20,7 @@ from heads.base import DraftHead
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule
 from train.module import DraftHeadModule
+from train.progress import ProgressLog
 from train.validation import EngineValidation
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,10 @@ def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None) -
         if hasattr(head, "set_draft_vocab"):
             head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
     head.reset_parameters(int(cfg.seed), parts.first_input_norm)
+    if head.kind == "draft_lm" and head.cfg.init == "target":  # the target's first N layers (heads/draft_lm.py)
+        from heads.draft_lm import read_target_layers
+
+        head.copy_target_layers(read_target_layers(target_dir, head.cfg.num_layers))
     return head
 
 
@@ -68,6 +75,7 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     Only global rank 0 writes files. With `ddp` (and DeepSpeed) every rank runs this function; with
     `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
     into the parent's module after fit — so `head` below is the trained head in every case."""
+    check_before_work(cfg, "train")
     L.seed_everything(int(cfg.seed), workers=True)
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
@@ -79,7 +87,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
-    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), *(extra_callbacks or []), checkpoints]
+    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), *(extra_callbacks or []), checkpoints,
+                 ProgressLog(log_interval(cfg))]
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
@@ -91,7 +100,7 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
             plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
             top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
             device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
-            wait_timeout_s=float(ev.get("wait_timeout_s", 86400)))
+            wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=log_interval(cfg))
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

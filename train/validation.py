@@ -45,6 +45,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from data.progress import Progress
 from heads.unroll import unroll
 from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
@@ -201,7 +202,8 @@ class EngineValidation(L.Callback):
                  w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
                  plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto",
-                 wait_timeout_s: float = 86400.0) -> None:
+                 wait_timeout_s: float = 86400.0, progress_log_s: float | None = None) -> None:
+        self.progress_log_s = progress_log_s  # seconds between progress lines (data/progress.py); None: none
         self.target_dir, self.target_dtype = Path(target_dir), target_dtype
         self.device = device  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
         # strict: an engine-vs-training gap above tolerance fails the run; None: on for a float32 target
@@ -269,6 +271,9 @@ class EngineValidation(L.Callback):
         head = pl_module.head
         was_training = head.training
         try:  # loading the target can fail transiently too (a missing file, out of memory)
+            log.info("engine validation at step %d: %d held-out conversations teacher-forced, %d prompts decoded "
+                     "(k=%d, %d new tokens)", trainer.global_step, self.conversations, self.prompts, self.k,
+                     self.max_new_tokens)
             device = self._load().device
             if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
                 head = copy.deepcopy(head).to(device, torch.float32)
@@ -298,6 +303,9 @@ class EngineValidation(L.Callback):
         eng = [DepthScores() for _ in range(depth)]
         ref = [DepthScores() for _ in range(depth)]
         prompts = []
+        n_conv = len(val_idx[: self.conversations])
+        bar = Progress(n_conv + min(self.prompts, len(val_idx)), "engine validation", "item", bar=False,
+                       every_s=self.progress_log_s)
         for i in val_idx[: max(self.conversations, self.prompts)]:
             sample = store[i]
             if len(prompts) < self.prompts:
@@ -312,6 +320,7 @@ class EngineValidation(L.Callback):
                 eng[d].add(s)
             for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.normed)):
                 ref[d].add(s)
+            bar.update(1, stage="teacher-forced")
         m: dict[str, float] = {}
         total = 0.0
         gaps = []  # depths whose engine-vs-training top-1 gap exceeds the tolerance
@@ -349,11 +358,13 @@ class EngineValidation(L.Callback):
             m["engine_val/sim_tau"] = spec["sim_tau"]
             m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
             m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
+            bar.update(len(prompts), stage="decoded", tau=round(spec["tau"], 3))
             if self.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
                 sampling = Sampling(self.temperature, self.top_p, self.top_k, torch.Generator().manual_seed(self.seed))
                 total = engine_decode(target, head, prompts, k, self.max_new_tokens, self._stops, sampling)[1].stats
                 m["engine_val/tau_sampled"] = total.tau
                 m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
+        bar.close()
         log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
         return m
 

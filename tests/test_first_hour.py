@@ -1,0 +1,213 @@
+"""What a new user meets first: progress lines that a file shows, configuration errors before any model
+or data work (each with its fix), the run's status file after a failure, k=auto over draft vocabularies."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from data.checks import ConfigError, check_before_work
+from data.progress import Progress, duration, log_interval
+from tests.conftest import ROOT, compose_config
+
+
+# ---- progress lines ------------------------------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_logs_a_line_every_interval_with_rate_and_eta(caplog):
+    clock = Clock()
+    logger = logging.getLogger("test.progress")
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        p = Progress(1000, "precompute", "tok", bar=False, every_s=10, logger=logger, clock=clock)
+        for _ in range(9):  # 9 updates, 4 s apart: 100 tokens each
+            clock.t += 4
+            p.update(100, loss=0.25)
+        p.close()
+    lines = [r.getMessage() for r in caplog.records]
+    # a line when ≥ 10 s passed since the last one: at t = 12, 24, 36 s (after updates 3, 6, 9)
+    assert lines[:3] == [
+        "precompute: 300/1,000 tok (30%) 25 tok/s loss=0.25 elapsed 12s ETA 28s",
+        "precompute: 600/1,000 tok (60%) 25 tok/s loss=0.25 elapsed 24s ETA 16s",
+        "precompute: 900/1,000 tok (90%) 25 tok/s loss=0.25 elapsed 36s ETA 4s"]
+    assert lines[3] == "precompute: done after 36s (900 tok, 25 tok/s) loss=0.25" and len(lines) == 4
+
+
+def test_progress_lines_off_and_failed_close(caplog):
+    clock = Clock()
+    logger = logging.getLogger("test.progress2")
+    with caplog.at_level(logging.INFO, logger="test.progress2"):
+        with Progress(None, "quiet", bar=False, every_s=None, logger=logger, clock=clock) as p:
+            clock.t += 100
+            p.update(5)
+        with pytest.raises(RuntimeError):
+            with Progress(None, "export", "format", bar=False, every_s=0, logger=logger, clock=clock) as p:
+                clock.t += 1
+                p.update(1)
+                raise RuntimeError("boom")
+    assert [r.getMessage() for r in caplog.records] == ["export: 1 format 1 format/s elapsed 1s",
+                                                        "export: stopped after 1s (1 format, 1 format/s)"]
+    assert duration(3725) == "1h02m05s" and duration(59.6) == "1m00s"
+    assert log_interval({"progress_log_s": None}) is None and log_interval({}) == 30.0
+    with pytest.raises(ValueError, match="progress_log_s"):
+        log_interval({"progress_log_s": -1})
+
+
+# ---- configuration errors before any work --------------------------------------------------------
+@pytest.fixture
+def no_work(monkeypatch):
+    """Every way a stage starts real work fails the test: loading a target, a tokenizer, the data."""
+    import transformers
+
+    import data.sources
+    import train.run  # imported before patching: it binds tied_target at import
+    from inference_eval.model import LlamaForCausalLM
+
+    def never(*a, **k):
+        raise AssertionError("work started before the configuration was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    monkeypatch.setattr(data.sources, "load_conversations", never)
+    monkeypatch.setattr("inference_eval.model.tied_target", never)
+    monkeypatch.setattr(train.run, "tied_target", never)
+
+
+def run_stage(stage, cfg):
+    if stage == "precompute":
+        from data.precompute import run_precompute
+        return run_precompute(cfg)
+    if stage == "train":
+        from train.run import run_training
+        return run_training(cfg)
+    if stage == "evaluate":
+        from inference_eval.evaluate import run_evaluation
+        return run_evaluation(cfg)
+    if stage == "export":
+        from scripts.export import run_export
+        return run_export(cfg)
+    if stage == "regenerate":
+        from data.regenerate import regenerate
+        return regenerate(cfg)
+    return check_before_work(cfg, stage)
+
+
+def foreign_target(tiny_target, tmp_path, **change):
+    path = tmp_path / "foreign"
+    shutil.copytree(tiny_target, path)
+    config = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_source_and_path_mismatches_name_the_fix(tiny_overrides, conversations_file, tmp_path, no_work):
+    array = tmp_path / "records.json"
+    array.write_text(json.dumps([json.loads(line) for line in conversations_file.read_text().splitlines()[:3]]))
+    cases = [
+        (["data.source=sharegpt", f"data.path={conversations_file}"], "set data.source=jsonl"),
+        (["data.source=json", f"data.path={conversations_file}"], "set data.source=jsonl"),
+        (["data.source=jsonl", f"data.path={array}"], "set data.source=json"),
+        (["data.source=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"], "no such file"),
+        (["data.source=parquet"], "expected sharegpt"),
+        (["data.source=jsonl", "data.path=null"], "needs data.path"),
+    ]
+    for override, words in cases:
+        for stage in ("precompute", "regenerate", "pipeline"):
+            cfg = compose_config([*tiny_overrides, *override])
+            with pytest.raises(ValueError, match=words):
+                run_stage(stage, cfg)
+
+
+@pytest.mark.parametrize("stage", ["precompute", "regenerate", "train", "evaluate", "export", "pipeline"])
+def test_a_target_family_the_engine_cannot_run_is_refused_by_every_stage(stage, tiny_target, tiny_overrides,
+                                                                         tmp_path, no_work):
+    path = foreign_target(tiny_target, tmp_path, model_type="gpt_neox")
+    cfg = compose_config([*tiny_overrides, f"target.path={path}", f"export.source={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"'gpt_neox' is not .*would fail on this target: refused before any "
+                                          rf"work \({stage}[;)]") as err:
+        run_stage(stage, cfg)
+    assert str(path) in str(err.value)
+
+
+def test_target_paths_templates_and_head_types(tiny_target, tiny_overrides, tmp_path, no_work):
+    cases = [
+        ([f"target.path={tmp_path / 'nowhere'}"], "precompute", "no such directory"),
+        ([f"target.path={tmp_path}"], "train", "no config.json"),
+        (["head.type=eagle9"], "precompute", "head.type='eagle9': unknown head type; known: .*mtp"),
+        (["evaluate.dataset=humaneval"], "pipeline", "evaluate.dataset=jsonl evaluate.prompts_path"),
+        (["evaluate.k=0"], "pipeline", "evaluate.k=0"),
+    ]
+    for override, stage, words in cases:
+        with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=words):
+            run_stage(stage, compose_config([*tiny_overrides, *override]))
+    # a base model without a chat template: conversations cannot be rendered (training itself needs none)
+    base = foreign_target(tiny_target, tmp_path)
+    tcfg = json.loads((base / "tokenizer_config.json").read_text())
+    tcfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    for stage in ("precompute", "evaluate", "pipeline"):
+        with pytest.raises(ConfigError, match="no chat template .* chat_template.jinja"):
+            run_stage(stage, compose_config([*tiny_overrides, f"target.path={base}"]))
+
+
+# ---- the status of a failed run ------------------------------------------------------------------
+def test_a_failed_stage_is_marked_with_its_partial_artifacts(tiny_overrides, tmp_path):
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    run = tmp_path / "run"
+
+    def stage(name, *extra):
+        return subprocess.run([sys.executable, "-m", f"scripts.{name}", *tiny_overrides, *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    ok = stage("precompute")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads((run / "status.json").read_text())["precompute"]["state"] == "done"
+    ok = stage("train", "trainer.max_epochs=1", "train.engine_validation.enabled=false")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads((run / "status.json").read_text())["train"]["state"] == "done"
+    # a training run that fails (a checkpoint to resume from that is not there) is marked failed, with the
+    # error, where it came from, and the checkpoints it can resume from
+    bad = stage("train", "train.engine_validation.enabled=false", f"train.resume={tmp_path / 'gone.ckpt'}")
+    assert bad.returncode != 0
+    status = json.loads((run / "status.json").read_text())
+    assert status["precompute"]["state"] == "done" and status["train"]["state"] == "failed"
+    assert "gone.ckpt" in status["train"]["error"] and status["train"]["where"]
+    assert status["train"]["partial"] == str(run / "checkpoints") and "train.resume=last" in status["train"]["resume"]
+    assert f"train failed: " in bad.stdout + bad.stderr and "train.resume=last" in bad.stdout + bad.stderr
+
+
+# ---- k=auto over k and draft vocabularies --------------------------------------------------------
+def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
+    from data.precompute import run_precompute
+    from inference_eval.evaluate import run_evaluation
+    from train.run import run_training
+
+    cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
+                          "evaluate.heads.untrained=null", "evaluate.k=auto", "evaluate.auto_max_k=2",
+                          "evaluate.auto_prompts=1", "evaluate.auto_draft_vocab=[null,64]",
+                          "evaluate.plain_baseline=true"])
+    run_precompute(cfg)
+    run_training(cfg)
+    report = run_evaluation(cfg)
+    entry = report["results"]["trained"]
+    table = entry["k_auto"]["table"]
+    assert [(r["k"], r["draft_vocab"]) for r in table] == [(1, None), (1, 64), (2, None), (2, 64)]
+    best = max(table, key=lambda r: r["tokens_per_s"])
+    assert (entry["k"], entry["draft_vocab"]) == (best["k"], best["draft_vocab"])
+    assert entry["k_auto"]["faster_than_plain"] == (best["speedup"] > 1)
+    assert entry["speedup"] == pytest.approx(entry["tokens_per_s"] / report["plain_tokens_per_s"])
