@@ -97,3 +97,22 @@ def random_hf_model(model_cls, config, seed: int, norm_jitter: float = 0.1):
             if "norm" in name:
                 p.add_(norm_jitter * torch.randn_like(p))
     return model
+
+
+def assert_tree_verification_equals_branches(model, ctx: list[int], atol: float, rtol: float) -> None:
+    """Two branches (root→5→6, root→7→8) verified in one pass through a tree mask after the context `ctx`
+    give each branch's own full-forward logits."""
+    from inference_eval.engine import Tree
+    from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
+
+    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2])
+    pool, (table,) = pool_and_tables(model, [len(ctx) + 8])
+    model(torch.tensor([ctx]), torch.arange(len(ctx))[None],
+          cache=PagedCache(pool, PagedBatch([SeqSlice(table, 0, len(ctx))])))
+    m, root = len(ctx), 99
+    batch = PagedBatch([SeqSlice(table, m, 5, mask=tree.ancestry())])
+    pos = torch.tensor([[m, m + 1, m + 2, m + 1, m + 2]])
+    got = model(torch.tensor([[root, 5, 6, 7, 8]]), pos, cache=PagedCache(pool, batch)).logits[0]
+    for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
+        want = model(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
+        torch.testing.assert_close(got[[0, *rows]], want, atol=atol, rtol=rtol)

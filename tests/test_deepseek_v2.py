@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
-from inference_eval.engine import Tree, engine_generate
+from inference_eval.engine import engine_generate
 from inference_eval.families.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCausalLM, MLARotary
 from inference_eval.model import LlamaForCausalLM
-from inference_eval.paged import PackedRows, PagedBatch, PagedCache, SeqSlice
+from inference_eval.paged import PackedRows
 from inference_eval.speculative import generate_plain
-from tests.helpers import paged_steps_per_sequence, pool_and_tables as _tables, random_hf_model
+from tests.helpers import (assert_tree_verification_equals_branches, paged_steps_per_sequence,
+                           pool_and_tables as _tables, random_hf_model)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
@@ -245,17 +246,7 @@ def test_paged_tree_verification(deepseek):
     branch's own full-forward logits."""
     _, model, _ = deepseek
     ctx = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(8)).tolist()
-    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2])
-    pool, (table,) = _tables(model, [len(ctx) + 8])
-    model(torch.tensor([ctx]), torch.arange(len(ctx))[None],
-          cache=PagedCache(pool, PagedBatch([SeqSlice(table, 0, len(ctx))])))
-    m, root = len(ctx), 99
-    batch = PagedBatch([SeqSlice(table, m, 5, mask=tree.ancestry())])
-    pos = torch.tensor([[m, m + 1, m + 2, m + 1, m + 2]])
-    got = model(torch.tensor([[root, 5, 6, 7, 8]]), pos, cache=PagedCache(pool, batch)).logits[0]
-    for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
-        want = model(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
-        torch.testing.assert_close(got[[0, *rows]], want, atol=2e-5, rtol=1e-5)
+    assert_tree_verification_equals_branches(model, ctx, atol=2e-5, rtol=1e-5)
 
 
 def test_packed_rows_equal_separate_forwards(deepseek):

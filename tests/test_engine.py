@@ -11,10 +11,11 @@ import torch
 
 from inference_eval.engine import Engine, PagedTreeProposer, Tree, engine_generate
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
+from inference_eval.paged import BlockAllocator, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import DraftModelProposer, Sampling
 from tests.reference_decoding import generate_plain, generate_speculative  # the former batch-1 loop: a reference
 from tests.conftest import make_hf_model
+from tests.helpers import assert_tree_verification_equals_branches, pool_and_tables as _pool_and_tables
 
 ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 13]
 
@@ -58,18 +59,6 @@ def varied(tmp_path_factory):
 def reference(varied):
     target, _, prompts, *_ = varied
     return [generate_plain(target, p, 20) for p in prompts]
-
-
-def _pool_and_tables(target, lengths, block_size=4, num_blocks=64):
-    a = target.args
-    pool = KVPool(a.num_hidden_layers, num_blocks, block_size, a.num_key_value_heads, a.head_dim, target.dtype)
-    alloc = BlockAllocator(num_blocks)
-    tables = []
-    for n in lengths:
-        t = BlockTable(block_size)
-        t.extend(alloc.allocate(-(-n // block_size)))
-        tables.append(t)
-    return pool, tables
 
 
 @pytest.mark.parametrize("prefill_per_sequence", [True, False])
@@ -136,18 +125,7 @@ def test_packed_rows_equal_separate_forwards(varied):
 def test_tree_mask_attention_equals_separate_branches(varied):
     """Two branches verified in one pass through a tree mask give each branch's own logits."""
     target, _, prompts, *_ = varied
-    ctx = prompts[2]
-    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2])  # root→5→6, root→7→8
-    pool, (table,) = _pool_and_tables(target, [len(ctx) + 8])
-    target(torch.tensor([ctx]), torch.arange(len(ctx))[None],
-           cache=PagedCache(pool, PagedBatch([SeqSlice(table, 0, len(ctx))])))
-    m, root = len(ctx), 99
-    batch = PagedBatch([SeqSlice(table, m, 5, mask=tree.ancestry())])
-    pos = torch.tensor([[m, m + 1, m + 2, m + 1, m + 2]])
-    got = target(torch.tensor([[root, 5, 6, 7, 8]]), pos, cache=PagedCache(pool, batch)).logits[0]
-    for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
-        want = target(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
-        torch.testing.assert_close(got[[0, *rows]], want, atol=1e-4, rtol=1e-4)
+    assert_tree_verification_equals_branches(target, prompts[2], atol=1e-4, rtol=1e-4)
 
 
 def test_block_allocator_and_errors(varied):

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from inference_eval.engine import Tree, engine_generate
+from inference_eval.engine import engine_generate
 from inference_eval.families.gemma3 import Gemma3Args, Gemma3ForCausalLM
 from inference_eval.model import LlamaForCausalLM, target_args
-from inference_eval.paged import PackedRows, PagedBatch, PagedCache, SeqSlice
+from inference_eval.paged import PackedRows
 from inference_eval.speculative import generate_plain
-from tests.helpers import paged_steps_per_sequence, pool_and_tables as _tables, random_hf_model
+from tests.helpers import assert_tree_verification_equals_branches, paged_steps_per_sequence, random_hf_model
 
 WINDOW = 7
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -170,17 +170,7 @@ def test_paged_tree_verification(gemma):
     branch's own full-forward logits (the window counts a tree row's position by its depth)."""
     _, model, _ = gemma
     ctx = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(6)).tolist()
-    tree = Tree(tokens=[5, 6, 7, 8], parents=[-1, 0, -1, 2], depths=[1, 2, 1, 2])
-    pool, (table,) = _tables(model, [len(ctx) + 8])
-    model(torch.tensor([ctx]), torch.arange(len(ctx))[None],
-          cache=PagedCache(pool, PagedBatch([SeqSlice(table, 0, len(ctx))])))
-    m, root = len(ctx), 99
-    batch = PagedBatch([SeqSlice(table, m, 5, mask=tree.ancestry())])
-    pos = torch.tensor([[m, m + 1, m + 2, m + 1, m + 2]])
-    got = model(torch.tensor([[root, 5, 6, 7, 8]]), pos, cache=PagedCache(pool, batch)).logits[0]
-    for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
-        want = model(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
-        torch.testing.assert_close(got[[0, *rows]], want, atol=1e-4, rtol=1e-4)
+    assert_tree_verification_equals_branches(model, ctx, atol=1e-4, rtol=1e-4)
 
 
 def test_packed_rows_equal_separate_forwards(gemma):
