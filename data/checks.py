@@ -55,6 +55,8 @@ def check_before_work(cfg: Any, stage: str) -> None:
         from data.sources import check_source
 
         check_source(cfg.data)
+        if target_dir is not None:
+            check_context(cfg, target_dir)
     if "head" in needs and cfg.get("head") is not None:
         check_head(cfg.head)
     if "evaluate" in needs or "evaluate_settings" in needs:
@@ -171,6 +173,18 @@ def check_plain_text_use(cfg: Any, stage: str) -> None:
         raise ConfigError("evaluate.dataset=sharegpt takes held-out conversations of the data source, and "
                           "data.source=text holds plain texts: use evaluate.dataset=jsonl "
                           "evaluate.prompts_path=<file> ({\"prompt\": ...} per line; raw text for a base model)")
+
+
+def check_context(cfg: Any, target_dir: Path) -> None:
+    """data.max_length within the target's context (config.json's max_position_embeddings)."""
+    try:
+        limit = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, json.JSONDecodeError):
+        return  # check_engine_family names an unreadable config
+    max_length = (cfg.get("data") or {}).get("max_length")
+    if limit is not None and max_length is not None and int(max_length) > int(limit):
+        raise ConfigError(f"data.max_length={max_length} exceeds the target's context (max_position_embeddings="
+                          f"{limit} in {target_dir}/config.json): set data.max_length ≤ {limit}")
 
 
 def check_head(head_cfg: Any) -> None:

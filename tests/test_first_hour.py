@@ -150,6 +150,7 @@ def test_target_paths_templates_and_head_types(tiny_target, tiny_overrides, tmp_
         (["head.type=eagle9"], "precompute", "head.type='eagle9': unknown head type; known: .*mtp"),
         (["evaluate.dataset=humaneval"], "pipeline", "evaluate.dataset=jsonl evaluate.prompts_path"),
         (["evaluate.k=0"], "pipeline", "evaluate.k=0"),
+        (["data.max_length=99999"], "precompute", r"data.max_length=99999 exceeds the target's context"),
     ]
     for override, stage, words in cases:
         with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=words):
