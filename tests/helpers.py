@@ -116,3 +116,16 @@ def assert_tree_verification_equals_branches(model, ctx: list[int], atol: float,
     for branch, rows in (([5, 6], [1, 2]), ([7, 8], [3, 4])):
         want = model(torch.tensor([ctx + [root] + branch])).logits[0, -3:]
         torch.testing.assert_close(got[[0, *rows]], want, atol=atol, rtol=rtol)
+
+
+def assert_cached_decode_equals_full_forward(hf, model, ids: torch.Tensor, atol: float, rtol: float) -> None:
+    """The engine model's full forward equals HF's logits; on its contiguous cache a 5-token prefill, a
+    3-token verification chunk, then single decode steps give the full forward's logits and states."""
+    full = model(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(full.logits, hf(ids).logits, atol=2e-5, rtol=1e-5)
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + 8)
+    parts = [model(ids[:, :5], cache=cache, start=0), model(ids[:, 5:8], cache=cache, start=5)]
+    parts += [model(ids[:, i:i + 1], cache=cache, start=i) for i in range(8, ids.shape[1])]
+    torch.testing.assert_close(torch.cat([p.logits for p in parts], 1), full.logits, atol=atol, rtol=rtol)
+    torch.testing.assert_close(torch.cat([p.hidden for p in parts], 1), full.hidden, atol=atol, rtol=rtol)

@@ -16,8 +16,8 @@ from inference_eval.families.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCau
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.paged import PackedRows
 from inference_eval.speculative import generate_plain
-from tests.helpers import (assert_tree_verification_equals_branches, paged_steps_per_sequence,
-                           pool_and_tables as _tables, random_hf_model)
+from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
+                           paged_steps_per_sequence, pool_and_tables as _tables, random_hf_model)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
@@ -215,15 +215,7 @@ def test_cached_decode_equals_full_forward(deepseek):
     then single decode steps give the full forward's (expanded, HF's) logits and states."""
     hf, model, _ = deepseek
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
-    full = model(ids)
-    with torch.no_grad():
-        torch.testing.assert_close(full.logits, hf(ids).logits, atol=2e-5, rtol=1e-5)
-    cache = model.new_cache(2, 32)
-    parts = [model(ids[:, :5], cache=cache, start=0)]
-    parts.append(model(ids[:, 5:8], cache=cache, start=5))
-    parts += [model(ids[:, i:i + 1], cache=cache, start=i) for i in range(8, 24)]
-    torch.testing.assert_close(torch.cat([p.logits for p in parts], 1), full.logits, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat([p.hidden for p in parts], 1), full.hidden, atol=2e-5, rtol=1e-5)
+    assert_cached_decode_equals_full_forward(hf, model, ids, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("prefill_per_sequence", [True, False])

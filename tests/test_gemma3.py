@@ -13,7 +13,8 @@ from inference_eval.families.gemma3 import Gemma3Args, Gemma3ForCausalLM
 from inference_eval.model import LlamaForCausalLM, target_args
 from inference_eval.paged import PackedRows
 from inference_eval.speculative import generate_plain
-from tests.helpers import assert_tree_verification_equals_branches, paged_steps_per_sequence, random_hf_model
+from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
+                           paged_steps_per_sequence, random_hf_model)
 
 WINDOW = 7
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -134,15 +135,7 @@ def test_cached_decode_equals_full_forward(gemma):
     the window give the full forward's logits and states (which equal HF's)."""
     hf, model, _ = gemma
     ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(2))
-    full = model(ids)
-    with torch.no_grad():
-        torch.testing.assert_close(full.logits, hf(ids).logits, atol=2e-5, rtol=1e-5)
-    cache = model.new_cache(1, 32)
-    parts = [model(ids[:, :5], cache=cache, start=0)]
-    parts.append(model(ids[:, 5:8], cache=cache, start=5))
-    parts += [model(ids[:, i:i + 1], cache=cache, start=i) for i in range(8, 24)]
-    torch.testing.assert_close(torch.cat([p.logits for p in parts], 1), full.logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(torch.cat([p.hidden for p in parts], 1), full.hidden, atol=1e-5, rtol=1e-5)
+    assert_cached_decode_equals_full_forward(hf, model, ids, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("prefill_per_sequence", [True, False])
