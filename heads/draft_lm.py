@@ -95,8 +95,9 @@ class DraftLMHead(DraftHead):
         return len(self.model.layers)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """W_lm x: the target's frozen lm_head (the engine calls `lm_head(model.norm(h))`)."""
-        return linear(x, self.tied.lm_head)
+        """W_lm x, capped where the target's family caps its logits: the target's frozen lm_head (the
+        engine calls `lm_head(model.norm(h))`)."""
+        return self.tied.cap_logits(linear(x, self.tied.lm_head))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None, start: int = 0,
                 logits: Literal["all", "last", "none"] = "all", capture_layers: tuple[int, ...] = (),
@@ -160,16 +161,24 @@ class DraftLMHead(DraftHead):
     # ---- initialisation ------------------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
-        """Random layers (heads/base.py init_random), the final norm ← N_f. With `init: target` the
-        layers are then overwritten by `copy_target_layers` (train/run.py init_head does it)."""
+        """Random layers (heads/base.py init_random), the final norm ← N_f (its multiplier in Llama form:
+        Gemma's 1 + w). With `init: target` the layers are then overwritten by `copy_target_layers`
+        (train/run.py init_head does it)."""
         gen = torch.Generator().manual_seed(seed)
         init_random(self.model.layers, gen, self.cfg.init_std)
-        self.model.norm.weight.copy_(self.tied.norm_weight)
+        self.model.norm.weight.copy_(self.tied.norm_scale)
 
     @torch.no_grad()
     def copy_target_layers(self, state: dict[str, torch.Tensor]) -> None:
         """Load the target's first N decoder layers: `state` holds `model.layers.{i}.*` for i < N, by the
-        target's own names (`read_target_layers`)."""
+        target's own names (`read_target_layers`). Only a Llama-architecture target's layers are the
+        draft's: another family's (Gemma 3: four norms of the (1 + w) form, q/k norms) load under the
+        same names but compute something else, so they are refused."""
+        from heads.export import LLAMA_FAMILY
+
+        if self.args.model_type not in LLAMA_FAMILY:
+            raise ValueError(f"draft_lm init=target: a {self.args.model_type!r} target's layers are not Llama "
+                             "layers (the draft's); use head.init=random for this target")
         own = {k: v for k, v in self.state_dict().items() if k.startswith("model.layers.")}
         missing = sorted(set(own) - set(state))
         if missing:

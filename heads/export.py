@@ -96,16 +96,26 @@ UNSERVED_FORMATS = ("mtp-stitched", "mtp-standalone")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def engine_format_blocker(head: Head) -> str | None:
+    """Why no engine format can hold this head, or None: the engines' draft classes (and `draft-hf`'s
+    target class with Llama layers) apply Llama's conventions to a Llama-family target."""
+    from heads.layers import TiedConventions
+
+    conventions = getattr(head.tied, "conventions", TiedConventions())
+    if conventions != TiedConventions():
+        return (f"the head follows its target's conventions {conventions} (embedding scale, (1 + w) final norm, "
+                "logit cap), which the engines' Llama draft classes do not apply")
+    if head.args.model_type not in LLAMA_FAMILY:  # DeepSeek-V2 (MLA, YaRN): no engine format checked against it
+        return f"its target is a {head.args.model_type!r} model, not one of the Llama family {LLAMA_FAMILY}"
+    return None
+
+
 def servable_formats(head: Head) -> list[str]:
     """The engine formats an engine serves for this head on its target, without loss: eagle1-vllm only when
     fc has no non-zero bias, mtp-vllm for one or two modules on a target without q/k norms. None for a
     target whose tied tensors follow other conventions than Llama's (Gemma 3: E·√H, (1 + w) final norm):
     the engines' draft classes apply Llama's, and no export of such a head is validated yet."""
-    from heads.layers import TiedConventions
-
-    if getattr(head.tied, "conventions", TiedConventions()) != TiedConventions():
-        return []
-    if head.args.model_type not in LLAMA_FAMILY:  # DeepSeek-V2 (MLA, YaRN): no engine format checked against it
+    if engine_format_blocker(head) is not None:
         return []
     formats = []
     for fmt in ENGINE_FORMATS.get(head.kind, ()):
@@ -141,6 +151,9 @@ def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | P
         if fmt != "native" and fmt not in ENGINE_FORMATS.get(head.kind, ()):
             known = ", ".join(["native", *ENGINE_FORMATS.get(head.kind, ())])
             raise ValueError(f"format {fmt!r} does not apply to a {head.kind!r} head; it exports to: {known}")
+        blocker = engine_format_blocker(head)
+        if fmt != "native" and blocker is not None:
+            raise ValueError(f"format {fmt!r} cannot hold this {head.kind} head: {blocker}; export it as native")
     check_target_fingerprint(fingerprint or {}, expected_fingerprint,
                              source if source is not None else f"the {head.kind} head to export")
     seen: dict[Path, str] = {}

@@ -498,7 +498,7 @@ class PagedHeadProposer(ChainProposer):
         """Draft logits over the target vocabulary (−inf outside a draft vocabulary)."""
         if self.vocab is None:
             return full_vocab_logits(self.head, h, depth)
-        sub = linear(self.head.features(h, depth), self.vocab_weight)
+        sub = self.head.tied.cap_logits(linear(self.head.features(h, depth), self.vocab_weight))
         out = sub.new_full((*sub.shape[:-1], self.head.args.vocab_size), float("-inf"))
         out[..., self.vocab] = sub
         return out

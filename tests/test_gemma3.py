@@ -290,6 +290,49 @@ def test_tied_target_follows_gemma(tmp_path, cap):
     assert "tied_conventions" not in target_fingerprint(tmp_path / "l", "llama", "float32")
 
 
+
+def test_training_kl_and_draft_vocab_follow_the_cap(tmp_path):
+    """With `final_logit_softcapping` the training loss (train/module.py → fused KL with the cap) equals
+    the naive KL between the head's capped logits and the target's capped logits recomputed from the
+    stored states, in value and gradient; the engine's draft-vocabulary logits are capped too."""
+    import torch.nn.functional as F
+
+    from heads.checkpoint import build_head
+    from inference_eval.engine import PagedHeadProposer
+    from inference_eval.model import tied_target
+    from train.module import DraftHeadModule
+
+    cap = 1.5
+    make_hf_gemma3(initializer_range=0.3, final_logit_softcapping=cap).save_pretrained(tmp_path / "g")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "g")
+    tied, args, parts = tied_target(tmp_path / "g")
+    head = build_head({"type": "mtp"}, args, tied)
+    head.reset_parameters(0, parts.first_input_norm)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden = model(ids).hidden
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    module = DraftHeadModule(head, w_hidden=0.0, depth=1, kl_chunk_size=5)
+    loss = module.compute_loss({"hidden": hidden, "input_ids": ids, "valid": ones, "loss_mask": ones})["loss"]
+    grads = torch.autograd.grad(loss, list(head.parameters()))
+
+    pred = head(hidden[:, :-1], ids[:, 1:], torch.arange(15).expand(2, 15))[:, :14]  # Ĥ_{i+1}, i < 14
+    s, t = head.logits(pred), tied.teacher_logits(hidden[:, 1:15])
+    assert float(s.abs().max()) <= cap and float(t.abs().max()) > 0.5 * cap  # capped, and the cap bites
+    ref = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum") / (2 * 14)
+    ref_grads = torch.autograd.grad(ref, list(head.parameters()))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+    vocab = torch.arange(0, 512, 3)
+    prop = PagedHeadProposer(head, draft_vocab=vocab)
+    with torch.no_grad():
+        sub = prop._logits(pred[0])
+        full = head.logits(pred[0])
+    torch.testing.assert_close(sub[:, vocab], full[:, vocab])
+    assert torch.isinf(sub[:, 1]).all()
+
 def test_mtp_head_speculative_equals_plain(varied):
     """An mtp head trained briefly on a Gemma target's own continuations drafts for it in the batched
     engine (k = 1 and 3) and in the batch-1 loop: greedy output equal to plain decoding, drafts both
@@ -317,3 +360,54 @@ def test_mtp_head_speculative_equals_plain(varied):
         out, eng = engine_generate(target, prompts, 16, proposer=head, k=k, block_size=4)
         assert out == reference and 0 < eng.stats.alpha[0] < 1
     assert [generate_speculative(target, head, p, 2, 16)[0] for p in prompts[:3]] == reference[:3]
+
+
+def test_draft_lm_on_a_capped_gemma_target(tmp_path):
+    """The `draft_lm` family on a Gemma target with a logit cap: Llama layers (random init; the target's
+    own layers are refused as another architecture), the target's scaled embedding, a final norm that
+    starts as N_f (1 + w), capped logits; trained briefly, it drafts in the engine with greedy output
+    equal to plain decoding. Engine formats refuse its heads by name (native only)."""
+    from heads.checkpoint import build_head
+    from heads.draft_lm import read_target_layers
+    from heads.export import export_head
+    from inference_eval.model import tied_target
+    from tests.helpers import train_on_batch
+    from train.module import DraftHeadModule
+
+    cap = 3.0
+    path = tmp_path / "g"
+    make_hf_gemma3(initializer_range=0.3, tie_word_embeddings=False, final_logit_softcapping=cap).save_pretrained(path)
+    target = LlamaForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
+    reference = [generate_plain(target, p, 16) for p in prompts]
+    tied, args, parts = tied_target(path)
+    head = build_head({"type": "draft_lm", "num_layers": 1, "init": "random"}, args, tied)
+    head.reset_parameters(0, parts.first_input_norm)
+    torch.testing.assert_close(head.model.norm.weight, 1 + target.model.norm.weight)
+    with pytest.raises(ValueError, match="gemma3_text.*init=random"):
+        head.copy_target_layers(read_target_layers(path, 1))
+    ids = torch.tensor([p[:4] + r for p, r in zip(prompts, reference)])
+    with torch.no_grad():
+        hidden = target(ids, logits="none").hidden
+        assert torch.equal(head.embed(ids), target.model.embed_tokens(ids))
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    torch.manual_seed(0)
+    losses = train_on_batch(DraftHeadModule(head, kl_chunk_size=64),
+                            {"input_ids": ids, "loss_mask": ones, "valid": ones, "hidden": hidden}, 30, lr=1e-2)
+    assert losses[-1] < 0.5 * losses[0]
+    head = head.eval().requires_grad_(False)
+    with torch.no_grad():
+        out = head(ids)
+        engine_logits = head.lm_head(head.model.norm(out.hidden))  # what the engine's draft-model path calls
+    torch.testing.assert_close(engine_logits, out.logits)
+    assert float(out.logits.abs().max()) <= cap and float(out.logits.abs().max()) > 0.5 * cap
+    out, eng = engine_generate(target, prompts, 16, proposer=head, k=2, block_size=4)
+    assert out == reference and 0 < eng.stats.alpha[0] < 1
+    for fmt in ("draft-hf", "native"):
+        if fmt == "native":
+            assert export_head(head, {fmt: tmp_path / fmt}, path) == {fmt: tmp_path / fmt}
+        else:
+            with pytest.raises(ValueError, match="draft-hf.*conventions.*native"):
+                export_head(head, {fmt: tmp_path / fmt}, path)
+            assert not (tmp_path / fmt).exists()

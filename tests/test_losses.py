@@ -32,6 +32,39 @@ def test_fused_kl_matches_naive_values_and_grads(chunk):
     assert ref > 0
 
 
+
+@pytest.mark.parametrize("student", ["frozen", "own-weight", "sub-vocab"])
+def test_fused_kl_with_logit_softcap_matches_naive_values_and_grads(student):
+    """A family with `final_logit_softcapping` c: both sides' logits are c·tanh(l / c), the fused
+    backward multiplies by the cap's slope 1 − tanh². float64 against autograd through the capped
+    logits. Logits here reach ±15 against c = 2, so the cap changes the KL (asserted)."""
+    g = torch.Generator().manual_seed(3)
+    n, h, v, cap = 23, 12, 200, 2.0
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 2
+    ids = torch.randperm(v, generator=g)[:60] if student == "sub-vocab" else None
+    ws = None
+    if student != "frozen":
+        base = w if ids is None else w[ids]
+        ws = (base + 0.3 * torch.randn(base.shape, generator=g, dtype=torch.float64)).requires_grad_()
+    x = torch.randn(n, h, generator=g, requires_grad=True, dtype=torch.float64)
+    t = torch.randn(n, h, generator=g, dtype=torch.float64)
+    capped = lambda z: torch.tanh(z / cap) * cap  # noqa: E731
+    sw = w if ws is None else ws
+    t_rows = (lambda z: z) if ids is None else (lambda z: z[:, ids])  # noqa: E731
+    ref = naive_kl(x, t, lambda z: capped(F.linear(z, sw)), lambda z: t_rows(capped(F.linear(z, w))))
+    wrt = [x] if ws is None else [x, ws]
+    ref_grads = torch.autograd.grad(ref, wrt)
+    got, agree = fused_linear_kl(x, t, w, chunk_size=5, student_weight=ws, student_ids=ids, softcap=cap)
+    grads = torch.autograd.grad(3.0 * got, wrt)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-9)
+    for got_g, ref_g in zip(grads, ref_grads):
+        torch.testing.assert_close(got_g, 3.0 * ref_g, rtol=1e-9, atol=1e-12)
+    uncapped, agree_raw = fused_linear_kl(x, t, w, chunk_size=5, student_weight=ws, student_ids=ids)
+    assert abs(float(uncapped) - float(got)) > 0.1 * float(got)  # the cap matters here
+    assert int(agree) == int(agree_raw)  # tanh is monotone: the same argmax
+    with pytest.raises(ValueError, match="softcap"):
+        fused_linear_kl(x, t, w, softcap=0.0)
+
 @pytest.mark.parametrize("own_head", [False, True], ids=["frozen-lm-head", "trainable-student-weight"])
 def test_fused_kl_under_bf16_autocast_matches_fp32(own_head):
     """Under bf16 autocast the matmuls take bf16 inputs and return bf16 logits (unit roundoff

@@ -38,7 +38,7 @@ class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                 student_weight: torch.Tensor | None, student_ids: torch.Tensor | None, chunk_size: int,
-                mm_dtype: torch.dtype):
+                mm_dtype: torch.dtype, softcap: float | None):
         w = weight.to(mm_dtype)
         ws = w if student_weight is None else student_weight.to(mm_dtype)
         acc = torch.promote_types(student.dtype, torch.float32)  # softmax arithmetic: fp32 at least
@@ -51,6 +51,12 @@ class _FusedLinearKL(torch.autograd.Function):
             x = student[a:a + chunk_size].to(mm_dtype)
             s = F.linear(x, ws).to(acc)  # [c, V_s]
             t_full = F.linear(teacher[a:a + chunk_size].to(mm_dtype), w).to(acc)  # [c, V]
+            slope = None
+            if softcap is not None:  # L = c·tanh(l / c) on both sides; dL/dl = 1 − tanh²(l / c)
+                s = s.div_(softcap).tanh_()
+                slope = 1 - s * s if (grad is not None or grad_w is not None) else None
+                s = s.mul_(softcap)
+                t_full = t_full.div_(softcap).tanh_().mul_(softcap)
             s_top = s.argmax(-1)
             if student_ids is None:
                 t = t_full
@@ -67,6 +73,8 @@ class _FusedLinearKL(torch.autograd.Function):
             total += kl.sum()
             if grad is not None or grad_w is not None:
                 g_logits = e_s.div_(z_s).sub_(e_t.div_(z_t))  # softmax(s) − p_t
+                if slope is not None:
+                    g_logits = g_logits.mul_(slope)
                 if grad is not None:
                     grad[a:a + chunk_size] = (g_logits.to(mm_dtype) @ ws).to(acc)
                 if grad_w is not None:
@@ -83,12 +91,13 @@ class _FusedLinearKL(torch.autograd.Function):
         grad, grad_w = ctx.saved_tensors
         g_s = (grad * grad_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         g_w = (grad_w * grad_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return g_s, None, None, g_w, None, None, None
+        return g_s, None, None, g_w, None, None, None, None
 
 
 def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                     chunk_size: int = 512, student_weight: torch.Tensor | None = None,
-                    student_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    student_ids: torch.Tensor | None = None, softcap: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over rows of KL(softmax(W teacher) || softmax(W_s student)) and the count of top-1
     agreements, for post-norm features [N, H] and the target's frozen projection W [V, H].
 
@@ -96,10 +105,15 @@ def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.
     [V_s, H] and gets its gradient too; with a sub-vocabulary (EAGLE-3's draft vocabulary) it also
     passes `student_ids` [V_s], the target ids of its rows: the teacher is then W restricted to those
     rows (renormalised over them) and agreement compares target ids with the teacher's full argmax.
-    Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
+    `softcap` c: both sides' logits are the target family's capped c·tanh(l / c) (Gemma 2 style
+    `final_logit_softcapping`; heads/base.py `TiedTarget.cap_logits`), and the gradient carries the
+    cap's slope. Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), softmax
+    arithmetic in fp32."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"logit softcap {softcap!r}: expected a positive number or None")
     sw = student_weight if student_weight is not None and student_weight is not weight else None
     return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
-                                _matmul_dtype(student))
+                                _matmul_dtype(student), None if softcap is None else float(softcap))
 
 
 def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,

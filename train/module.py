@@ -71,7 +71,8 @@ class DraftHeadModule(L.LightningModule):
                    else sel_pred.new_zeros((), dtype=torch.float32))  # eagle3, medusa: KL only
             kl, agree = fused_linear_kl(self.head.features(sel_pred, d), self.head.tied.final_norm(sel_tgt),
                                         self.head.tied.lm_head, hp.kl_chunk_size,
-                                        student_weight=self.head.lm_head_weight, student_ids=self.head.draft_ids)
+                                        student_weight=self.head.lm_head_weight, student_ids=self.head.draft_ids,
+                                        softcap=self.head.tied.conventions.logit_softcap)
             n_safe = n.clamp(min=1)
             total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
             acc = agree.float() / n_safe

@@ -109,7 +109,8 @@ def score_rows(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, nor
     reg_target = head.regression_target(teacher)
     reg = float(hidden_regression(preds, reg_target, normed)) if reg_target is not None else 0.0
     kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head, chunk,
-                                student_weight=head.lm_head_weight, student_ids=head.draft_ids)
+                                student_weight=head.lm_head_weight, student_ids=head.draft_ids,
+                                softcap=head.tied.conventions.logit_softcap)
     return DepthScores(reg, float(kl), int(agree), preds.shape[0])
 
 
