@@ -29,10 +29,30 @@ prompt already has `max_prompt_tokens` tokens (`prompt_too_long`: precompute tru
 conversation (`template_error`); the trailing user turn it keeps is dropped on load, and a record
 with no reply at all is rejected there as `no_assistant_turn`.
 
-Resume: every finished group's records are appended as lines, flushed and fsynced. A rerun skips the
-ids already in the file and regenerates a group that was written only in part whole (writing only
-its missing records), so the file comes out identical to an uninterrupted run's. A last line without
-its newline (killed mid-write) is dropped by rewriting the file atomically without it.
+Cache (`regenerate.out: auto`, the default): regeneration costs a target's worth of generation per
+conversation, so its output is kept per machine, like the converted target checkpoint, under
+`data/assets.py` `cache_dir()` ($SPECHEAD_CACHE, else ~/.cache/spechead):
+`regenerated/<target name>-<key[:16]>.jsonl`, with the key's inputs beside it in `<same>.key.json`.
+The key is the sha256 of the settings every record carries (`meta`): the prompt set
+(`prompts_sha256`, a hash of the loaded conversations themselves — ids and messages, in order — so
+whatever picks or changes them, `data.path`'s content, `max_samples`, `skip`, counts without listing
+the data settings one by one), the target (`target_sha256` over its config, weights and tokenizer
+fingerprint — the weights by their safetensors headers unless `target.fingerprint=full`, which a
+target retrained in place with unchanged shapes needs — the dtype, the backend, a
+`data.chat_template`'s sha256) and the sampling settings (temperature and, when sampling, top_p /
+top_k / seed; max_new_tokens, batch_size, max_prompt_tokens). Same settings: the file is reused —
+when it holds every conversation no model is even loaded — or resumed when it holds part of them. A
+changed setting is another key, so another file, regenerated from scratch; the old one is left as it
+was. An explicit `regenerate.out` path is written and resumed the same way, but never replaced: a
+file written with other settings is refused. `regenerated_path(cfg)` says where the output goes
+without loading the target.
+
+Resume: every finished group's records are appended as lines, flushed and fsynced, under a lock beside
+the file (a second run with the same settings — the cache is shared by every run on the machine —
+waits, then skips what the first one wrote). A rerun skips the ids already in the file and
+regenerates a group that was written only in part whole (writing only its missing records), so the
+file comes out identical to an uninterrupted run's. A last line without its newline (killed
+mid-write) is dropped by rewriting the file atomically without it.
 """
 
 from __future__ import annotations
@@ -41,15 +61,20 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from data.progress import Progress, log_interval
+
+if TYPE_CHECKING:
+    from data.sources import Conversations
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +175,7 @@ class RegenerateStats:
     skipped_done: int = 0  # already in the output file
     rejected: dict[str, int] = field(default_factory=dict)  # by the data source
     seconds: float = 0.0
+    cached: bool = False  # the output file already held every conversation: reused, no model loaded
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,17 +237,19 @@ def regenerate_group(model, tokenizer, group: list[tuple[str, list[dict]]], grou
             for (sid, _), messages, count in zip(group, rebuilt, counts)]
 
 
-def finished_ids(path: Path, meta: dict[str, Any]) -> set[str]:
+def finished_ids(path: Path, meta: dict[str, Any], repair: bool = True) -> set[str]:
     """Ids of the records already in `path`. A last line without its newline (a write killed midway)
-    is dropped by rewriting the file atomically without it; a record written with other settings, or a
-    complete line that is not a JSON record, is an error naming the file and line."""
+    is dropped by rewriting the file atomically without it — only with `repair`, under the writer's lock:
+    without it, the line may be another process's write in progress, and is just not counted. A record
+    written with other settings, or a complete line that is not a JSON record, is an error naming the
+    file and line."""
     from data.store import atomic_write_bytes
 
     if not path.exists():
         return set()
     data = path.read_bytes()
     keep = data[:data.rfind(b"\n") + 1]
-    if len(keep) < len(data):
+    if repair and len(keep) < len(data):
         log.warning("%s: dropping a truncated last line (%d bytes, an interrupted write)", path, len(data) - len(keep))
         atomic_write_bytes(path, keep)
     done = set()
@@ -241,12 +269,28 @@ def finished_ids(path: Path, meta: dict[str, Any]) -> set[str]:
     return done
 
 
+@contextmanager
+def writing(out: Path):
+    """Hold `out`'s lock (`.<name>.lock` beside it) while appending to it: a second regeneration into
+    the same file — a run with the same settings elsewhere on the machine, the cache being shared —
+    waits, then finds what the first one wrote and skips it, instead of appending it a second time."""
+    import fcntl
+
+    with open(out.with_name(f".{out.name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: another regeneration is writing it; waiting for it to finish", out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
 def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, list[dict]]], out: Path,
                              settings: GenerationSettings, batch_size: int, max_prompt_tokens: int,
                              meta: dict[str, Any], progress: bool = True,
                              progress_log_s: float | None = None) -> RegenerateStats:
     """Regenerate `conversations` (sample id, normalised messages) into the JSONL file `out`,
-    resuming from the records it already holds."""
+    resuming from the records it already holds (read under the writer's lock)."""
     from inference_eval.evaluate import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer)
@@ -254,33 +298,35 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
         raise ValueError("the tokenizer has no EOS / end-of-turn token: replies could only stop at max_new_tokens")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = finished_ids(out, meta)
-    groups = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
-    todo = [(g, group) for g, group in enumerate(groups) if any(sid not in done for sid, _ in group)]
-    stats = RegenerateStats(skipped_done=sum(sid in done for sid, _ in conversations))
-    bar = Progress(len(conversations) - stats.skipped_done, "regenerate", "conv", bar=progress, every_s=progress_log_s)
-    t0 = time.perf_counter()
+    with writing(out):
+        done = finished_ids(out, meta)
+        groups = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
+        todo = [(g, group) for g, group in enumerate(groups) if any(sid not in done for sid, _ in group)]
+        stats = RegenerateStats(skipped_done=sum(sid in done for sid, _ in conversations))
+        bar = Progress(len(conversations) - stats.skipped_done, "regenerate", "conv", bar=progress,
+                       every_s=progress_log_s)
+        t0 = time.perf_counter()
 
-    def on_generate(replies: list[Reply]) -> None:
-        stats.tokens += sum(r.new_tokens for r in replies)
-        bar.set(tok_s=round(stats.tokens / max(time.perf_counter() - t0, 1e-9), 1))
+        def on_generate(replies: list[Reply]) -> None:
+            stats.tokens += sum(r.new_tokens for r in replies)
+            bar.set(tok_s=round(stats.tokens / max(time.perf_counter() - t0, 1e-9), 1))
 
-    try:
-        with open(out, "ab") as f:
-            for g, group in todo:
-                records = regenerate_group(model, tokenizer, group, g, settings, stop_ids, pad_id, max_prompt_tokens,
-                                           meta, on_generate)
-                new = [r for r in records if r["id"] not in done]  # a partly written group: only its missing ones
-                f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in new))
-                f.flush()
-                os.fsync(f.fileno())
-                stats.conversations += len(new)
-                stats.replies += sum(m["from"] == "gpt" for r in new for m in r["conversations"])
-                stats.cut += sum(r["regenerated"]["cut"] for r in new)
-                bar.update(len(new))
-    finally:
-        bar.close(failed=sys.exc_info()[0] is not None)
-    stats.seconds = time.perf_counter() - t0
+        try:
+            with open(out, "ab") as f:
+                for g, group in todo:
+                    records = regenerate_group(model, tokenizer, group, g, settings, stop_ids, pad_id,
+                                               max_prompt_tokens, meta, on_generate)
+                    new = [r for r in records if r["id"] not in done]  # a partly written group: only its missing ones
+                    f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in new))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    stats.conversations += len(new)
+                    stats.replies += sum(m["from"] == "gpt" for r in new for m in r["conversations"])
+                    stats.cut += sum(r["regenerated"]["cut"] for r in new)
+                    bar.update(len(new))
+        finally:
+            bar.close(failed=sys.exc_info()[0] is not None)
+        stats.seconds = time.perf_counter() - t0
     return stats
 
 
@@ -290,19 +336,57 @@ def settings_from_config(rcfg: Any) -> GenerationSettings:
                               seed=int(rcfg.seed))
 
 
-def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
-    """The regenerate entry point's body: target + data config + `regenerate:` → the JSONL at
-    `regenerate.out`."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def canonical_json(value: Any) -> bytes:
+    """One byte string per value (sorted keys, no spaces, ASCII): what a hash of settings is taken over."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
-    from data.conversations import chat_template_sha256, load_tokenizer
+
+def prompts_sha256(conversations: list[tuple[str, Any]]) -> str:
+    """The prompt set's hash: the loaded conversations themselves (ids and messages, in order), so that
+    whatever decides them — the file's content, `max_samples`, `skip`, what the source rejects — is
+    covered without listing the data settings one by one."""
+    return hashlib.sha256(canonical_json([[sid, messages] for sid, messages in conversations])).hexdigest()
+
+
+def settings_key(meta: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(meta)).hexdigest()
+
+
+def cache_path(meta: dict[str, Any]) -> Path:
+    """The cache's file for these settings: `<cache_dir()>/regenerated/<target name>-<key[:16]>.jsonl`,
+    the name made of letters, digits, `.`, `_` and `-` only (target names hold spaces, `/`, parentheses)."""
+    from data.assets import cache_dir
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(meta["target"])).strip("._")[:64] or "target"
+    return cache_dir() / "regenerated" / f"{name}-{settings_key(meta)[:16]}.jsonl"
+
+
+def key_file(path: Path) -> Path:
+    """The sidecar of a cached file: its key and the settings it was computed from, for whoever
+    wonders which of several cached files is which."""
+    return path.with_suffix(".key.json")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a regeneration will do, known without loading the target."""
+    target_dir: Path
+    conversations: Conversations
+    settings: GenerationSettings
+    batch_size: int
+    max_prompt_tokens: int
+    meta: dict[str, Any]  # what every record carries and must match to be resumed or reused
+    out: Path
+    keyed: bool  # `out` is the cache's file for `meta` (regenerate.out=auto), not a path the user named
+
+
+def plan_regeneration(cfg: Any) -> Plan:
+    """The settings, the conversations (loading them is cheap) and the output file of a regeneration."""
+    from data.conversations import chat_template_sha256
     from data.sources import load_conversations, resolve_target_dir
-    from data.store import DTYPES, target_fingerprint
+    from data.store import target_fingerprint
     from inference_eval.model import resolve_backend
 
-    from data.checks import check_before_work
-
-    check_before_work(cfg, "regenerate")
     rcfg = cfg.regenerate
     settings = settings_from_config(rcfg)
     batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
@@ -310,30 +394,66 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         raise ValueError(f"regenerate.batch_size ({batch_size}) and max_new_tokens ({settings.max_new_tokens}) "
                          "must be at least 1")
     target_dir = resolve_target_dir(cfg.target)
-    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype)
-    meta = {"target": cfg.target.name, "target_sha256": hashlib.sha256(
-                "".join(fp[k] for k in ("config_sha256", "weights_sha256", "tokenizer_sha256")).encode()).hexdigest(),
+    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    identity = ("config_sha256", "weights_sha256", "tokenizer_sha256", "weights_content_sha256")
+    meta = {"target": cfg.target.name,
+            "target_sha256": hashlib.sha256("".join(fp[k] for k in identity if k in fp).encode()).hexdigest(),
             "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
-            "max_prompt_tokens": max_prompt_tokens, "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
+            "max_prompt_tokens": max_prompt_tokens,
+            "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
     if cfg.data.get("chat_template"):  # replies to prompts rendered otherwise: not resumed into one file
         meta["chat_template_sha256"] = chat_template_sha256(cfg.data)
     convs = load_conversations(cfg.data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
+    meta["prompts_sha256"] = prompts_sha256(convs.items)
+    keyed = rcfg.get("out") in (None, "auto")
+    return Plan(target_dir, convs, settings, batch_size, max_prompt_tokens, meta,
+                cache_path(meta) if keyed else Path(rcfg.out).expanduser(), keyed)
+
+
+def regenerated_path(cfg: Any) -> Path:
+    """Where `regenerate(cfg)` writes its JSONL (or finds it already written), without loading the target:
+    for whatever trains on it next (`data.source=jsonl data.path=<this>`)."""
+    return plan_regeneration(cfg).out
+
+
+def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
+    """The regenerate entry point's body: target + data config + `regenerate:` → the JSONL at
+    `regenerate.out` (`auto`: the cache's file for these settings). A file that already holds every
+    conversation is returned as it is, before the target is loaded."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from data.checks import check_before_work
+    from data.conversations import load_tokenizer
+    from data.store import DTYPES, atomic_write_bytes
     from inference_eval.model import resolve_device
 
+    check_before_work(cfg, "regenerate")
+    plan = plan_regeneration(cfg)
+    convs, meta, out = plan.conversations, plan.meta, plan.out
+    done = finished_ids(out, meta, repair=False)  # no lock taken yet: read only
+    if all(sid in done for sid, _ in convs.items):
+        log.info("regenerate: reused %s: it holds all %d conversations, regenerated with these settings; "
+                 "no model loaded", out, len(convs.items))
+        return out, RegenerateStats(skipped_done=len(convs.items), rejected=dict(convs.rejected), cached=True)
+    rcfg = cfg.regenerate
     device = resolve_device(rcfg.get("device") or cfg.target.get("device", "auto"))
-    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
+    tokenizer = load_tokenizer(plan.target_dir, cfg.data)  # with data.chat_template's template when set
     if meta["backend"] == "engine":
         from inference_eval.model import LlamaForCausalLM
 
-        model = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+        model = LlamaForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
-    out = Path(rcfg.out)
-    stats = regenerate_conversations(model, tokenizer, convs.items, out, settings, batch_size, max_prompt_tokens,
-                                     meta, progress=cfg.get("progress", True), progress_log_s=log_interval(cfg))
+    if plan.keyed:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(key_file(out), json.dumps({"key": settings_key(meta), "settings": meta}, indent=2,
+                                                     sort_keys=True).encode() + b"\n")
+    stats = regenerate_conversations(model, tokenizer, convs.items, out, plan.settings, plan.batch_size,
+                                     plan.max_prompt_tokens, meta, progress=cfg.get("progress", True),
+                                     progress_log_s=log_interval(cfg))
     stats.rejected = dict(convs.rejected)
     log.info("regenerate: %d conversations (%d already in the file), %d replies (%d cut at max_new_tokens), "
              "%d tokens in %.1fs (%.1f tok/s); rejected by the source %s; out %s", stats.conversations,

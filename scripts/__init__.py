@@ -109,6 +109,13 @@ def status_entry(cfg, stage: str, state: str, error: BaseException | None) -> di
         if stage in PARTIAL:
             key, how = PARTIAL[stage]
             partial = _select(cfg, key)
+            if stage == "regenerate" and partial in (None, "auto"):  # the per-machine cache file
+                try:
+                    from data.regenerate import regenerated_path
+
+                    partial = regenerated_path(cfg)
+                except Exception:  # noqa: BLE001 — the status line must not hide the stage's own error
+                    partial = None
             if partial and Path(str(partial)).exists():
                 entry["partial"], entry["resume"] = str(partial), how
     return entry

@@ -70,13 +70,11 @@ def run_ablation(cfg: DictConfig) -> dict:
     from data.sources import resolve_target_dir
     from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
     from heads.checkpoint import load_native
-    from inference_eval.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from train.data import FeatureDataModule
     from train.module import heldout_agreement
-    from train.run import run_training
 
-    from scripts.cache import evaluation_key, lookup, record, training_key
+    from scripts.cache import cached_evaluation, cached_training
 
     t0 = time.perf_counter()
     acfg = cfg.ablation
@@ -96,15 +94,7 @@ def run_ablation(cfg: DictConfig) -> dict:
     for name in acfg.heads:
         hc = head_config(cfg, name)
         head_dir = Path(hc.head_dir)
-        tkey = training_key(hc, store)
-        trained = lookup(head_dir, tkey, f"the {name} head")
-        if trained is None:
-            t_train = time.perf_counter()
-            _, metrics = run_training(hc)
-            train_s = time.perf_counter() - t_train
-            record(head_dir, tkey, final_metrics=metrics, train_seconds=train_s)
-        else:  # the figures of the run that made it
-            metrics, train_s = trained["meta"].get("final_metrics", {}), trained["meta"].get("train_seconds")
+        metrics, train_s, cached = cached_training(hc, store, f"the {name} head")  # reused: the figures that made it
         dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
         dm.setup("validate")
         tied, args, _ = tied_target(target_dir)
@@ -114,7 +104,7 @@ def run_ablation(cfg: DictConfig) -> dict:
             dm.val_idx = dm.val_idx[: int(limit)]
         held = heldout_agreement(head, dm.val_dataloader(), int(acfg.eval_depth))
         entry = {"head": OmegaConf.to_container(hc.head, resolve=True), "checkpoint": str(head_dir),
-                 "train_seconds": train_s, "final_metrics": metrics, "cached": trained is not None, "heldout": held,
+                 "train_seconds": train_s, "final_metrics": metrics, "cached": cached, "heldout": held,
                  "heldout_conversations": len(dm.val_idx), "train_conversations": len(dm.train_idx), "tau": {}}
         for k in acfg.ks:
             ec = hc.copy()
@@ -122,14 +112,7 @@ def run_ablation(cfg: DictConfig) -> dict:
                 ec.evaluate.k = int(k)
                 ec.evaluate.heads = {name: str(head_dir)}
                 ec.evaluate.report = f"{cfg.run_dir}/eval/{name}_k{k}.json"
-            report_path = Path(ec.evaluate.report)
-            ekey = evaluation_key(ec, fingerprint)
-            reused = lookup(report_path, ekey, f"the {name} k={k} evaluation") is not None
-            if reused:
-                report = json.loads(report_path.read_text())
-            else:
-                report = run_evaluation(ec)
-                record(report_path, ekey)
+            report, reused = cached_evaluation(ec, f"the {name} k={k} evaluation", fingerprint)
             r = report["results"][name]
             entry["tau"][int(k)] = {"tau": r["tau"], "alpha": r["alpha"], "tokens_per_s": r["tokens_per_s"],
                                     "per_category_tau": r["per_category_tau"], "prompts": report["prompts"],

@@ -137,3 +137,34 @@ def record(result: str | Path, key: dict[str, Any], **meta: Any) -> Path:
     rec = {"key": key, "digest": digest(key), "result_sha256": dir_fingerprint(result), "meta": meta}
     atomic_write_bytes(kfile, json.dumps(rec, indent=1, sort_keys=True, default=str).encode())
     return kfile
+
+
+def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[dict[str, float], float | None, bool]:
+    """Train the head of `cfg` (train/run.py) unless `cfg.head_dir` holds one made from the same key;
+    (final metrics, training seconds, reused) — on reuse, the figures of the run that made it."""
+    import time
+
+    from train.run import run_training
+
+    head_dir, key = Path(cfg.head_dir), training_key(cfg, store_dir)
+    trained = lookup(head_dir, key, what)
+    if trained is not None:
+        return trained["meta"].get("final_metrics", {}), trained["meta"].get("train_seconds"), True
+    t0 = time.perf_counter()
+    _, metrics = run_training(cfg)
+    seconds = time.perf_counter() - t0
+    record(head_dir, key, final_metrics=metrics, train_seconds=seconds)
+    return metrics, seconds, False
+
+
+def cached_evaluation(cfg: DictConfig, what: str, target_fingerprint: dict[str, Any] | None) -> tuple[dict, bool]:
+    """The evaluation report of `cfg` (inference_eval/evaluate.py) at `cfg.evaluate.report`, computed
+    unless the one there was made from the same key; (report, reused)."""
+    from inference_eval.evaluate import run_evaluation
+
+    path, key = Path(cfg.evaluate.report), evaluation_key(cfg, target_fingerprint)
+    if lookup(path, key, what) is not None:
+        return json.loads(path.read_text()), True
+    report = run_evaluation(cfg)
+    record(path, key)
+    return report, False

@@ -94,6 +94,29 @@ def tiny_overrides(tiny_target, conversations_file, tmp_path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def text_target(tmp_path_factory):
+    """A tiny random Llama whose greedy replies depend on the prompt and sometimes stop. tiny_target
+    cannot serve here: with tied embeddings at HF's init scale the argmax repeats the last prompt
+    token (ChatML's newline: every reply blank, whatever the prompt or a padding bug), and its ids past
+    the tokenizer's 259 decode to nothing. So: untied, vocabulary = the tokenizer's, init std 0.4, and
+    the end-of-turn row of lm_head scaled up so that some replies end before max_new_tokens and
+    others are cut there."""
+    import torch
+
+    from tests.tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("text_target")
+    tok = make_tiny_tokenizer("chatml")
+    model = make_hf_model("llama", seed=2, tie_word_embeddings=False, vocab_size=len(tok), initializer_range=0.4)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 3
+    model.config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def deep_target(tmp_path_factory) -> Path:
     """Like tiny_target with 8 layers: room for EAGLE-3's default aux layers (2, 4, 5)."""
     from tests.tiny_tokenizer import make_tiny_tokenizer

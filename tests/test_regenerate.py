@@ -1,37 +1,17 @@
 """Regeneration on tiny targets: batched left-padded greedy replies are plain HF greedy replies, the
-JSONL is a data source precompute reads, a killed run resumes into the same file, and sampling with
-a seed is reproducible."""
+JSONL is a data source precompute reads, a killed run resumes into the same file, sampling with
+a seed is reproducible, and the cache (`regenerate.out=auto`) is reused only with the same settings."""
 
+import hashlib
 import json
 
 import pytest
 import torch
 
-from data.regenerate import GenerationSettings, generate_replies, regenerate
+from data.regenerate import GenerationSettings, generate_replies, regenerate, regenerated_path
 from tests.conftest import CONVERSATIONS, compose_config, make_hf_model
 
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def text_target(tmp_path_factory):
-    """A tiny random Llama whose greedy replies depend on the prompt and sometimes stop. tiny_target
-    cannot serve here: with tied embeddings at HF's init scale the argmax repeats the last prompt
-    token (ChatML's newline: every reply blank, whatever the prompt or a padding bug), and its ids past
-    the tokenizer's 259 decode to nothing. So: untied, vocabulary = the tokenizer's, init std 0.4, and
-    the end-of-turn row of lm_head scaled up so that some replies end before max_new_tokens and
-    others are cut there."""
-    from tests.tiny_tokenizer import make_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("text_target")
-    tok = make_tiny_tokenizer("chatml")
-    model = make_hf_model("llama", seed=2, tie_word_embeddings=False, vocab_size=len(tok), initializer_range=0.4)
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] *= 3
-    model.config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def _load(path):
@@ -206,6 +186,7 @@ def test_script_prints_its_summary(tiny_overrides, text_target, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith(f"regenerate conversations={len(CONVERSATIONS)} tokens=") and last.endswith(f" out={out}")
+    assert " cached=0 " in last
     tokens = int(last.split("tokens=")[1].split()[0])
     assert 0 < tokens <= 4 * 2 * len(CONVERSATIONS)
     assert len(out.read_text().splitlines()) == len(CONVERSATIONS)
@@ -226,3 +207,124 @@ def test_regeneration_logs_progress_lines(tiny_overrides, text_target, tmp_path,
     assert lines[0].startswith(f"regenerate: 5/{n} conv (") and " tok_s=" in lines[0]
     assert lines[-2].startswith(f"regenerate: {n}/{n} conv (100%)")
     assert lines[-1].startswith("regenerate: done after ") and stats.conversations == n
+
+
+
+# ---- the cache: regenerate.out=auto ------------------------------------------------------------------
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """$SPECHEAD_CACHE in the test's directory: the machine's real cache is never touched."""
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _auto(tiny_overrides, target, *extra):
+    """The config with the default `regenerate.out` (auto)."""
+    return compose_config([*tiny_overrides, f"target.path={target}", f"regenerate.max_new_tokens={MAX_NEW}",
+                           "regenerate.batch_size=5", *extra])
+
+
+def _forbid_target(monkeypatch):
+    """From here on, loading the target (model or tokenizer) or generating anything fails the test."""
+    import transformers
+
+    import data.conversations
+    import data.regenerate
+    from inference_eval.model import LlamaForCausalLM
+
+    def never(*a, **k):
+        raise AssertionError("the target was loaded or run")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(data.conversations, "load_tokenizer", never)
+    monkeypatch.setattr(data.regenerate, "regenerate_conversations", never)
+    monkeypatch.setattr(data.regenerate, "generate_replies", never)
+
+
+def test_the_same_settings_reuse_the_cached_file_without_loading_the_target(tiny_overrides, text_target, cache,
+                                                                            monkeypatch, caplog):
+    """The default `regenerate.out=auto` writes `<cache>/regenerated/<target>-<key[:16]>.jsonl` with the
+    key and its settings beside it; the same settings again find every conversation there and return
+    the file as it is, with no model loaded."""
+    import logging
+
+    cfg = _auto(tiny_overrides, text_target)
+    out, stats = regenerate(cfg)
+    assert not stats.cached and stats.conversations == len(CONVERSATIONS) and stats.tokens > 0
+    assert out.parent == cache / "regenerated" and out.suffix == ".jsonl"
+    assert regenerated_path(cfg) == out  # known without the target
+    sidecar = json.loads(out.with_suffix(".key.json").read_text())
+    settings = sidecar["settings"]
+    assert sidecar["key"] == hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
+                                            ).hexdigest() and out.stem == f"tiny-{sidecar['key'][:16]}"
+    assert {k: settings[k] for k in ("target", "temperature", "max_new_tokens", "batch_size", "backend")} == \
+        {"target": "tiny", "temperature": 0.0, "max_new_tokens": MAX_NEW, "batch_size": 5, "backend": "engine"}
+    assert {"target_sha256", "dtype", "max_prompt_tokens", "prompts_sha256"} <= set(settings)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all({k: r["regenerated"][k] for k in settings} == settings for r in records)  # each record carries them
+    written = out.read_bytes()
+
+    _forbid_target(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="data.regenerate"):
+        again, stats = regenerate(_auto(tiny_overrides, text_target))
+    assert again == out and stats.cached and stats.conversations == stats.tokens == 0
+    assert stats.skipped_done == len(CONVERSATIONS) and out.read_bytes() == written
+    assert any(r.getMessage().startswith(f"regenerate: reused {out}") for r in caplog.records)
+
+
+def test_a_changed_setting_regenerates_into_a_new_file(tiny_overrides, text_target, tiny_target, cache):
+    """Sampling instead of greedy decoding is another key: another file, regenerated from scratch, the
+    first left as it was; so is another prompt set or another target. A path the user named keeps
+    refusing a file written with other settings."""
+    greedy, _ = regenerate(_auto(tiny_overrides, text_target))
+    written = greedy.read_bytes()
+    sampled_cfg = _auto(tiny_overrides, text_target, "regenerate.temperature=0.7", "regenerate.seed=1")
+    sampled, stats = regenerate(sampled_cfg)
+    assert sampled != greedy and sampled.parent == greedy.parent
+    assert not stats.cached and stats.skipped_done == 0 and stats.conversations == len(CONVERSATIONS)
+    assert greedy.read_bytes() == written
+    assert {json.loads(line)["regenerated"]["temperature"] for line in sampled.read_text().splitlines()} == {0.7}
+    assert regenerated_path(sampled_cfg) == sampled
+
+    fewer = regenerated_path(_auto(tiny_overrides, text_target, "data.max_samples=6"))  # another prompt set
+    other_target = regenerated_path(_auto(tiny_overrides, tiny_target))
+    greedy_again = regenerated_path(_auto(tiny_overrides, text_target, "regenerate.seed=5"))  # greedy: no seed
+    assert len({greedy, sampled, fewer, other_target}) == 4 and greedy_again == greedy
+    assert sorted(p.name for p in cache.rglob("*") if not p.name.startswith(".")) == \
+        sorted(p.name for p in (greedy, greedy.with_suffix(".key.json"), sampled, sampled.with_suffix(".key.json"),
+                                greedy.parent))
+
+    with pytest.raises(ValueError, match=rf"{greedy}:1: record 'c0' was regenerated with other settings "
+                                         r"\(temperature: stored 0\.0, now 0\.7"):
+        regenerate(_auto(tiny_overrides, text_target, f"regenerate.out={greedy}", "regenerate.temperature=0.7",
+                         "regenerate.seed=1"))
+    assert greedy.read_bytes() == written
+
+
+def test_a_second_run_with_the_same_settings_waits_then_skips(tiny_overrides, tiny_target, cache, tmp_path, caplog):
+    """While another process holds the file's lock (regenerating the same settings), a run waits for it,
+    then finds every record written and appends none: never the same records twice."""
+    import fcntl
+    import logging
+    import threading
+    import time
+
+    reference, _ = regenerate(_auto(tiny_overrides, tiny_target, f"regenerate.out={tmp_path / 'ref.jsonl'}"))
+    cfg = _auto(tiny_overrides, tiny_target)
+    out = regenerated_path(cfg)
+    out.parent.mkdir(parents=True)
+    result = {}
+    with caplog.at_level(logging.INFO, logger="data.regenerate"), \
+            open(out.with_name(f".{out.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process
+        worker = threading.Thread(target=lambda: result.update(zip(("out", "stats"), regenerate(cfg))))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not any("waiting for it to finish" in r.getMessage() for r in caplog.records):
+            assert worker.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        out.write_bytes(reference.read_bytes())  # what the other process wrote meanwhile
+    worker.join(60)  # the lock is released with its file
+    assert result["out"] == out and result["stats"].conversations == result["stats"].tokens == 0
+    assert out.read_bytes() == reference.read_bytes()

@@ -150,8 +150,9 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
                  batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0,
-                 packing: bool = False, verify_store: str = "full") -> None:
+                 packing: bool = False, verify_store: str = "full", train_samples: int | None = None) -> None:
         super().__init__()
+        self.train_samples = train_samples  # the first n conversations of the training split only (null: all)
         self.store_dir, self.expected_fingerprint = store_dir, expected_fingerprint
         self.batch_tokens, self.val_fraction, self.seed, self.num_workers = batch_tokens, val_fraction, seed, num_workers
         self.packing = packing
@@ -165,6 +166,10 @@ class FeatureDataModule(L.LightningDataModule):
         random.Random(self.seed).shuffle(order)
         n_val = min(max(1, round(n * self.val_fraction)), n - 1) if self.val_fraction > 0 and n > 1 else 0
         self.val_idx, self.train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+        if self.train_samples is not None:  # fewer conversations, more epochs (the recipe study's epochs arm)
+            if int(self.train_samples) < 1:
+                raise ValueError(f"train.data.train_samples={self.train_samples}: at least 1 (null: the whole split)")
+            self.train_idx = self.train_idx[: int(self.train_samples)]
         self.lengths = self.store.lengths()
 
     def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0) -> PositionedLoader:

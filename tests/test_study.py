@@ -1,0 +1,99 @@
+"""The recipe study (scripts/study.py) on the tiny target, every stage real: variants (a TTT depth, the
+target's own replies, fewer conversations repeated), token budgets turned into optimizer steps, MT-Bench
+style τ per k and held-out top-1 per depth for every point, a repeat with another seed, the report, its
+Markdown table and plot. A rerun reuses every trained head and report; a changed setting retrains
+exactly the points it changes (never a stale result)."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_config
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Count the real training and evaluation calls (wrapping, not replacing, them)."""
+    import inference_eval.evaluate
+    import train.run
+
+    calls = {"train": [], "eval": []}
+    real_train, real_eval = train.run.run_training, inference_eval.evaluate.run_evaluation
+
+    def run_training(cfg, *a, **kw):
+        calls["train"].append(Path(cfg.head_dir).parent.name)
+        return real_train(cfg, *a, **kw)
+
+    def run_evaluation(cfg):
+        calls["eval"].append(Path(cfg.evaluate.report).name)
+        return real_eval(cfg)
+
+    monkeypatch.setattr(train.run, "run_training", run_training)
+    monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
+    return calls
+
+
+def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_path, monkeypatch, capsys):
+    from scripts.study import run_study
+
+    monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path / "cache"))
+    variants = ("{default:{},ttt2:{overrides:{train.module.depth:2}},regen:{data:regen},"
+                "few:{overrides:{train.data.train_samples:2}}}")
+    base = tiny_overrides + [  # text_target: a tiny model whose replies are not blank (tests/conftest.py)
+        "experiment=study", f"target.path={text_target}", f"run_dir={tmp_path / 'run'}", "logger=csv", "study.budgets=[20000,1000]", "train.module.lr=0.01",
+        "~study.variants", f"+study.variants={variants}", "study.ks=[1]", "study.ks_largest=[1,2]", "study.eval_depth=2",
+        "study.heldout_conversations=2", "study.repeat=[best]", "study.repeat_seeds=[0,1]",
+        "regenerate.max_new_tokens=12", "data.max_samples=null", "evaluate.num_prompts=2", "evaluate.max_new_tokens=8"]
+    out = run_study(compose_config(base))
+    points = {(p["variant"], p["budget"], p["seed"]): p for p in out["points"]}
+    best = out["best"]
+    assert set(points) == {(v, b, 0) for v in ("default", "ttt2", "regen", "few") for b in (1000, 20000)} | {(best, 20000, 1)}
+    assert len(spies["train"]) == 9 and len(spies["eval"]) == 4 * (1 + 2) + 2
+    for (v, b, s), p in points.items():
+        assert p["steps"] >= 1 and abs(p["train_tokens"] - b) <= p["train_tokens"] / p["steps"] / 2 + 1
+        assert sorted(p["tau"]) == ([1, 2] if b == 20000 else [1]) and all(t["tau"] >= 1.0 for t in p["tau"].values())
+        assert len(p["heldout"]["acc"]) == 2 and p["heldout"]["conversations"] == 2
+        assert not p["cached"]
+    assert points[("default", 20000, 0)]["steps"] > points[("default", 1000, 0)]["steps"]
+    assert points[("few", 20000, 0)]["epochs"] > 2 * points[("default", 20000, 0)]["epochs"]  # fewer conversations, more epochs
+    assert points[("default", 20000, 0)]["tau"][1]["tau"] > points[("default", 1000, 0)]["tau"][1]["tau"]  # it learns
+    regen_store = Path(points[("regen", 1000, 0)]["store"])
+    assert regen_store != Path(points[("default", 1000, 0)]["store"])
+    manifest = json.loads((regen_store / "manifest.json").read_text())
+    assert str(tmp_path / "cache" / "regenerated") in json.dumps(manifest)  # the regeneration, cached per machine
+    assert points[(best, 20000, 1)]["heldout"] != points[(best, 20000, 0)]["heldout"] or \
+        points[(best, 20000, 1)]["tau"] != points[(best, 20000, 0)]["tau"]  # another seed, another head
+    run = tmp_path / "run"
+    assert json.loads((run / "study.json").read_text())["best"] == best
+    md = (run / "study.md").read_text()
+    assert md.count("\n| ") == 2 + 9 and f"**{best}**" in md
+    assert (run / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"study best={re.escape(best)} tau_k1=\S+ tau_k2=\S+ runtime_s=\d+", last), last
+
+    # unchanged: every head and report reused
+    again = run_study(compose_config(base))
+    assert len(spies["train"]) == 9 and len(spies["eval"]) == 14
+    assert all(p["cached"] and all(t["cached"] for t in p["tau"].values()) for p in again["points"])
+    assert [p["tau"] for p in again["points"]] == [{k: {**t, "cached": True} for k, t in p["tau"].items()}
+                                                   for p in out["points"]]
+
+    # one variant's training setting: only its two points retrained and re-evaluated
+    changed = base + ["study.repeat=[]", "~study.variants",
+                           f"+study.variants={variants.replace('depth:2', 'depth:2,train.module.lr:0.002')}"]
+    run_study(compose_config(changed))
+    assert spies["train"][9:] == ["ttt2-b1000-s0", "ttt2-b20000-s0"] and len(spies["eval"]) == 14 + 3
+
+
+def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
+    from scripts.study import run_study
+
+    base = tiny_overrides + ["experiment=study", f"run_dir={tmp_path / 'run'}", "logger=csv"]
+    for variants, message in (("{x:{data:webtext}}", "data='webtext'"), ("{x:{head:nope}}", "conf/head/nope.yaml"),
+                              ("{x:{overrides:{train.module.dpth:2}}}", "train.module.dpth"),
+                              ("{x:{epochs:2}}", "unknown keys")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run_study(compose_config(base + ["~study.variants", f"+study.variants={variants}"]))
+    assert not (tmp_path / "run" / "stores").exists()
