@@ -460,3 +460,15 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
              stats.skipped_done, stats.replies, stats.cut, stats.tokens, stats.seconds, stats.tokens_per_s,
              stats.rejected, out)
     return out, stats
+
+
+def use_regenerated(cfg: Any) -> tuple[Path, RegenerateStats]:
+    """Regenerate the configured conversations (or reuse their cached regeneration) and point `cfg.data`
+    at the result (a JSONL source, every record of it): what `pipeline.regenerate: true` and the recipe
+    study's `regen` variants precompute and train on."""
+    from omegaconf import open_dict
+
+    path, stats = regenerate(cfg)
+    with open_dict(cfg):
+        cfg.data.source, cfg.data.path, cfg.data.skip, cfg.data.max_samples = "jsonl", str(path), 0, None
+    return path, stats

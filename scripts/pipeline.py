@@ -1,4 +1,7 @@
-"""The one-shot demo: precompute → train → evaluate (trained vs untrained head) → export.
+"""The one-shot demo: [regenerate →] precompute → train → evaluate (trained vs untrained head) → export.
+
+`pipeline.regenerate: true` first replaces the data's assistant turns by the target's own replies
+(data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
 
 Every setting the stages need is checked before the first one starts (data/checks.py). Last line:
 `demo tau_trained=<x> tau_untrained=<y> speedup=<s> k=<k> draft_vocab=<n|all> runtime_s=<z> disk_mb=<d>` —
@@ -42,6 +45,11 @@ def stage_line(label: str, r: dict) -> str:
 
 @stage_main
 def main(cfg: DictConfig) -> None:
+    run_pipeline(cfg)
+
+
+def run_pipeline(cfg: DictConfig) -> dict:
+    """The demo's stages in order (main's body); returns the evaluation report."""
     from data.checks import check_before_work
     from data.precompute import run_precompute
     from inference_eval.evaluate import run_evaluation
@@ -50,6 +58,13 @@ def main(cfg: DictConfig) -> None:
 
     check_before_work(cfg, "pipeline")  # every stage's settings, before the first one loads anything
     t0 = time.perf_counter()
+    if cfg.get("pipeline", {}).get("regenerate"):  # self-distillation: train on the target's own replies
+        from data.regenerate import use_regenerated
+
+        path, rstats = use_regenerated(cfg)
+        print(f"[0/4] regenerate: {rstats.conversations + rstats.skipped_done} conversations "
+              + ("(cached per machine: reused)" if rstats.cached else
+                 f"({rstats.tokens} new tokens, {rstats.tokens_per_s:.0f} tok/s)") + f" → {path}")
     store, pstats = run_precompute(cfg)
     print(f"[1/4] precompute: {pstats.samples} conversations, {pstats.tokens} tokens "
           f"({pstats.tokens_per_s:.0f} tok/s), rejected {dict(pstats.rejected)} → {store}")
@@ -82,6 +97,7 @@ def main(cfg: DictConfig) -> None:
           f"speedup={'nan' if speed is None else f'{speed:.2f}'} k={trained['k']} "
           f"draft_vocab={trained.get('draft_vocab') or 'all'} runtime_s={time.perf_counter() - t0:.0f} "
           f"disk_mb={total / 2**20:.0f}")
+    return report
 
 
 if __name__ == "__main__":

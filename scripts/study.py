@@ -98,13 +98,12 @@ def data_config(cfg: DictConfig, variant: dict[str, Any], where: str) -> DictCon
     out = cfg.copy()
     with open_dict(out):
         apply_overrides(out, split_overrides(variant)[0], where)
-        if variant["data"] == "regen":
-            from data.regenerate import regenerate
+    if variant["data"] == "regen":
+        from data.regenerate import use_regenerated
 
-            path, stats = regenerate(out)
-            log.info("study: regenerated data %s (%d conversations, %d new tokens)", path,
-                     stats.conversations + stats.skipped_done, stats.tokens)
-            out.data.source, out.data.path, out.data.skip, out.data.max_samples = "jsonl", str(path), 0, None
+        path, stats = use_regenerated(out)
+        log.info("study: regenerated data %s (%d conversations, %d new tokens%s)", path,
+                 stats.conversations + stats.skipped_done, stats.tokens, ", cached" if stats.cached else "")
     return out
 
 

@@ -328,3 +328,27 @@ def test_a_second_run_with_the_same_settings_waits_then_skips(tiny_overrides, ti
     worker.join(60)  # the lock is released with its file
     assert result["out"] == out and result["stats"].conversations == result["stats"].tokens == 0
     assert out.read_bytes() == reference.read_bytes()
+
+
+def test_pipeline_regenerate_trains_on_the_targets_replies(tiny_overrides, text_target, cache, tmp_path, capsys):
+    """`pipeline.regenerate=true`: the demo regenerates first (into the per-machine cache) and precomputes
+    the target's replies, not the data's; a second run reuses the cached regeneration."""
+    from data.regenerate import regenerated_path
+    from data.store import FeatureStore
+    from scripts.pipeline import run_pipeline
+
+    overrides = [*tiny_overrides, f"target.path={text_target}", f"regenerate.max_new_tokens={MAX_NEW}",
+                 "pipeline.regenerate=true", "evaluate.heads={trained:${head_dir}}", "trainer.max_epochs=1",
+                 "train.engine_validation.enabled=false"]
+    expected = regenerated_path(compose_config(overrides))
+    run_pipeline(compose_config(overrides))
+    out = capsys.readouterr().out
+    assert "[0/4] regenerate: " in out and f"→ {expected}" in out and "reused" not in out
+    records = {r["id"]: r for r in map(json.loads, expected.read_text().splitlines())}
+    store = FeatureStore(tmp_path / "run" / "features")
+    assert store.manifest["source"]["path"] == str(expected)
+    stored = {sid for s in store.manifest["shards"] for sid in s["sample_ids"]}
+    assert stored and stored <= set(records)
+
+    run_pipeline(compose_config(overrides + ["train.resume=null"]))
+    assert "(cached per machine: reused)" in capsys.readouterr().out
