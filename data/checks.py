@@ -66,7 +66,7 @@ def check_before_work(cfg: Any, stage: str) -> None:
 
 
 def check_target(target_cfg: Any) -> Path | None:
-    """target.path's directory (None for the packaged source, converted on first use)."""
+    """target.path's directory (None for a packaged source, converted on first use)."""
     if target_cfg.get("path"):
         path = Path(str(target_cfg["path"])).expanduser()
         if not path.is_dir():
@@ -75,9 +75,12 @@ def check_target(target_cfg: Any) -> Path | None:
         if not (path / "config.json").is_file():
             raise ConfigError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
         return path
-    if target_cfg.get("source") == "smollm2_gguf":
+    from data.assets import TARGET_SOURCES
+
+    if target_cfg.get("source") in TARGET_SOURCES:
         return None
-    raise ConfigError("target: set target.path=<HF checkpoint directory> or target.source=smollm2_gguf")
+    raise ConfigError("target: set target.path=<HF checkpoint directory> or target.source="
+                      + " | ".join(TARGET_SOURCES))
 
 
 def check_engine_family(target_dir: Path, stage: str, warn_only: bool = False) -> None:

@@ -34,17 +34,20 @@ log = logging.getLogger(__name__)
 
 
 def resolve_target_dir(target_cfg: Any) -> Path:
-    """An HF checkpoint directory for the configured target: `path` if given, else the packaged
-    SmolLM2 GGUF converted once into the cache."""
+    """An HF checkpoint directory for the configured target: `path` if given, else the packaged GGUF
+    that `source` names (data/assets.py TARGET_SOURCES: smollm2_gguf, gemma3_270m_gguf) converted once
+    into the cache."""
     if target_cfg.get("path"):
         path = Path(target_cfg["path"]).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
         return path
-    if target_cfg.get("source") == "smollm2_gguf":
-        from data.assets import ensure_smollm2_checkpoint
-        return ensure_smollm2_checkpoint()
-    raise ValueError("target: set `path` to an HF checkpoint directory or `source: smollm2_gguf`")
+    from data.assets import TARGET_SOURCES
+
+    if target_cfg.get("source") in TARGET_SOURCES:
+        return TARGET_SOURCES[target_cfg["source"]]()
+    raise ValueError(f"target: set `path` to an HF checkpoint directory or `source` to one of "
+                     f"{', '.join(TARGET_SOURCES)}")
 
 
 class SourceError(ValueError):

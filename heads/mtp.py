@@ -36,6 +36,14 @@ class MTPConfig:
     num_modules: int = 1
     init: Literal["copy", "random"] = "copy"  # copy: start near "pass the hidden state through"
     init_std: float = 0.02
+    # hnorm's starting multiplier: `target` = N_f's (w, Gemma's 1 + w), `ones` = 1. The final norm starts
+    # as N_f either way, so with `ones` (and init=copy) step 0 projects ≈ N_f(x̂) = N_f(H_i): the target's own
+    # logits; with `target` N_f applies twice (N_f(N_f(H_i))), far off where N_f's multipliers are far from 1.
+    hnorm_init: Literal["target", "ones"] = "target"
+
+    def __post_init__(self) -> None:
+        if self.hnorm_init not in ("target", "ones"):
+            raise ValueError(f"mtp hnorm_init={self.hnorm_init!r}: expected target or ones")
 
     def to_dict(self) -> dict:
         return {"type": "mtp", **asdict(self)}
@@ -93,13 +101,14 @@ class MTPHead(DraftHead):
     @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
         """Random decoder weights (heads/base.py init_random); norms from the target's norms where
-        they play the same role (hnorm and the final norm ← N_f, enorm ← layer 0's input norm); with
+        they play the same role (the final norm ← N_f, enorm ← layer 0's input norm, hnorm ← N_f or 1 by
+        `hnorm_init`); with
         init=copy, eh_proj starts as [small noise | I] so x ≈ hnorm(H_i) at step 0."""
         gen = torch.Generator().manual_seed(seed)
         h = self.args.hidden_size
         for m in self.layers:
             init_random(m, gen, self.cfg.init_std)
-            m.hnorm.weight.copy_(self.tied.norm_scale)
+            m.hnorm.weight.copy_(self.tied.norm_scale if self.cfg.hnorm_init == "target" else 1.0)
             m.shared_head.norm.weight.copy_(self.tied.norm_scale)
             if first_input_norm is not None:
                 m.enorm.weight.copy_(first_input_norm)

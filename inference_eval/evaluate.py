@@ -183,7 +183,7 @@ def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=No
 
 def stop_token_ids(tokenizer) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):  # ChatML, Llama 3, Qwen, Gemma
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
             ids.add(tid)

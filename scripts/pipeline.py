@@ -93,7 +93,8 @@ def run_pipeline(cfg: DictConfig) -> dict:
           + ")")
     res = report["results"]
     speed = trained.get("speedup")
-    print(f"demo tau_trained={res['trained']['tau']:.3f} tau_untrained={res['untrained']['tau']:.3f} "
+    untrained = f"{res['untrained']['tau']:.3f}" if "untrained" in res else "nan"  # evaluate.heads.untrained=null
+    print(f"demo tau_trained={res['trained']['tau']:.3f} tau_untrained={untrained} "
           f"speedup={'nan' if speed is None else f'{speed:.2f}'} k={trained['k']} "
           f"draft_vocab={trained.get('draft_vocab') or 'all'} runtime_s={time.perf_counter() - t0:.0f} "
           f"disk_mb={total / 2**20:.0f}")

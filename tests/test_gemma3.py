@@ -411,3 +411,40 @@ def test_draft_lm_on_a_capped_gemma_target(tmp_path):
             with pytest.raises(ValueError, match="draft-hf.*conventions.*native"):
                 export_head(head, {fmt: tmp_path / fmt}, path)
             assert not (tmp_path / fmt).exists()
+
+
+def test_mtp_hnorm_init_ones_starts_at_the_targets_logits(tmp_path):
+    """`head.hnorm_init=ones`: at step 0 (init=copy) the mtp head projects ≈ N_f(H_i), the target's own
+    logits at i, whatever N_f's multipliers; the default (`target`) applies N_f twice, which on a target
+    whose final-norm multipliers are far from 1 (Gemma-3-270M's span 0.19..301) starts far off."""
+    import torch.nn.functional as F
+
+    from heads.checkpoint import build_head
+    from inference_eval.model import tied_target
+
+    hf = make_hf_gemma3(initializer_range=0.3)
+    with torch.no_grad():
+        hf.model.norm.weight.copy_(torch.rand(48, generator=torch.Generator().manual_seed(1)) * 8 - 0.8)
+    hf.save_pretrained(tmp_path / "g")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "g")
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = model(ids, logits="none").hidden
+    tied, args, parts = tied_target(tmp_path / "g")
+    kl = {}
+    for init in ("target", "ones"):
+        head = build_head({"type": "mtp", "hnorm_init": init}, args, tied)
+        head.reset_parameters(0, parts.first_input_norm)
+        assert torch.equal(head.layers[0].shared_head.norm.weight, tied.norm_scale)
+        with torch.no_grad():
+            s = head.logits(head(hidden[:, :-1], ids[:, 1:], torch.arange(23)[None]))
+            t = tied.teacher_logits(hidden[:, :-1])  # the target's own logits at the same positions
+            kl[init] = float(F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean"))
+            if init == "ones":
+                assert torch.equal(head.layers[0].hnorm.weight, torch.ones(48))
+                cos = F.cosine_similarity(head.features(head(hidden[:, :-1], ids[:, 1:], torch.arange(23)[None])),
+                                          tied.final_norm(hidden[:, :-1]), dim=-1)
+                assert float(cos.min()) > 0.95
+    assert kl["ones"] < 0.25 * kl["target"], kl
+    with pytest.raises(ValueError, match="hnorm_init"):
+        build_head({"type": "mtp", "hnorm_init": "zeros"}, args, tied)
