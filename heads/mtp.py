@@ -38,12 +38,14 @@ class MTPConfig:
     init_std: float = 0.02
     # hnorm's starting multiplier: `target` = N_f's (w, Gemma's 1 + w), `ones` = 1. The final norm starts
     # as N_f either way, so with `ones` (and init=copy) step 0 projects ≈ N_f(x̂) = N_f(H_i): the target's own
-    # logits; with `target` N_f applies twice (N_f(N_f(H_i))), far off where N_f's multipliers are far from 1.
-    hnorm_init: Literal["target", "ones"] = "target"
+    # logits; with `target` N_f applies twice (N_f(N_f(H_i))), far off where N_f's multipliers are far from 1
+    # (Gemma-3-270M's span 0.19..301: a starting KL of 110 against 6.4). `auto`: ones for a target whose
+    # final norm is not Llama's (Gemma's (1 + w)), target for the Llama family (what its results used).
+    hnorm_init: Literal["auto", "target", "ones"] = "target"
 
     def __post_init__(self) -> None:
-        if self.hnorm_init not in ("target", "ones"):
-            raise ValueError(f"mtp hnorm_init={self.hnorm_init!r}: expected target or ones")
+        if self.hnorm_init not in ("auto", "target", "ones"):
+            raise ValueError(f"mtp hnorm_init={self.hnorm_init!r}: expected auto, target or ones")
 
     def to_dict(self) -> dict:
         return {"type": "mtp", **asdict(self)}
@@ -98,6 +100,11 @@ class MTPHead(DraftHead):
         """What Ĥ is regressed against: H_{i+1} itself (Ĥ lives in the pre-norm residual space)."""
         return hidden_next
 
+    def _hnorm_from_target(self) -> bool:
+        if self.cfg.hnorm_init == "auto":
+            return not self.tied.conventions.norm_offset
+        return self.cfg.hnorm_init == "target"
+
     @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
         """Random decoder weights (heads/base.py init_random); norms from the target's norms where
@@ -108,7 +115,7 @@ class MTPHead(DraftHead):
         h = self.args.hidden_size
         for m in self.layers:
             init_random(m, gen, self.cfg.init_std)
-            m.hnorm.weight.copy_(self.tied.norm_scale if self.cfg.hnorm_init == "target" else 1.0)
+            m.hnorm.weight.copy_(self.tied.norm_scale if self._hnorm_from_target() else 1.0)
             m.shared_head.norm.weight.copy_(self.tied.norm_scale)
             if first_input_norm is not None:
                 m.enorm.weight.copy_(first_input_norm)

@@ -26,7 +26,8 @@ steps. Every point is scored on
 Stores, regenerations, trained heads and evaluation reports are cached under keys of their full
 config and inputs (scripts/cache.py; a store directory is named by the hash of what it holds), so an
 interrupted study resumes and a changed setting recomputes — never a stale result. Writes
-`<run_dir>/study.json`, `study.md` and `study.png` (τ and held-out top-1 against training tokens).
+`<run_dir>/study.json`, `study.md` and `study.png` (τ and held-out top-1 against training tokens),
+rewritten after every point (`complete: false` until the last).
 Last line: `study best=<variant> tau_k<k>=<τ> … runtime_s=<s>`.
 """
 
@@ -284,6 +285,7 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
                    "complete": best is not None, "runtime_s": time.perf_counter() - t0}
         atomic_write_bytes(out, json.dumps(summary, indent=2, default=str).encode())
         atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
+        plot(summary, out.with_suffix(".png"))
         return summary
 
     k_rank = 3 if 3 in ks_largest else ks_largest[-1]
@@ -299,7 +301,6 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
                 run_point(name, own[name][-1], int(seed))
 
     summary = report(best)
-    plot(summary, out.with_suffix(".png"))
     print(f"study report={out} md={out.with_suffix('.md')} png={out.with_suffix('.png')}")
     best_taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for p in points
                          if p["variant"] == best and p["budget"] == common and p["seed"] == int(cfg.seed)
@@ -338,13 +339,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     from data.store import atomic_write_bytes
 
-    k = summary["k_rank"]
+    k = int(summary["k_rank"])
     fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # taus keyed by int k (a report read back from JSON has string keys)
+    summary = {**summary, "points": [{**p, "tau": {int(kk): v for kk, v in p["tau"].items()}} for p in summary["points"]]}
     seed0 = min(p["seed"] for p in summary["points"])
     for name in summary["variants"]:
         pts = sorted((p for p in summary["points"] if p["variant"] == name and p["seed"] == seed0),
                      key=lambda p: p["train_tokens"])
-        pts = [p for p in pts if k in p["tau"] or str(k) in p["tau"]]
+        pts = [p for p in pts if k in p["tau"]]
         if not pts:
             continue
         x = [p["train_tokens"] for p in pts]

@@ -446,5 +446,15 @@ def test_mtp_hnorm_init_ones_starts_at_the_targets_logits(tmp_path):
                                           tied.final_norm(hidden[:, :-1]), dim=-1)
                 assert float(cos.min()) > 0.95
     assert kl["ones"] < 0.25 * kl["target"], kl
+    auto = build_head({"type": "mtp", "hnorm_init": "auto"}, args, tied)  # a Gemma target: ones
+    auto.reset_parameters(0, parts.first_input_norm)
+    assert torch.equal(auto.layers[0].hnorm.weight, torch.ones(48))
+    from tests.conftest import make_hf_model
+
+    make_hf_model("llama", seed=0).save_pretrained(tmp_path / "l")
+    l_tied, l_args, l_parts = tied_target(tmp_path / "l")
+    auto = build_head({"type": "mtp", "hnorm_init": "auto"}, l_args, l_tied)  # a Llama target: N_f's multiplier
+    auto.reset_parameters(0, l_parts.first_input_norm)
+    assert torch.equal(auto.layers[0].hnorm.weight, l_tied.norm_scale)
     with pytest.raises(ValueError, match="hnorm_init"):
         build_head({"type": "mtp", "hnorm_init": "zeros"}, args, tied)
