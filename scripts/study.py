@@ -131,14 +131,11 @@ def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     return Path(store)
 
 
-def mean_batch_tokens(cfg: DictConfig, store: Path) -> tuple[float, int]:
-    """(tokens per training batch, training tokens of one epoch) of this store under cfg.train.data."""
-    from data.store import target_fingerprint
-    from data.sources import resolve_target_dir
+def mean_batch_tokens(cfg: DictConfig, store: Path, fp: dict[str, Any]) -> tuple[float, int]:
+    """(tokens per training batch, training tokens of one epoch) of this store under cfg.train.data;
+    `fp`: the target's fingerprint, which the store must carry."""
     from train.data import FeatureDataModule
 
-    target_dir = resolve_target_dir(cfg.target)
-    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
     dm = FeatureDataModule(str(store), fp, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")
     epoch_tokens = sum(dm.lengths[i] for i in dm.train_idx)
@@ -166,16 +163,15 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
     return out
 
 
-def heldout(cfg: DictConfig, head_dir: Path, store: Path, depth: int, limit: int | None) -> dict[str, Any]:
+def heldout(cfg: DictConfig, head_dir: Path, store: Path, depth: int, limit: int | None,
+            fp: dict[str, Any]) -> dict[str, Any]:
     from data.sources import resolve_target_dir
-    from data.store import target_fingerprint
     from heads.checkpoint import load_native
     from inference_eval.model import tied_target
     from train.data import FeatureDataModule
     from train.module import heldout_agreement
 
     target_dir = resolve_target_dir(cfg.target)
-    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
     dm = FeatureDataModule(str(store), fp, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("validate")
     if limit is not None:
@@ -254,13 +250,14 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
                 pc[section] = dc[section]
             pc.precompute.aux_layers = FeatureStore(st).aux_layers
             pc.store_dir = str(st)
-        per_batch, epoch_tokens = mean_batch_tokens(pc, st)
+        per_batch, epoch_tokens = mean_batch_tokens(pc, st, fingerprint)
         steps = max(1, round(budget / per_batch))
         with open_dict(pc):
             pc.trainer.max_steps, pc.trainer.max_epochs = steps, -1
         label = f"{name}-b{budget}-s{seed}"
         metrics, train_s, cached = cached_training(pc, st, f"the {label} head")
-        held = heldout(pc, Path(pc.head_dir), base, int(scfg.eval_depth), scfg.get("heldout_conversations"))
+        held = heldout(pc, Path(pc.head_dir), base, int(scfg.eval_depth), scfg.get("heldout_conversations"),
+                       fingerprint)
         point = {"variant": name, "budget": budget, "seed": seed, "steps": steps,
                  "train_tokens": round(steps * per_batch), "epochs": steps * per_batch / max(epoch_tokens, 1),
                  "head": variant["head"], "data": variant["data"], "overrides": variant["overrides"],
