@@ -23,7 +23,7 @@ steps. Every point is scored on
 `study.repeat_seeds` retrains the `study.repeat` variants (a name, or `best`: the variant of the highest
 τ at the common budget) at their largest budget with each seed, to show what is noise.
 
-Stores, regenerations, trained heads and evaluation reports are cached under keys of their full
+Stores, regenerations, trained heads, evaluation reports and held-out scores are cached under keys of their full
 config and inputs (scripts/cache.py; a store directory is named by the hash of what it holds), so an
 interrupted study resumes and a changed setting recomputes — never a stale result. Writes
 `<run_dir>/study.json`, `study.md` and `study.png` (τ and held-out top-1 against training tokens),
@@ -163,6 +163,26 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
     return out
 
 
+def cached_heldout(cfg: DictConfig, label: str, head_dir: Path, store: Path, depth: int, limit: int | None,
+                   fp: dict[str, Any]) -> dict[str, Any]:
+    """`heldout`, reused from `<run_dir>/eval/<label>_heldout.json` when it was made from the same head
+    checkpoint, store, split settings, depth, conversations and target (scripts/cache.py)."""
+    from data.store import atomic_write_bytes
+    from scripts.cache import dir_fingerprint, lookup, record, store_fingerprint
+
+    path = Path(cfg.run_dir) / "eval" / f"{label}_heldout.json"
+    key = {"train_data": OmegaConf.to_container(cfg.train.data, resolve=True), "depth": int(depth),
+           "limit": None if limit is None else int(limit), "target_fingerprint": fp,
+           "store_manifest_sha256": store_fingerprint(store), "head": dir_fingerprint(head_dir)}
+    if lookup(path, key, f"the {label} held-out agreement") is not None:
+        return json.loads(path.read_text())
+    result = heldout(cfg, head_dir, store, depth, limit, fp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(result, indent=1, default=str).encode())
+    record(path, key)
+    return result
+
+
 def heldout(cfg: DictConfig, head_dir: Path, store: Path, depth: int, limit: int | None,
             fp: dict[str, Any]) -> dict[str, Any]:
     from data.sources import resolve_target_dir
@@ -256,8 +276,8 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
             pc.trainer.max_steps, pc.trainer.max_epochs = steps, -1
         label = f"{name}-b{budget}-s{seed}"
         metrics, train_s, cached = cached_training(pc, st, f"the {label} head")
-        held = heldout(pc, Path(pc.head_dir), base, int(scfg.eval_depth), scfg.get("heldout_conversations"),
-                       fingerprint)
+        held = cached_heldout(pc, label, Path(pc.head_dir), base, int(scfg.eval_depth),
+                              scfg.get("heldout_conversations"), fingerprint)
         point = {"variant": name, "budget": budget, "seed": seed, "steps": steps,
                  "train_tokens": round(steps * per_batch), "epochs": steps * per_batch / max(epoch_tokens, 1),
                  "head": variant["head"], "data": variant["data"], "overrides": variant["overrides"],

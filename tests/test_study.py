@@ -1,7 +1,7 @@
 """The recipe study (scripts/study.py) on the tiny target, every stage real: variants (a TTT depth, the
 target's own replies, fewer conversations repeated), token budgets turned into optimizer steps, MT-Bench
 style τ per k and held-out top-1 per depth for every point, a repeat with another seed, the report, its
-Markdown table and plot. A rerun reuses every trained head and report; a changed setting retrains
+Markdown table and plot. A rerun reuses every trained head, report and held-out score; a changed setting retrains
 exactly the points it changes (never a stale result)."""
 
 import json
@@ -17,10 +17,12 @@ from tests.conftest import compose_config
 def spies(monkeypatch):
     """Count the real training and evaluation calls (wrapping, not replacing, them)."""
     import inference_eval.evaluate
+    import train.module
     import train.run
 
-    calls = {"train": [], "eval": []}
+    calls = {"train": [], "eval": [], "heldout": 0}
     real_train, real_eval = train.run.run_training, inference_eval.evaluate.run_evaluation
+    real_heldout = train.module.heldout_agreement
 
     def run_training(cfg, *a, **kw):
         calls["train"].append(Path(cfg.head_dir).parent.name)
@@ -30,7 +32,12 @@ def spies(monkeypatch):
         calls["eval"].append(Path(cfg.evaluate.report).name)
         return real_eval(cfg)
 
+    def heldout_agreement(*a, **kw):
+        calls["heldout"] += 1
+        return real_heldout(*a, **kw)
+
     monkeypatch.setattr(train.run, "run_training", run_training)
+    monkeypatch.setattr(train.module, "heldout_agreement", heldout_agreement)
     monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
     return calls
 
@@ -50,7 +57,7 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
     points = {(p["variant"], p["budget"], p["seed"]): p for p in out["points"]}
     best = out["best"]
     assert set(points) == {(v, b, 0) for v in ("default", "ttt2", "regen", "few") for b in (1000, 20000)} | {(best, 20000, 1)}
-    assert len(spies["train"]) == 9 and len(spies["eval"]) == 4 * (1 + 2) + 2
+    assert len(spies["train"]) == 9 and len(spies["eval"]) == 4 * (1 + 2) + 2 and spies["heldout"] == 9
     for (v, b, s), p in points.items():
         assert p["steps"] >= 1 and abs(p["train_tokens"] - b) <= p["train_tokens"] / p["steps"] / 2 + 1
         assert sorted(p["tau"]) == ([1, 2] if b == 20000 else [1]) and all(t["tau"] >= 1.0 for t in p["tau"].values())
@@ -75,7 +82,8 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
 
     # unchanged: every head and report reused
     again = run_study(compose_config(base))
-    assert len(spies["train"]) == 9 and len(spies["eval"]) == 14
+    assert len(spies["train"]) == 9 and len(spies["eval"]) == 14 and spies["heldout"] == 9
+    assert [p["heldout"] for p in again["points"]] == [p["heldout"] for p in out["points"]]
     assert all(p["cached"] and all(t["cached"] for t in p["tau"].values()) for p in again["points"])
     assert [p["tau"] for p in again["points"]] == [{k: {**t, "cached": True} for k, t in p["tau"].items()}
                                                    for p in out["points"]]
@@ -85,6 +93,7 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
                            f"+study.variants={variants.replace('depth:2', 'depth:2,train.module.lr:0.002')}"]
     run_study(compose_config(changed))
     assert spies["train"][9:] == ["ttt2-b1000-s0", "ttt2-b20000-s0"] and len(spies["eval"]) == 14 + 3
+    assert spies["heldout"] == 9 + 2  # the retrained heads are re-scored, the others' scores reused
 
 
 def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
