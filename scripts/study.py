@@ -21,7 +21,8 @@ steps. Every point is scored on
     on the held-out split of the ShareGPT store of the variant's pool (the same rows for variants of
     one pool, whatever their data kind).
 `study.repeat_seeds` retrains the `study.repeat` variants (a name, or `best`: the variant of the highest
-τ at the common budget) at their largest budget with each seed, to show what is noise.
+τ at the common budget) at the common budget with each seed, to show which differences in the ranking
+are noise.
 
 Stores, regenerations, trained heads, evaluation reports and held-out scores are cached under keys of their full
 config and inputs (scripts/cache.py; a store directory is named by the hash of what it holds), so an
@@ -315,7 +316,7 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
     for seed in scfg.get("repeat_seeds") or []:
         for name in dict.fromkeys(best if v == "best" else v for v in scfg.get("repeat") or []):
             if int(seed) != int(cfg.seed):
-                run_point(name, own[name][-1], int(seed))
+                run_point(name, common, int(seed))
 
     summary = report(best)
     print(f"study report={out} md={out.with_suffix('.md')} png={out.with_suffix('.png')}")

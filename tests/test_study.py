@@ -47,7 +47,7 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
 
     monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path / "cache"))
     variants = ("{default:{},ttt2:{overrides:{train.module.depth:2}},regen:{data:regen},"
-                "few:{overrides:{train.data.train_samples:2}}}")
+                "few:{budgets:[1000,20000,40000],overrides:{train.data.train_samples:2}}}")
     base = tiny_overrides + [  # text_target: a tiny model whose replies are not blank (tests/conftest.py)
         "experiment=study", f"target.path={text_target}", f"run_dir={tmp_path / 'run'}", "logger=csv", "study.budgets=[20000,1000]", "train.module.lr=0.01",
         "~study.variants", f"+study.variants={variants}", "study.ks=[1]", "study.ks_largest=[1,2]", "study.eval_depth=2",
@@ -56,11 +56,13 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
     out = run_study(compose_config(base))
     points = {(p["variant"], p["budget"], p["seed"]): p for p in out["points"]}
     best = out["best"]
-    assert set(points) == {(v, b, 0) for v in ("default", "ttt2", "regen", "few") for b in (1000, 20000)} | {(best, 20000, 1)}
-    assert len(spies["train"]) == 9 and len(spies["eval"]) == 4 * (1 + 2) + 2 and spies["heldout"] == 9
+    # few's own largest budget is 40000; the variants are ranked, and the best repeated, at the common 20000
+    assert set(points) == ({(v, b, 0) for v in ("default", "ttt2", "regen", "few") for b in (1000, 20000)}
+                           | {("few", 40000, 0), (best, 20000, 1)})
+    assert len(spies["train"]) == 10 and len(spies["eval"]) == 4 * (1 + 2) + 2 + 2 and spies["heldout"] == 10
     for (v, b, s), p in points.items():
         assert p["steps"] >= 1 and abs(p["train_tokens"] - b) <= p["train_tokens"] / p["steps"] / 2 + 1
-        assert sorted(p["tau"]) == ([1, 2] if b == 20000 else [1]) and all(t["tau"] >= 1.0 for t in p["tau"].values())
+        assert sorted(p["tau"]) == ([1, 2] if b >= 20000 else [1]) and all(t["tau"] >= 1.0 for t in p["tau"].values())
         assert len(p["heldout"]["acc"]) == 2 and p["heldout"]["conversations"] == 2
         assert not p["cached"]
     assert points[("default", 20000, 0)]["steps"] > points[("default", 1000, 0)]["steps"]
@@ -75,14 +77,14 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
     run = tmp_path / "run"
     assert json.loads((run / "study.json").read_text())["best"] == best
     md = (run / "study.md").read_text()
-    assert md.count("\n| ") == 2 + 9 and f"**{best}**" in md
+    assert md.count("\n| ") == 2 + 10 and f"**{best}**" in md
     assert (run / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(rf"study best={re.escape(best)} tau_k1=\S+ tau_k2=\S+ runtime_s=\d+", last), last
 
     # unchanged: every head and report reused
     again = run_study(compose_config(base))
-    assert len(spies["train"]) == 9 and len(spies["eval"]) == 14 and spies["heldout"] == 9
+    assert len(spies["train"]) == 10 and len(spies["eval"]) == 16 and spies["heldout"] == 10
     assert [p["heldout"] for p in again["points"]] == [p["heldout"] for p in out["points"]]
     assert all(p["cached"] and all(t["cached"] for t in p["tau"].values()) for p in again["points"])
     assert [p["tau"] for p in again["points"]] == [{k: {**t, "cached": True} for k, t in p["tau"].items()}
@@ -92,8 +94,8 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
     changed = base + ["study.repeat=[]", "~study.variants",
                            f"+study.variants={variants.replace('depth:2', 'depth:2,train.module.lr:0.002')}"]
     run_study(compose_config(changed))
-    assert spies["train"][9:] == ["ttt2-b1000-s0", "ttt2-b20000-s0"] and len(spies["eval"]) == 14 + 3
-    assert spies["heldout"] == 9 + 2  # the retrained heads are re-scored, the others' scores reused
+    assert spies["train"][10:] == ["ttt2-b1000-s0", "ttt2-b20000-s0"] and len(spies["eval"]) == 16 + 3
+    assert spies["heldout"] == 10 + 2  # the retrained heads are re-scored, the others' scores reused
 
 
 def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
