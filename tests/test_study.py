@@ -108,3 +108,25 @@ def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
         with pytest.raises(ValueError, match=re.escape(message)):
             run_study(compose_config(base + ["~study.variants", f"+study.variants={variants}"]))
     assert not (tmp_path / "run" / "stores").exists()
+
+
+def test_best_preset_is_the_study_winner_at_its_largest_budget():
+    """conf/experiment/best.yaml trains what the study's winning variant (bt512) trained at its largest
+    budget: the same head, pool, batches and optimisation, and the default recipe is that variant's."""
+    from omegaconf import OmegaConf
+
+    from scripts.study import parse_variant, point_config
+
+    study, best, default = (compose_config([f"experiment={e}"] if e else []) for e in ("study", "best", None))
+    variant = parse_variant("bt512", study.study.variants.bt512)
+    assert max(variant["budgets"]) == 600000 == max(max(parse_variant(n, v)["budgets"] or study.study.budgets)
+                                                   for n, v in study.study.variants.items())
+    point = point_config(study, "bt512", variant, 600000, 0)
+    best_, point_, default_ = (OmegaConf.create(OmegaConf.to_container(c, resolve=True)) for c in (best, point, default))
+    for section in ("head", "data", "train.module", "train.data", "target", "seed"):
+        assert OmegaConf.select(best_, section) == OmegaConf.select(point_, section), section
+    assert best.trainer.max_epochs == -1 and best.trainer.max_steps > 0  # a step budget, fresh data
+    for section in ("head", "train.module", "train.data"):  # the demo's recipe is the winner's
+        assert OmegaConf.select(default_, section) == OmegaConf.select(best_, section), section
+    # the variants the winner was measured against keep the recipe they ran with (batches of 2,048)
+    assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
