@@ -214,6 +214,22 @@ def choose_k(settings, tokens_per_s, plain_tokens_per_s: float | None = None) ->
                      "chosen_speedup": row["speedup"], "faster_than_plain": row["speedup"] > 1}
 
 
+def auto_probe_labels(spec: Any, labels: list[str]) -> set[str]:
+    """`evaluate.auto_probe`: the proposers k=auto measures — `all`, or a list of labels (the demo's
+    `[trained]`), the others then run at the first probed one's k and draft vocabulary: a baseline such
+    as the untrained head is compared like for like and costs no probe. Listed labels that are not
+    configured are ignored; when none of them is, every proposer is probed."""
+    if spec is None or str(spec) == "all":
+        return set(labels)
+    if isinstance(spec, str) or not all(isinstance(x, str) for x in spec):
+        raise ValueError(f"evaluate.auto_probe={spec!r}: expected all or a list of head / draft-model labels")
+    chosen = {label for label in spec if label in labels}
+    if not chosen and labels:
+        log.info("evaluate: k=auto probes every proposer: none of evaluate.auto_probe=%s is configured (%s)",
+                 list(spec), labels)
+    return chosen or set(labels)
+
+
 def draft_vocab_options(cfg: Any, head, vocab_size: int) -> dict[int | None, torch.Tensor | None]:
     """`evaluate.auto_draft_vocab` for k=auto: {size: ids} of the draft vocabularies to try — None is the
     whole vocabulary; a size n drafts among the n tokens most frequent as assistant tokens in the
@@ -248,6 +264,7 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
                          "(other prompt sets: evaluate.dataset=jsonl evaluate.prompts_path=<file>)")
     if str(ecfg.get("k", 3)) != "auto" and not (str(ecfg.k).isdigit() and int(ecfg.k) >= 1):
         raise ValueError(f"evaluate.k={ecfg.k!r}: expected auto or a number of draft tokens ≥ 1")
+    auto_probe_labels(ecfg.get("auto_probe", "all"), [])  # its type (which labels exist is known later)
     if ecfg.dataset == "jsonl":
         if not ecfg.get("prompts_path"):
             raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per line)")
@@ -365,21 +382,37 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             draft = target.truncated(int(spec["layers"]))
         proposers[label] = DraftModelProposer(draft, label)
     plain_warm = None
-    for label, prop in proposers.items():
+    probing = auto_probe_labels(ecfg.get("auto_probe", "all"), list(proposers)) if auto_k else set()
+    leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
+    # the probed proposers first (the others take their setting); the report keeps the configured order
+    order = [label for label in proposers if label in probing] + [label for label in proposers if label not in probing]
+    for label in order:
+        prop = proposers[label]
         outputs: list[list[int]] = []
         from inference_eval.engine import PagedHeadProposer, PagedTreeProposer, engine_proposer
 
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
                        else prop if is_head else prop.draft)
-        auto = None
-        if auto_k:  # the fastest measured (k, draft vocabulary) on a few prompts, before the timed evaluation
+        auto, follows = None, None
+        drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
+        if auto_k and label not in probing:  # a baseline at the probed proposer's setting (like for like)
+            k = min(int(leader["k"]), getattr(prop, "max_depth", None) or int(leader["k"]))
+            vocab = leader["draft_vocab"] if drafts_by_head else None
+            if vocab is not None:
+                options = draft_vocab_options(cfg, prop, target.args.vocab_size)
+                vocab = vocab if vocab in options else None
+                if vocab is not None:
+                    engine_prop = PagedHeadProposer(prop, options[vocab])
+            follows = {"label": leader["label"], "k": k, "draft_vocab": vocab}
+            log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
+                     "vocabulary %s", label, leader["label"], k, vocab or "all")
+        elif auto_k:  # the fastest measured (k, draft vocabulary) on a few prompts, before the timed evaluation
             probe = prompts[: int(ecfg.get("auto_prompts", 4))]
             if plain_warm is None:  # warms the engine up; each setting is then timed beside a plain pass of its own
                 plain_warm = plain_tokens_per_s(target, probe, max_new, stops, 1, 1, sampling, batch_size)
             top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
             # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
-            drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
             vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
             settings = [{"k": kk, "draft_vocab": nv} for kk in range(1, top + 1) for nv in vocabs]
             bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=show_bar, every_s=every_s)
@@ -398,6 +431,8 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             k = chosen["k"]
             if chosen["draft_vocab"] is not None:
                 engine_prop = PagedHeadProposer(prop, vocabs[chosen["draft_vocab"]])
+            if leader is None:
+                leader = {"label": label, "k": k, "draft_vocab": chosen["draft_vocab"]}
             log.info("evaluate %s: k=auto measured on %d prompts, each setting beside a plain pass:\n%s\n→ chose "
                      "k=%d, draft vocabulary %s: %.2fx plain%s", label, len(probe),
                      "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['tokens_per_s']:.1f} tok/s "
@@ -412,6 +447,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
         if auto is not None:
             entry["k_auto"] = auto
             entry["draft_vocab"] = auto["chosen_draft_vocab"]
+        if follows is not None:
+            entry["k_from"] = follows["label"]
+            entry["draft_vocab"] = follows["draft_vocab"]
         if isinstance(prop, DraftModelProposer):
             entry["draft_layers"] = prop.draft.args.num_hidden_layers
         else:
@@ -425,6 +463,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
                 entry["teacher_forced_acc"] = accs
                 entry["simulated_minus_real_tau"] = sim - res.tau
         report["results"][label] = entry
+    report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
     if ecfg.get("plain_baseline"):
         log.info("evaluate: plain decoding of the same %d prompts (the speedup's baseline)", len(prompts))
         plain = evaluate_batched(target, None, prompts, 1, max_new, stops, batch_size, "plain", warmup, repeats,

@@ -40,6 +40,8 @@ def stage_line(label: str, r: dict) -> str:
     if r.get("speedup") is not None:
         speed += f", {r['speedup']:.2f}x plain"
     chosen = f"k={r['k']}" + (f", draft vocabulary {r['draft_vocab'] or 'all'}" if "draft_vocab" in r else "")
+    if r.get("k_from"):
+        chosen += f": {r['k_from']}'s setting"
     return f"      {label:>9}: τ={r['tau']:.3f}  {alpha}  ({speed}; {chosen})"
 
 

@@ -214,3 +214,42 @@ def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
     assert (entry["k"], entry["draft_vocab"]) == (best["k"], best["draft_vocab"])
     assert entry["k_auto"]["faster_than_plain"] == (best["speedup"] > 1)
     assert entry["speedup"] == pytest.approx(entry["tokens_per_s"] / report["plain_tokens_per_s"])
+
+
+def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overrides, monkeypatch):
+    """evaluate.auto_probe=[trained] (the default): only the trained head is probed; the untrained head
+    runs at its k and draft vocabulary (the vocabulary really applied, not just reported), in the report's
+    configured order. auto_probe=all probes both; a label list naming no configured proposer probes all."""
+    import inference_eval.engine as engine
+    from data.precompute import run_precompute
+    from inference_eval.evaluate import check_evaluation_config, run_evaluation
+    from train.run import run_training
+
+    base = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false", "evaluate.k=auto",
+            "evaluate.auto_max_k=2", "evaluate.auto_prompts=1", "evaluate.auto_draft_vocab=[64]"]
+    cfg = compose_config(base)
+    assert list(cfg.evaluate.auto_probe) == ["trained"]
+    run_precompute(cfg)
+    run_training(cfg)
+    wrapped = []  # (head, draft vocabulary size) of every head proposer the evaluation builds
+
+    class Spy(engine.PagedHeadProposer):
+        def __init__(self, head, draft_vocab=None):
+            wrapped.append((head, None if draft_vocab is None else len(draft_vocab)))
+            super().__init__(head, draft_vocab)
+
+    monkeypatch.setattr(engine, "PagedHeadProposer", Spy)
+    report = run_evaluation(cfg)
+    trained, untrained = report["results"]["trained"], report["results"]["untrained"]
+    assert list(report["results"]) == ["trained", "untrained"]
+    assert [r["k"] for r in trained["k_auto"]["table"]] == [1, 2] and trained["draft_vocab"] == 64
+    assert "k_auto" not in untrained and untrained["k_from"] == "trained"
+    assert (untrained["k"], untrained["draft_vocab"]) == (trained["k"], 64) and len(untrained["alpha"]) == trained["k"]
+    heads = {id(h) for h, _ in wrapped}  # the untrained head drafted among the 64 too
+    assert len(heads) == 2 and {id(h) for h, n in wrapped if n == 64} == heads
+    probed_every = run_evaluation(compose_config([*base, "evaluate.auto_probe=all"]))
+    assert all("k_auto" in r and "k_from" not in r for r in probed_every["results"].values())
+    fallback = run_evaluation(compose_config([*base, "evaluate.auto_probe=[nope]", "evaluate.auto_max_k=1"]))
+    assert all([r["k"] for r in e["k_auto"]["table"]] == [1] for e in fallback["results"].values())
+    with pytest.raises(ValueError, match="evaluate.auto_probe"):
+        check_evaluation_config(compose_config([*base, "evaluate.auto_probe=trained"]), heads_must_exist=False)
