@@ -74,3 +74,56 @@ def test_training_with_packed_rows(tiny_overrides):
     assert sum(int(b["segments"].max()) + 1 for b in batches) == len(dm.train_idx)
     _, metrics = run_training(cfg)
     assert 0.0 <= metrics["val/acc_d1"] <= 1.0 and metrics["train/loss"] == metrics["train/loss"]  # finite
+
+
+def test_every_epoch_validates_at_its_end_when_epochs_differ_in_batches(tiny_overrides, tiny_target, monkeypatch):
+    """Token-budget batches regroup each epoch, so epochs differ in their number of batches; Lightning
+    read the count once and validated when an epoch reached it — a shorter later epoch skipped its
+    end-of-epoch validation and the run reported an epoch-old val metric. Every epoch validates once,
+    after its last batch, and the final val/acc_d1 is the final head's held-out agreement."""
+    import lightning as L
+
+    from data.store import FeatureStore
+    from train.data import FeatureDataModule
+    from train.module import heldout_agreement
+
+    cfg = compose_config(tiny_overrides)
+    store_dir, _ = run_precompute(cfg)
+    dm = FeatureDataModule(str(store_dir), None, val_fraction=0.2)
+    dm.setup("fit")
+    lengths = [FeatureStore(store_dir).lengths()[i] for i in dm.train_idx]
+    # sort windows of 2 batches' worth (64 in use): the tiny store's few samples then regroup per epoch,
+    # as a real store's hundreds do under the 64-batch windows
+    monkeypatch.setattr(TokenBudgetBatches, "window_batches", 2)
+    epochs = 4
+
+    def counts(bt):
+        sampler = TokenBudgetBatches(lengths, bt, shuffle=True, seed=int(cfg.seed))
+        return [(sampler.set_epoch(e), len(sampler))[1] for e in range(epochs)]
+
+    # a budget whose later epochs have fewer batches than the first (the case that lost the validation)
+    bt = next(b for b in range(64, 2048, 8) if min(counts(b)[1:]) < counts(b)[0])
+    per_epoch = counts(bt)
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.seen, self.validated = [0] * epochs, []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.seen[trainer.current_epoch] += 1
+
+        def on_validation_epoch_end(self, trainer, module):
+            if not trainer.sanity_checking:
+                self.validated.append((trainer.current_epoch, self.seen[trainer.current_epoch]))
+
+    record = Record()
+    run_cfg = compose_config([*tiny_overrides, f"train.data.batch_tokens={bt}", f"trainer.max_epochs={epochs}",
+                              "train.engine_validation.enabled=false"])
+    head_dir, metrics = run_training(run_cfg, extra_callbacks=[record])
+    assert record.seen == per_epoch, (record.seen, per_epoch)
+    assert record.validated == [(e, per_epoch[e]) for e in range(epochs)]  # once per epoch, after its last batch
+    tied, args, _ = tied_target(tiny_target)
+    dm = FeatureDataModule(str(store_dir), None, batch_tokens=bt, val_fraction=0.2)
+    dm.setup("validate")
+    final = heldout_agreement(load_native(head_dir, tied, args), dm.val_dataloader(), 1)
+    assert abs(metrics["val/acc_d1"] - final["acc"][0]) < 1e-5  # the last validation scored the final head

@@ -41,6 +41,8 @@ class TokenBudgetBatches:
 
     `start` batches of the current epoch are skipped by the next pass only (set on resume)."""
 
+    window_batches = 64  # the sort window: this many batches' worth of samples
+
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int,
                  num_replicas: int = 1, rank: int = 0, packing: bool = False) -> None:
         if not 0 <= rank < num_replicas:
@@ -67,7 +69,7 @@ class TokenBudgetBatches:
         rng = random.Random(self.seed + self.epoch)
         if self.shuffle:
             rng.shuffle(order)
-        window = max(64 * max(1, self.batch_tokens // max(1, max(self.lengths))), 1)
+        window = max(self.window_batches * max(1, self.batch_tokens // max(1, max(self.lengths))), 1)
         batches: list[list[int]] = []
         for w in range(0, len(order), window):
             chunk = sorted(order[w:w + window], key=lambda i: self.lengths[i])
@@ -89,9 +91,15 @@ class TokenBudgetBatches:
         return batches
 
     def _batches(self) -> list[list[int]]:
+        key = (self.epoch, self.batch_tokens, self.shuffle, self.seed, self.packing, self.num_replicas, self.rank,
+               id(self.lengths), len(self.lengths))
+        cached = getattr(self, "_cache", None)
+        if cached is not None and cached[0] == key:  # len() and iter() of one epoch: built once
+            return cached[1]
         batches = self._all_batches()
         usable = len(batches) - len(batches) % self.num_replicas
-        return batches[:usable][self.rank::self.num_replicas]
+        self._cache = (key, batches[:usable][self.rank::self.num_replicas])
+        return self._cache[1]
 
     def __iter__(self):
         # a generator, so the epoch's batches are drawn at the first next(), after Lightning's

@@ -89,6 +89,11 @@ class DraftHeadModule(L.LightningModule):
     def _metric_keys(self, out: dict[str, torch.Tensor]) -> list[str]:
         return [k for k in out if k not in ("n_tokens", "tokens") and "_count_" not in k]
 
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer is not None and getattr(self, "_epoch_length_synced", None) != self.trainer.current_epoch:
+            self._epoch_length_synced = self.trainer.current_epoch  # once per epoch, also a resumed one
+            sync_epoch_length(self.trainer)
+
     def training_step(self, batch, batch_idx):
         out = self.compute_loss(batch)
         now = time.perf_counter()
@@ -132,6 +137,28 @@ class DraftHeadModule(L.LightningModule):
 
 
 @torch.no_grad()
+def sync_epoch_length(trainer) -> int | None:
+    """Token-budget batches (train/data.py) group the samples anew each epoch, so an epoch's number of
+    batches varies. Lightning reads the loader's length once, at the first epoch, and validates when
+    the epoch's batch count reaches it: a later epoch one batch shorter skipped its end-of-epoch
+    validation (the final val metrics were an epoch old), a longer one validated before its last
+    batches. This sets the current epoch's own count (its sampler's epoch is set by now); returns it
+    (None: not a TokenBudgetBatches loader, or limit_train_batches / an int val_check_interval in use)."""
+    from train.data import TokenBudgetBatches
+
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, TokenBudgetBatches) or trainer.limit_train_batches != 1.0:
+        return None
+    n = len(sampler)
+    loop = trainer.fit_loop
+    if n != loop.max_batches:
+        loop.max_batches = n
+        if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+            trainer.val_check_batch = max(1, int(n * trainer.val_check_interval))
+    return n
+
+
 def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, Any]:
     """Teacher-forced top-1 agreement per depth 1..`depth` over a loader (the held-out split),
     pooled over tokens: the training-time-test unroll, as the engine's draft chain would run it
