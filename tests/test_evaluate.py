@@ -255,6 +255,14 @@ def test_k_auto_picks_the_fastest_measured_setting():
     k, auto = choose_k([1, 2, 3], paired.__getitem__)
     assert k == 1 and auto["chosen_speedup"] == pytest.approx(1.2)
     assert [r["plain_tokens_per_s"] for r in auto["table"]] == [1.0, 2.0, 1.0]
+    # one plain pass slowed (k = 2's: 0.8 where the others ran at 1.0): its paired ratio 1.25 is not
+    # believed; k = 2 is ranked against the median plain pass (1.0) and k = 1 wins at 1.1
+    slowed = {1: (1.1, 1.0), 2: (1.0, 0.8), 3: (0.95, 1.0)}
+    k, auto = choose_k([1, 2, 3], slowed.__getitem__)
+    assert k == 1 and auto["chosen_speedup"] == pytest.approx(1.1)
+    assert auto["median_plain_tokens_per_s"] == pytest.approx(1.0)
+    assert [r["paired_speedup"] for r in auto["table"]] == pytest.approx([1.1, 1.25, 0.95])
+    assert [r["speedup"] for r in auto["table"]] == pytest.approx([1.1, 1.0, 0.95])
 
 
 def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):
