@@ -362,14 +362,15 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     # taus keyed by int k (a report read back from JSON has string keys)
     summary = {**summary, "points": [{**p, "tau": {int(kk): v for kk, v in p["tau"].items()}} for p in summary["points"]]}
     seed0 = min(p["seed"] for p in summary["points"])
-    for name in summary["variants"]:
+    colors = plt.get_cmap("tab10" if len(summary["variants"]) <= 10 else "tab20")  # a colour per variant
+    for i, name in enumerate(summary["variants"]):
         pts = sorted((p for p in summary["points"] if p["variant"] == name and p["seed"] == seed0),
                      key=lambda p: p["train_tokens"])
         pts = [p for p in pts if k in p["tau"]]
         if not pts:
             continue
         x = [p["train_tokens"] for p in pts]
-        line = ax_tau.plot(x, [p["tau"][k]["tau"] for p in pts], marker="o", label=name)[0]
+        line = ax_tau.plot(x, [p["tau"][k]["tau"] for p in pts], marker="o", label=name, color=colors(i))[0]
         ax_acc.plot(x, [p["heldout"]["acc"][0] for p in pts], marker="o", color=line.get_color(), label=name)
         for p in summary["points"]:
             if p["variant"] == name and p["seed"] != seed0 and k in p["tau"]:

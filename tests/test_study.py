@@ -111,17 +111,20 @@ def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
 
 
 def test_best_preset_is_the_study_winner_at_its_largest_budget():
-    """conf/experiment/best.yaml trains what the study's winning variant (bt512) trained at its largest
-    budget: the same head, pool, batches and optimisation, and the default recipe is that variant's."""
+    """conf/experiment/best.yaml trains what the study's winning recipe (bt512) trained at its largest
+    budget (bt512_pool2800: the same recipe on a pool large enough for 1.8M fresh tokens): the same head,
+    pool, batches and optimisation, and the default recipe is that variant's."""
     from omegaconf import OmegaConf
 
-    from scripts.study import parse_variant, point_config
+    from scripts.study import data_config, parse_variant, point_config
 
     study, best, default = (compose_config([f"experiment={e}"] if e else []) for e in ("study", "best", None))
-    variant = parse_variant("bt512", study.study.variants.bt512)
-    assert max(variant["budgets"]) == 600000 == max(max(parse_variant(n, v)["budgets"] or study.study.budgets)
-                                                   for n, v in study.study.variants.items())
-    point = point_config(study, "bt512", variant, 600000, 0)
+    variant = parse_variant("bt512_pool2800", study.study.variants.bt512_pool2800)
+    assert max(variant["budgets"]) == 1800000 == max(max(parse_variant(n, v)["budgets"] or study.study.budgets)
+                                                    for n, v in study.study.variants.items())
+    small = parse_variant("bt512", study.study.variants.bt512)  # the winner at the smaller budgets: one recipe
+    assert {k: v for k, v in variant["overrides"].items() if k != "data.max_samples"} == small["overrides"]
+    point = point_config(data_config(study, variant, "bt512_pool2800"), "bt512_pool2800", variant, 1800000, 0)
     best_, point_, default_ = (OmegaConf.create(OmegaConf.to_container(c, resolve=True)) for c in (best, point, default))
     for section in ("head", "data", "train.module", "train.data", "target", "seed"):
         assert OmegaConf.select(best_, section) == OmegaConf.select(point_, section), section
