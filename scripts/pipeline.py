@@ -93,7 +93,8 @@ def run_pipeline(cfg: DictConfig) -> dict:
           f"{report['max_new_tokens']} new tokens):")
     for label, r in report["results"].items():
         print(stage_line(label, r))
-    verdict = speed_verdict(report["results"]["trained"])
+    trained = report["results"]["trained"]
+    verdict = speed_verdict(trained)
     if verdict:
         print("      " + verdict)
     exports = run_export(cfg)
