@@ -411,7 +411,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
                 vocab = vocab if vocab in options else None
                 if vocab is not None:
                     engine_prop = PagedHeadProposer(prop, options[vocab])
-            follows = {"label": leader["label"], "k": k, "draft_vocab": vocab}
+            follows = {"label": leader["label"], "draft_vocab": vocab}
             log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
                      "vocabulary %s", label, leader["label"], k, vocab or "all")
         elif auto_k:  # the fastest measured (k, draft vocabulary) on a few prompts, before the timed evaluation

@@ -85,7 +85,7 @@ def test_every_epoch_validates_at_its_end_when_epochs_differ_in_batches(tiny_ove
 
     from data.store import FeatureStore
     from train.data import FeatureDataModule
-    from train.module import heldout_agreement
+    from train.module import DraftHeadModule, heldout_agreement
 
     cfg = compose_config(tiny_overrides)
     store_dir, _ = run_precompute(cfg)
@@ -125,5 +125,10 @@ def test_every_epoch_validates_at_its_end_when_epochs_differ_in_batches(tiny_ove
     tied, args, _ = tied_target(tiny_target)
     dm = FeatureDataModule(str(store_dir), None, batch_tokens=bt, val_fraction=0.2)
     dm.setup("validate")
+    grad_modes = []  # the held-out scoring builds no autograd graph
+    score = DraftHeadModule.compute_loss
+    monkeypatch.setattr(DraftHeadModule, "compute_loss",
+                        lambda self, batch: (grad_modes.append(torch.is_grad_enabled()), score(self, batch))[1])
     final = heldout_agreement(load_native(head_dir, tied, args), dm.val_dataloader(), 1)
+    assert grad_modes and not any(grad_modes)
     assert abs(metrics["val/acc_d1"] - final["acc"][0]) < 1e-5  # the last validation scored the final head

@@ -136,7 +136,6 @@ class DraftHeadModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-@torch.no_grad()
 def sync_epoch_length(trainer) -> int | None:
     """Token-budget batches (train/data.py) group the samples anew each epoch, so an epoch's number of
     batches varies. Lightning reads the loader's length once, at the first epoch, and validates when
@@ -159,6 +158,7 @@ def sync_epoch_length(trainer) -> int | None:
     return n
 
 
+@torch.no_grad()
 def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, Any]:
     """Teacher-forced top-1 agreement per depth 1..`depth` over a loader (the held-out split),
     pooled over tokens: the training-time-test unroll, as the engine's draft chain would run it
