@@ -545,6 +545,10 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    def sample_ids(self) -> list[str]:
+        """The samples' ids in index order."""
+        return [self.manifest["shards"][si]["sample_ids"][j] for si, j in self._index]
+
     def lengths(self) -> list[int]:
         out = []
         for si, j in self._index:

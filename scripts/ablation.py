@@ -71,10 +71,11 @@ def run_ablation(cfg: DictConfig) -> dict:
     from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
     from heads.checkpoint import load_native
     from inference_eval.model import tied_target
-    from train.data import FeatureDataModule
+    from train.data import heldout_ids_digest
     from train.module import heldout_agreement
 
     from scripts.cache import cached_evaluation, cached_training
+    from scripts.study import heldout_split
 
     t0 = time.perf_counter()
     acfg = cfg.ablation
@@ -95,14 +96,12 @@ def run_ablation(cfg: DictConfig) -> dict:
         hc = head_config(cfg, name)
         head_dir = Path(hc.head_dir)
         metrics, train_s, cached = cached_training(hc, store, f"the {name} head")  # reused: the figures that made it
-        dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
-        dm.setup("validate")
+        # a cost bound: the first n held-out conversations
+        dm = heldout_split(cfg, Path(cfg.store_dir), fingerprint, acfg.get("heldout_conversations"))
         tied, args, _ = tied_target(target_dir)
         head = load_native(head_dir, tied, args, expected_fingerprint=fingerprint)
-        limit = acfg.get("heldout_conversations")  # a cost bound: the first n held-out conversations
-        if limit is not None:
-            dm.val_idx = dm.val_idx[: int(limit)]
         held = heldout_agreement(head, dm.val_dataloader(), int(acfg.eval_depth))
+        held["heldout_sha256"] = heldout_ids_digest(dm.val_ids)
         entry = {"head": OmegaConf.to_container(hc.head, resolve=True), "checkpoint": str(head_dir),
                  "train_seconds": train_s, "final_metrics": metrics, "cached": cached, "heldout": held,
                  "heldout_conversations": len(dm.val_idx), "train_conversations": len(dm.train_idx), "tau": {}}

@@ -167,40 +167,50 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
 def cached_heldout(cfg: DictConfig, label: str, head_dir: Path, store: Path, depth: int, limit: int | None,
                    fp: dict[str, Any]) -> dict[str, Any]:
     """`heldout`, reused from `<run_dir>/eval/<label>_heldout.json` when it was made from the same head
-    checkpoint, store, split settings, depth, conversations and target (scripts/cache.py)."""
+    checkpoint, store, held-out rows (their ids' digest), depth and target (scripts/cache.py)."""
     from data.store import atomic_write_bytes
     from scripts.cache import dir_fingerprint, lookup, record, store_fingerprint
+    from train.data import heldout_ids_digest
 
+    dm = heldout_split(cfg, store, fp, limit)
     path = Path(cfg.run_dir) / "eval" / f"{label}_heldout.json"
     key = {"train_data": OmegaConf.to_container(cfg.train.data, resolve=True), "depth": int(depth),
            "limit": None if limit is None else int(limit), "target_fingerprint": fp,
-           "store_manifest_sha256": store_fingerprint(store), "head": dir_fingerprint(head_dir)}
+           "store_manifest_sha256": store_fingerprint(store), "head": dir_fingerprint(head_dir),
+           "heldout_sha256": heldout_ids_digest(dm.val_ids)}
     if lookup(path, key, f"the {label} held-out agreement") is not None:
         return json.loads(path.read_text())
-    result = heldout(cfg, head_dir, store, depth, limit, fp)
+    result = heldout(cfg, head_dir, dm, depth, fp)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, json.dumps(result, indent=1, default=str).encode())
     record(path, key)
     return result
 
 
-def heldout(cfg: DictConfig, head_dir: Path, store: Path, depth: int, limit: int | None,
-            fp: dict[str, Any]) -> dict[str, Any]:
-    from data.sources import resolve_target_dir
-    from heads.checkpoint import load_native
-    from inference_eval.model import tied_target
+def heldout_split(cfg: DictConfig, store: Path, fp: dict[str, Any], limit: int | None):
+    """The data module of cfg.train.data on `store`, its held-out split cut to the first `limit` conversations."""
     from train.data import FeatureDataModule
-    from train.module import heldout_agreement
 
-    target_dir = resolve_target_dir(cfg.target)
     dm = FeatureDataModule(str(store), fp, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("validate")
     if limit is not None:
-        dm.val_idx = dm.val_idx[: int(limit)]
-    tied, args, _ = tied_target(target_dir)
+        dm.val_idx, dm.val_ids = dm.val_idx[: int(limit)], dm.val_ids[: int(limit)]
+    return dm
+
+
+def heldout(cfg: DictConfig, head_dir: Path, dm, depth: int, fp: dict[str, Any]) -> dict[str, Any]:
+    """Top-1 agreement per depth of the head at `head_dir` with the target on dm's held-out split."""
+    from data.sources import resolve_target_dir
+    from heads.checkpoint import load_native
+    from inference_eval.model import tied_target
+    from train.data import heldout_ids_digest
+    from train.module import heldout_agreement
+
+    tied, args, _ = tied_target(resolve_target_dir(cfg.target))
     head = load_native(head_dir, tied, args, expected_fingerprint=fp)
     depth = min(depth, head.max_depth or depth)
-    return heldout_agreement(head, dm.val_dataloader(), depth) | {"conversations": len(dm.val_idx)}
+    return heldout_agreement(head, dm.val_dataloader(), depth) | {"conversations": len(dm.val_idx),
+                                                                   "heldout_sha256": heldout_ids_digest(dm.val_ids)}
 
 
 def evaluate_point(pc: DictConfig, label: str, k: int, fingerprint: dict[str, Any]) -> dict[str, Any]:

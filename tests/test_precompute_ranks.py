@@ -63,6 +63,16 @@ def test_two_ranks_write_one_store(tiny_overrides, tiny_target, tmp_path):
         # other batch companions than in the single-rank run: equal up to batched-matmul rounding
         torch.testing.assert_close(sample["hidden"], expected[sid]["hidden"], atol=1e-5, rtol=1e-5)
     assert store.verify() == []
+    # the held-out split follows the sample ids, not the shard order that the rank count sets
+    from train.data import FeatureDataModule
+
+    splits = []
+    for d in (ref_dir, store_dir):
+        dm = FeatureDataModule(str(d), None, val_fraction=0.3, verify_store="header")
+        dm.setup("fit")
+        splits.append(dm.val_ids)
+    assert [s["sample_ids"] for s in ref.manifest["shards"]] != [s["sample_ids"] for s in manifest["shards"]]
+    assert splits[0] == splits[1] and len(splits[0]) == round(0.3 * len(ref))
 
     # Merging refuses while a rank is incomplete (a kill after its first shard), naming it.
     rank1 = rank_dir(store_dir, 1) / "manifest.json"

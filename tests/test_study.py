@@ -74,6 +74,9 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
     assert str(tmp_path / "cache" / "regenerated") in json.dumps(manifest)  # the regeneration, cached per machine
     assert points[(best, 20000, 1)]["heldout"] != points[(best, 20000, 0)]["heldout"] or \
         points[(best, 20000, 1)]["tau"] != points[(best, 20000, 0)]["tau"]  # another seed, another head
+    # ... scored on the same held-out rows (the split follows train.data.split_seed, not the seed)
+    digests = {p["heldout"]["heldout_sha256"] for (v, b, s), p in points.items() if v == best and b == 20000}
+    assert len(digests) == 1 and len(next(iter(digests))) == 64
     run = tmp_path / "run"
     assert json.loads((run / "study.json").read_text())["best"] == best
     md = (run / "study.md").read_text()

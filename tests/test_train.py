@@ -132,3 +132,39 @@ def test_every_epoch_validates_at_its_end_when_epochs_differ_in_batches(tiny_ove
     final = heldout_agreement(load_native(head_dir, tied, args), dm.val_dataloader(), 1)
     assert grad_modes and not any(grad_modes)
     assert abs(metrics["val/acc_d1"] - final["acc"][0]) < 1e-5  # the last validation scored the final head
+
+
+def test_heldout_split_follows_split_seed_not_seed(tiny_overrides, tmp_path):
+    """The training seed orders batches and initialises the head; the held-out conversations are chosen
+    by split_seed and the sample ids alone, and each run records them (ids and digest)."""
+    import json
+    from pathlib import Path
+
+    from train.data import FeatureDataModule, heldout_ids_digest, split_order
+
+    cfg = compose_config(tiny_overrides)
+    store_dir, _ = run_precompute(cfg)
+
+    def held(**kw):
+        dm = FeatureDataModule(str(store_dir), None, val_fraction=0.4, verify_store="header", **kw)
+        dm.setup("fit")
+        assert sorted(dm.val_idx + dm.train_idx) == list(range(len(dm.store)))
+        return dm.val_ids
+
+    assert held(seed=0) == held(seed=1) == held(seed=7, split_seed=0)
+    assert set(held(split_seed=1)) != set(held(split_seed=0))
+    ids = [f"conv-{i}" for i in range(40)]  # the order the ids come in (shards, ranks) does not matter
+    first = [ids[i] for i in split_order(ids, 0)]
+    assert [ids[::-1][i] for i in split_order(ids[::-1], 0)] == first
+    assert [ids[i] for i in split_order(ids[:-1], 0)] == [x for x in first if x != ids[-1]]  # another store
+    # two training runs at different seeds record the same held-out ids
+    recorded = []
+    for seed in (0, 1):
+        run = compose_config([*tiny_overrides, f"seed={seed}", f"run_dir={tmp_path / f'run{seed}'}",
+                              f"store_dir={store_dir}",
+                              "trainer.max_epochs=1", "train.engine_validation.enabled=false"])
+        run_training(run)
+        recorded.append(json.loads((Path(run.run_dir) / "heldout.json").read_text()))
+    assert recorded[0]["heldout_ids"] == recorded[1]["heldout_ids"] and recorded[0]["split_seed"] == 0
+    assert recorded[0]["heldout_sha256"] == heldout_ids_digest(recorded[1]["heldout_ids"])
+    assert len(recorded[0]["heldout_ids"]) == round(0.2 * recorded[0]["store_samples"])

@@ -9,6 +9,8 @@ its epoch, so a mid-epoch resume continues with the next unseen batch instead of
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from typing import Any
 
@@ -155,11 +157,29 @@ def collate_packed(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Te
     return out
 
 
+def split_order(sample_ids: list[str], split_seed: int) -> list[int]:
+    """Store indices ordered by sha256(split_seed, sample id): the held-out split is a prefix of it, so
+    it depends on the samples' ids and split_seed alone."""
+    if len(set(sample_ids)) != len(sample_ids):
+        raise ValueError("the store holds a sample id twice; the held-out split is keyed by sample id")
+    keys = [hashlib.sha256(f"{int(split_seed)}:{sid}".encode()).digest() for sid in sample_ids]
+    return sorted(range(len(sample_ids)), key=keys.__getitem__)
+
+
+def heldout_ids_digest(val_ids: list[str]) -> str:
+    """sha256 of the held-out ids in split order: two runs scored the same rows iff their digests match."""
+    return hashlib.sha256(json.dumps(list(val_ids)).encode()).hexdigest()
+
+
 class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
                  batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0,
-                 packing: bool = False, verify_store: str = "full", train_samples: int | None = None) -> None:
+                 packing: bool = False, verify_store: str = "full", train_samples: int | None = None,
+                 split_seed: int = 0) -> None:
         super().__init__()
+        # the held-out split follows split_seed and the samples' ids only, not `seed` (batch order) nor the
+        # shard order (rank count): every run on one store holds out the same conversations
+        self.split_seed = split_seed
         self.train_samples = train_samples  # the first n conversations of the training split only (null: all)
         self.store_dir, self.expected_fingerprint = store_dir, expected_fingerprint
         self.batch_tokens, self.val_fraction, self.seed, self.num_workers = batch_tokens, val_fraction, seed, num_workers
@@ -170,10 +190,12 @@ class FeatureDataModule(L.LightningDataModule):
         # every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py)
         self.store = FeatureStore(self.store_dir, self.expected_fingerprint, verify=self.verify_store)
         n = len(self.store)
-        order = list(range(n))
-        random.Random(self.seed).shuffle(order)
+        ids = self.store.sample_ids()
+        order = split_order(ids, self.split_seed)
         n_val = min(max(1, round(n * self.val_fraction)), n - 1) if self.val_fraction > 0 and n > 1 else 0
-        self.val_idx, self.train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+        # held-out in split order (engine validation takes its prompts from the front), training by store index
+        self.val_idx, self.train_idx = order[:n_val], sorted(order[n_val:])
+        self.val_ids = [ids[i] for i in self.val_idx]
         if self.train_samples is not None:  # fewer conversations, more epochs (the recipe study's epochs arm)
             if int(self.train_samples) < 1:
                 raise ValueError(f"train.data.train_samples={self.train_samples}: at least 1 (null: the whole split)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,11 @@ from omegaconf import OmegaConf
 from data.checks import check_before_work
 from data.progress import log_interval
 from data.sources import resolve_target_dir
-from data.store import target_fingerprint
+from data.store import atomic_write_bytes, target_fingerprint
 from heads.checkpoint import build_head, save_native
 from heads.base import DraftHead
 from inference_eval.model import tied_target
-from train.data import FeatureDataModule
+from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.progress import ProgressLog
 from train.validation import EngineValidation
@@ -59,6 +60,16 @@ class Checkpoints(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+
+def write_split(dm: FeatureDataModule, path: Path) -> None:
+    """The held-out conversations of this run (ids in split order, their digest, the settings that chose
+    them), so two runs' validation figures can be checked to come from the same rows."""
+    split = {"split_seed": int(dm.split_seed), "val_fraction": float(dm.val_fraction),
+             "store_samples": len(dm.store), "train_samples": len(dm.train_idx),
+             "heldout_sha256": heldout_ids_digest(dm.val_ids), "heldout_ids": dm.val_ids}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(split, indent=1).encode())
 
 
 def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
@@ -105,6 +116,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
                                      use_distributed_sampler=False)
+    if trainer.is_global_zero:
+        write_split(dm, Path(cfg.run_dir) / "heldout.json")
     if trainer.is_global_zero and cfg.train.get("untrained_dir"):
         save_native(head, cfg.train.untrained_dir, fingerprint)  # the baseline the demo compares against
     trainer.fit(module, dm, ckpt_path=cfg.train.get("resume"))
