@@ -156,9 +156,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, as HF does, then cast back before the weight multiply. F.rms_norm's fused
-        # kernel gives HF's x·rsqrt(mean(x²) + eps) bit for bit, at a fraction of the passes over memory.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # Normalise in fp32 (float64 input stays float64: the tests' same-function checks), as HF does, then
+        # cast back before the weight multiply. F.rms_norm's fused kernel gives HF's x·rsqrt(mean(x²) + eps)
+        # bit for bit, at a fraction of the passes over memory.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * F.rms_norm(xf, (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:

@@ -15,6 +15,7 @@ from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import generate_plain, generate_speculative
 from tests.conftest import compose_config
 from tests.helpers import assert_cached_steps_equal_full_forward, train_on_batch
+from tests.numerics import assert_close_float32, decoder_chain
 from train.data import collate
 from train.losses import hidden_regression
 from train.module import DraftHeadModule
@@ -99,11 +100,13 @@ def test_training_unroll_equals_engine_draft_chain(head):
     for i in range(t - depth):
         cache = head.new_cache(1, t + depth)
         h = head(hidden[:, : i + 1], ids[:, 1 : i + 2], torch.arange(i + 1).expand(1, i + 1), cache, 0)[:, -1:]
-        torch.testing.assert_close(outs[0][:, i], h[:, 0], atol=1e-5, rtol=1e-5)
+        assert_close_float32(outs[0][:, i], h[:, 0], terms=max(head.args.intermediate_size, t),
+                             layers=depth * (decoder_chain(1) + 1))
         for d in range(2, depth + 1):
             pos = i + d - 1
             h = head(h, ids[:, i + d : i + d + 1], torch.tensor([[pos]]), cache, pos, depth=d)
-            torch.testing.assert_close(outs[d - 1][:, i], h[:, 0], atol=1e-5, rtol=1e-5)
+            assert_close_float32(outs[d - 1][:, i], h[:, 0], terms=max(head.args.intermediate_size, t),
+                                 layers=depth * (decoder_chain(1) + 1))
 
 
 @pytest.mark.parametrize("k", [1, 3])

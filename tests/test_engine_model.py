@@ -5,6 +5,7 @@ import torch
 
 from inference_eval.model import LlamaForCausalLM, load_frozen_parts
 from tests.conftest import make_hf_model
+from tests.numerics import assert_close_float32, assert_matches_hf, decoder_chain
 
 
 @pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
@@ -20,12 +21,13 @@ def test_parity_with_hf(tmp_path, model_type, extra):
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
     out = ours(ids, capture_layers=(0, 1))
-    torch.testing.assert_close(out.logits, ref.logits, atol=2e-5, rtol=1e-5)
+    assert_matches_hf(out.logits, ref.logits, ours.args, ids.shape[1])
     # "input of layer i" convention: HF hidden_states[i]
-    torch.testing.assert_close(out.aux[0], ref.hidden_states[0])
-    torch.testing.assert_close(out.aux[1], ref.hidden_states[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.aux[0], ref.hidden_states[0], atol=0, rtol=0)  # the embedding: no arithmetic
+    assert_close_float32(out.aux[1], ref.hidden_states[1], terms=max(ours.args.intermediate_size, ids.shape[1]),
+                         layers=decoder_chain(1) - 2)  # one layer, no final norm nor lm_head
     # H_i is pre-norm: HF's last entry is N_f(H_i)
-    torch.testing.assert_close(ours.model.norm(out.hidden), ref.hidden_states[-1], atol=1e-5, rtol=1e-5)
+    assert_matches_hf(ours.model.norm(out.hidden), ref.hidden_states[-1], ours.args, ids.shape[1])
     assert not torch.allclose(out.hidden, ref.hidden_states[-1], atol=1e-3)
 
 
@@ -202,4 +204,4 @@ def test_decode_sized_forward_matches_hf(tmp_path, rows):
         ours(ids[:, :-rows], cache=cache)
         got = ours(ids[:, -rows:], cache=cache, start=40 - rows).logits
         ref = hf(ids).logits[:, -rows:]
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+    assert_matches_hf(got, ref, ours.args, ids.shape[1])

@@ -10,6 +10,7 @@ from heads.unroll import unroll
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import draft_chain, generate_plain, generate_speculative, refresh
 from train.losses import fused_linear_kl, naive_kl
+from tests.numerics import assert_close_float32, decoder_chain
 
 HEADS = {
     "mtp3": {"type": "mtp", "num_modules": 3, "init": "random"},
@@ -92,7 +93,8 @@ def test_unroll_equals_engine_draft_chain(tiny_target, name):
     for i in range(0, t - depth):
         chain = _engine_states(head, hidden, aux, ids, i, depth)
         for d in range(depth):
-            torch.testing.assert_close(outs[d][:, i], chain[d][:, 0], atol=1e-5, rtol=1e-5)
+            # float32 both ways (the tied tensors): within the reordering bound of `depth` fused layers
+            assert_close_float32(outs[d][:, i], chain[d][:, 0], terms=max(head.args.intermediate_size, t), layers=depth * (decoder_chain(1) + 1))
 
 
 @torch.no_grad()

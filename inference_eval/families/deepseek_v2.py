@@ -288,8 +288,9 @@ class TopkRouter(nn.Module):
         self.scaling, self.renormalise = args.routed_scaling_factor, args.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] → weights [N, k] (fp32) and expert ids [N, k]."""
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [N, E]
+        """x [N, H] → weights [N, k] (fp32; float64 for float64 input) and expert ids [N, k]."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        scores = F.linear(x.to(dtype), self.weight.to(dtype)).softmax(dim=-1)  # [N, E]
         if self.method == "group_limited_greedy":
             n, e = scores.shape
             groups = scores.view(n, self.n_group, -1).amax(dim=-1)  # [N, G]
