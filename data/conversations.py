@@ -37,11 +37,12 @@ the first, which nothing before it predicts.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from core.jsonio import LONE_SURROGATE
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 DropReason = Literal["malformed", "empty", "unknown_role", "no_assistant_turn", "lone_surrogate", "nul_char"]
@@ -60,7 +61,6 @@ ROLE_MAP = {
 
 # A str from JSON keeps a "\ud800" escape as a lone surrogate (a pair becomes one character): no
 # UTF-8 encoding exists for it, and a fast tokenizer refuses the string with a TypeError.
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-from data.progress import Progress, log_interval
+from core.progress import Progress, log_interval
 from data.store import Sample, StoreWriter
 from inference_eval.paged import PackedRows
+from heads.registry import resolve_aux_layers
 
 log = logging.getLogger(__name__)
 
@@ -267,24 +268,6 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
                            seconds=time.perf_counter() - t0)
 
 
-def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
-    """`precompute.aux_layers`: a list of target layer ids (inputs of those layers), `none`, or `auto`
-    (the default): what the configured head reads — EAGLE-3's aux layers, nothing for other heads."""
-    spec = cfg.precompute.get("aux_layers", "auto")
-    if spec in (None, "none", False):
-        return ()
-    if spec == "auto":
-        head = cfg.get("head") or {}
-        if head.get("type") != "eagle3":
-            return ()
-        from heads.eagle3 import default_aux_layers
-        spec = head.get("aux_layers") or default_aux_layers(num_layers)
-    ids = tuple(int(i) for i in spec)
-    if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
-        raise ValueError(f"precompute.aux_layers {list(ids)} must be ascending, distinct and within 1..{num_layers - 1}")
-    return ids
-
-
 def resolve_rank(pcfg: Any) -> tuple[int, int]:
     """(rank, world_size) from `precompute.rank` / `precompute.world_size`; where those are null, from
     the RANK / WORLD_SIZE environment variables (torchrun sets them), else 0 / 1."""
@@ -312,19 +295,10 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
     from data.conversations import chat_template_sha256, load_tokenizer
     from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, resolve_target_dir
-    from data.store import (
-        DTYPES,
-        IncompleteRanksError,
-        check_rank_layout,
-        merge_rank_manifests,
-        rank_dir,
-        target_fingerprint,
-    )
-    from inference_eval.model import load_target, resolve_backend
+    from data.store import DTYPES, IncompleteRanksError, check_rank_layout, merge_rank_manifests, rank_dir
+    from inference_eval.model import target_fingerprint
+    from inference_eval.targets import load_target, resolve_backend
 
-    from data.checks import check_before_work
-
-    check_before_work(cfg, "precompute")
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from data.progress import Progress, log_interval
+from core.progress import Progress, log_interval
 
 if TYPE_CHECKING:
     from data.sources import Conversations
@@ -243,7 +243,7 @@ def finished_ids(path: Path, meta: dict[str, Any], repair: bool = True) -> set[s
     without it, the line may be another process's write in progress, and is just not counted. A record
     written with other settings, or a complete line that is not a JSON record, is an error naming the
     file and line."""
-    from data.store import atomic_write_bytes
+    from core.files import atomic_write_bytes
 
     if not path.exists():
         return set()
@@ -291,7 +291,7 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
                              progress_log_s: float | None = None) -> RegenerateStats:
     """Regenerate `conversations` (sample id, normalised messages) into the JSONL file `out`,
     resuming from the records it already holds (read under the writer's lock)."""
-    from inference_eval.evaluate import stop_token_ids
+    from data.prompts import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer)
     if not stop_ids:
@@ -355,7 +355,7 @@ def settings_key(meta: dict[str, Any]) -> str:
 def cache_path(meta: dict[str, Any]) -> Path:
     """The cache's file for these settings: `<cache_dir()>/regenerated/<target name>-<key[:16]>.jsonl`,
     the name made of letters, digits, `.`, `_` and `-` only (target names hold spaces, `/`, parentheses)."""
-    from data.assets import cache_dir
+    from core.paths import cache_dir
 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(meta["target"])).strip("._")[:64] or "target"
     return cache_dir() / "regenerated" / f"{name}-{settings_key(meta)[:16]}.jsonl"
@@ -384,8 +384,8 @@ def plan_regeneration(cfg: Any) -> Plan:
     """The settings, the conversations (loading them is cheap) and the output file of a regeneration."""
     from data.conversations import chat_template_sha256
     from data.sources import load_conversations, resolve_target_dir
-    from data.store import target_fingerprint
-    from inference_eval.model import resolve_backend
+    from inference_eval.model import target_fingerprint
+    from inference_eval.targets import resolve_backend
 
     rcfg = cfg.regenerate
     settings = settings_from_config(rcfg)
@@ -424,12 +424,11 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     conversation is returned as it is, before the target is loaded."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from data.checks import check_before_work
     from data.conversations import load_tokenizer
-    from data.store import DTYPES, atomic_write_bytes
+    from data.store import DTYPES
+    from core.files import atomic_write_bytes
     from inference_eval.model import resolve_device
 
-    check_before_work(cfg, "regenerate")
     plan = plan_regeneration(cfg)
     convs, meta, out = plan.conversations, plan.meta, plan.out
     done = finished_ids(out, meta, repair=False)  # no lock taken yet: read only

@@ -21,14 +21,14 @@ error before its end (the records after it cannot be located) or with data after
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.conversations import LONE_SURROGATE, Drop, check_text, json_type
+from core.jsonio import UTF8_BOM, Rejected, json_array_records, jsonl_records
+from data.conversations import Drop, check_text, json_type
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +92,8 @@ class Conversations:
         record_rejection(self.rejected, self.examples, reason, where, detail, sample_id)
 
 
-@dataclass(frozen=True)
-class _Rejected:
-    reason: str
-    where: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class _Record:
-    value: Any  # parsed JSON: an object if well-formed
-    where: str
-
-
-UTF8_BOM = b"\xef\xbb\xbf"
 _OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                     (b"\xfe\xff", "UTF-16"))
-_JSON_WS = " \t\r\n"
 
 
 def _check_file(path: Path, source: str) -> None:
@@ -165,139 +150,19 @@ def check_source(data_cfg: Any) -> None:
                           f"data.source={source} reads one top-level JSON array: set data.source=jsonl")
 
 
-def _ends_inside(err: json.JSONDecodeError, text: str) -> bool:
-    """Whether a decode error is the text running out mid-value (a truncation), not a syntax error."""
-    return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip())
-
-
-def _jsonl_records(path: Path):
-    """Records of a JSONL file, one `_Record` / `_Rejected` per non-blank line: a line that is not
-    UTF-8 or not JSON is rejected and the file goes on (lines are read as bytes and decoded one at a
-    time). A UTF-8 byte-order mark at the start of a line is dropped (files concatenated by `cat`)."""
-    _check_file(path, "jsonl")
-    lines = parsed = 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            where = f"{path}:{n}"
-            if raw.startswith(UTF8_BOM):
-                raw = raw[len(UTF8_BOM):]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                lines += 1
-                yield _Rejected("not_utf8", where, f"byte {e.start} ({raw[e.start:e.start + 4]!r}...): {e.reason}")
-                continue
-            if not line.strip():
-                continue
-            lines += 1
-            if lines == 1 and line.lstrip().startswith("["):
-                _refuse_array_as_jsonl(path, line)
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                cut = not raw.endswith(b"\n") and _ends_inside(e, line)
-                yield _Rejected("truncated" if cut else "not_json", where,
-                                f"column {e.colno}: {e.msg}" + (" (the file ends inside this record)" if cut else ""))
-                continue
-            parsed += 1
-            yield _Record(value, where)
-    if not lines:
-        raise SourceError(f"{path}: no records (only blank lines)")
-    if not parsed:
-        raise SourceError(f"{path}: none of its {lines} non-blank lines is a UTF-8 JSON value; not a JSONL file "
-                          "(one JSON object per line)")
-
-
-def _refuse_array_as_jsonl(path: Path, first_line: str) -> None:
-    """A JSONL file's first record that opens a JSON array: a pretty-printed array (`[` alone, not
-    JSON) or one array of records on one line. (An array of non-objects stays a malformed record.)"""
-    try:
-        value = json.loads(first_line)
-    except json.JSONDecodeError:
-        value = None
-    if value is None or any(isinstance(v, dict) for v in value):
-        raise SourceError(f"{path}: a JSON array of records, not JSONL (one object per line): "
-                          "set data.source=json, or write one record per line")
-
-
-def _json_array_records(path: Path):
-    """Records of a file holding one top-level JSON array, each a `_Record` with the line it starts on.
-
-    Decodes one element at a time with `raw_decode` from one in-memory string. The bytes are decoded
-    with `surrogateescape`, so a record holding bytes that are not UTF-8 is rejected alone
-    (`not_utf8`): its raw text then holds escape surrogates, which a JSON parse of valid UTF-8 never
-    leaves there (a "\\ud800" escape is six ASCII characters in the raw text). A file that ends inside
-    a record (the packaged ShareGPT dump does) yields a `truncated` rejection and stops; a syntax error
-    before the end is a SourceError, since the records after it cannot be located."""
-    _check_file(path, "json")
-    data = path.read_bytes()
-    if data.startswith(UTF8_BOM):
-        data = data[len(UTF8_BOM):]
-    text = data.decode("utf-8", errors="surrogateescape")
-    del data
-    decoder = json.JSONDecoder()
-    pos = _skip(text, 0, _JSON_WS)
-    if pos >= len(text):
-        raise SourceError(f"{path}: no records (only whitespace)")
-    if text[pos] != "[":
-        hint = (": it starts with an object; for JSONL (one object per line) set data.source=jsonl"
-                if text[pos] == "{" else "")
-        raise SourceError(f"{path}: expected a top-level JSON array of records at line "
-                          f"{text.count(chr(10), 0, pos) + 1}{hint}")
-    pos, line, counted, count = pos + 1, 1, 0, 0
-    while True:
-        pos = _skip(text, pos, _JSON_WS + ",")
-        line, counted = line + text.count("\n", counted, pos), pos
-        where = f"{path}:{line}"
-        if pos >= len(text):
-            yield _Rejected("truncated", where, f"the file ends without the closing ']' after {count} records; "
-                                                "the records after the cut are missing")
-            return
-        if text[pos] == "]":
-            break
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            if _ends_inside(e, text):
-                yield _Rejected("truncated", where, f"the file ends inside this record ({e.msg}) after "
-                                                    f"{count} complete records")
-                return
-            raise SourceError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}) in the record starting at "
-                              f"line {line}; the records after it cannot be located: fix the file, or convert it "
-                              "to JSONL, where a bad line costs only itself") from None
-        count += 1
-        bad = LONE_SURROGATE.search(text, pos, end)
-        if bad:
-            at = line + text.count("\n", pos, bad.start())
-            byte = ord(bad.group()) - 0xDC00  # surrogateescape put byte b at U+DC00 + b
-            yield _Rejected("not_utf8", where, f"line {at}: byte 0x{byte:02x} is not UTF-8")
-        else:
-            yield _Record(value, where)
-        pos = end
-    rest = _skip(text, pos + 1, _JSON_WS)
-    if rest < len(text):
-        raise SourceError(f"{path}:{text.count(chr(10), 0, rest) + 1}: data after the array's closing ']'; "
-                          "the file holds more than one JSON value")
-    if not count:
-        raise SourceError(f"{path}: an empty JSON array: no records")
-
-
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
-
-
 def _records(data_cfg: Any):
     source = data_cfg.get("source", "sharegpt")
     if source == "sharegpt" and not data_cfg.get("path"):
         from data.assets import sharegpt_path
-        yield from _json_array_records(sharegpt_path())
+        _check_file(sharegpt_path(), "json")
+        yield from json_array_records(sharegpt_path(), SourceError)
     elif source in ("sharegpt", "json", "jsonl", "text"):
         if not data_cfg.get("path"):
             raise SourceError(f"data.source={source} needs data.path")
         path = Path(data_cfg["path"]).expanduser()
-        yield from _jsonl_records(path) if source in ("jsonl", "text") else _json_array_records(path)
+        _check_file(path, "jsonl" if source in ("jsonl", "text") else "json")
+        yield from (jsonl_records(path, SourceError) if source in ("jsonl", "text")
+                    else json_array_records(path, SourceError))
     else:
         raise ValueError(f"data.source={source!r}: expected sharegpt, json, jsonl or text")
 
@@ -345,7 +210,7 @@ def load_conversations(data_cfg: Any) -> Conversations:
     for n, item in enumerate(_records(data_cfg)):
         if limit is not None and len(out.items) >= int(limit):
             break
-        if isinstance(item, _Rejected):
+        if isinstance(item, Rejected):
             out.reject(item.reason, item.where, item.detail)
             continue
         record, where = item.value, item.where

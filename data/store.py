@@ -1,4 +1,4 @@
-"""The feature store (DESIGN.md §6): `manifest.json` + `shards/*.safetensors`.
+"""The feature store (docs/design.md §6): `manifest.json` + `shards/*.safetensors`.
 
 A shard concatenates many samples: `input_ids` [T] int32, `loss_mask` [T] uint8, `hidden` [T, H]
 (H_i, the last decoder layer's output before the final norm) in the storage dtype, `offsets` [n+1]
@@ -37,13 +37,13 @@ shard is a StoreError naming the file. A resumed writer (`StoreWriter` over an e
 checks the size and header of every finished shard; from the first damaged or missing one on, the
 shards are dropped from the manifest and recomputed by the resumed run (logged).
 
-Target fingerprint (`target_fingerprint`): sha256 of the config (volatile keys dropped), of the
+Target fingerprint (`core/fingerprint.py`, `inference_eval.model.target_fingerprint`): sha256 of the config (volatile keys dropped), of the
 tokenizer + chat template files, and `weights_sha256`: the sha256 of every weight file's name,
 size and safetensors header — no tensor bytes are read, so it costs milliseconds for a 140 GB
 target (`weights_hash: "header"`). `full_hash=True` (hydra `target.fingerprint: full`) also hashes
 the tensor bytes into `weights_content_sha256` (`weights_hash: "full"`). `check_fingerprint`
-compares config, tokenizer, weight headers and sizes, the content hash only when both sides have
-one, and the compute dtype; fingerprints of stores written before `weights_hash` existed hold the
+compares every identity key both sides hold (config, tokenizer, weight headers and sizes, the content
+hash when both have one, the compute dtype); fingerprints of stores written before `weights_hash` existed hold the
 content hash in `weights_sha256` and are comparable only to a `full` fingerprint.
 """
 
@@ -53,16 +53,18 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from core.files import atomic_write, atomic_write_bytes, sha256_file
+from core.fingerprint import LEGACY_UNCOMPARABLE, compare_fingerprints, same_target_but_method
+from core.safetensors_io import SAFETENSORS_DTYPE, read_safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -76,101 +78,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 class StoreError(RuntimeError):
     pass
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
-    directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
-    prefix. The temp name carries the process and thread ids: concurrent writers never share one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
-
-
-# ------------------------------------------------------------------------------- safetensors headers
-
-SAFETENSORS_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-                        "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8: "F8_E4M3"}
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
-
-
-def read_safetensors_header(path: Path, validate: bool = True) -> tuple[dict[str, Any], int, bytes]:
-    """(header, file size, raw header bytes) of a safetensors file, reading only its first 8 + N bytes.
-
-    The header must be a JSON object that fits the file. With `validate` (a store's shards) it must
-    also be well formed: a JSON object of tensors, each with a known dtype, a shape and
-    data offsets whose span is the tensor's byte size, the tensors tiling the data section with no
-    gap or overlap, ending exactly at the end of the file (so a truncated or extended file fails).
-    Raises StoreError naming the file otherwise."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise StoreError(f"{path}: {size} bytes, shorter than a safetensors header (truncated)")
-            n = int.from_bytes(prefix, "little")
-            if n > min(size - 8, MAX_HEADER_BYTES):
-                raise StoreError(f"{path}: header length {n} does not fit the file's {size} bytes "
-                                 "(truncated or corrupt header)")
-            raw = f.read(n)
-    except OSError as e:
-        raise StoreError(f"{path}: cannot read ({e})") from e
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StoreError(f"{path}: the safetensors header is not valid JSON ({e}); corrupt header") from e
-    if not isinstance(header, dict):
-        raise StoreError(f"{path}: the safetensors header is not a JSON object; corrupt header")
-    if not validate:  # e.g. a target's weights, whose dtypes may be ones we do not size (sub-byte fp4, ...)
-        return header, size, raw
-    spans = []
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        ok = (isinstance(t, dict) and t.get("dtype") in SAFETENSORS_ITEMSIZE and isinstance(t.get("shape"), list)
-              and all(isinstance(d, int) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
-              and len(t["data_offsets"]) == 2 and all(isinstance(o, int) for o in t["data_offsets"]))
-        if not ok:
-            raise StoreError(f"{path}: tensor {name!r} has a malformed header entry {t!r}; corrupt header")
-        numel = 1
-        for d in t["shape"]:
-            numel *= d
-        begin, end = t["data_offsets"]
-        if end - begin != numel * SAFETENSORS_ITEMSIZE[t["dtype"]]:
-            raise StoreError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but is {t['dtype']} "
-                             f"{t['shape']}; corrupt header")
-        spans.append((begin, end, name))
-    pos = 0
-    for begin, end, name in sorted(spans):
-        if begin != pos:
-            raise StoreError(f"{path}: tensor {name!r} starts at byte {begin} of the data, expected {pos} "
-                             "(gap or overlap); corrupt header")
-        pos = end
-    if 8 + n + pos != size:
-        raise StoreError(f"{path}: the header describes {8 + n + pos} bytes, the file has {size} "
-                         f"({'truncated' if size < 8 + n + pos else 'trailing bytes'})")
-    return header, size, raw
 
 
 def _expected_shard_tensors(shard: dict[str, Any], hidden_size: int, dtype: str,
@@ -200,7 +107,7 @@ def check_shard(path: Path, shard: dict[str, Any], hidden_size: int, dtype: str,
     if "bytes" in shard and st.st_size != shard["bytes"]:
         raise StoreError(f"{path}: {st.st_size} bytes, the manifest records {shard['bytes']} "
                          f"({'truncated' if st.st_size < shard['bytes'] else 'grown'} or replaced)")
-    header, _, _ = read_safetensors_header(path)
+    header, _, _ = read_safetensors_header(path, error=StoreError)
     expected = _expected_shard_tensors(shard, hidden_size, dtype, num_aux)
     got = {k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
     if set(got) != set(expected):
@@ -289,7 +196,7 @@ class StoreWriter:
                 old = json.loads(existing.read_text())
             except json.JSONDecodeError as e:
                 raise StoreError(f"{existing}: unreadable manifest ({e}); not a store this writer made") from e
-            if _same_target_but_method(old.get("target_fingerprint"), fingerprint):
+            if same_target_but_method(old.get("target_fingerprint"), fingerprint):
                 self.manifest["target_fingerprint"] = old["target_fingerprint"]  # header vs full: same target
             keys = ("schema_version", "target_fingerprint", "hidden_size", "dtype", "captured", "source")
             diffs = [k for k in keys if old.get(k) != self.manifest[k]]
@@ -508,15 +415,9 @@ class FeatureStore:
                  time.perf_counter() - t0)
         record = {"key": key, "method": "sha256", "shards": len(stats), "bytes": total,
                   "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        tmp = stamp.with_name(f".{stamp.name}.{uuid.uuid4().hex[:12]}.tmp")  # unique: ranks may stamp together
-        try:
-            tmp.write_text(json.dumps(record, indent=1))
-            os.replace(tmp, stamp)
+        try:  # atomic_write's temp name carries the pid: ranks may stamp together
+            atomic_write_bytes(stamp, json.dumps(record, indent=1).encode())
         except OSError as e:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             log.warning("%s: cannot write the verification stamp (%s); the store is verified, but the next "
                         "open with full verification hashes it again (train.data.verify_store=header skips that)",
                         self.root, e)
@@ -607,156 +508,24 @@ class FeatureStore:
         return state
 
 
-FINGERPRINT_METHODS = ("header", "full")
-
-
-def _weights_kind(fp: dict[str, Any]) -> str:
-    """What `weights_sha256` of a fingerprint hashes: headers + sizes (`header`, also in a `full`
-    fingerprint), or, in a fingerprint from before `weights_hash` existed, the tensor bytes (`legacy`)."""
-    return fp.get("weights_hash", "legacy")
-
-
-def _same_target_but_method(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
-    """Two fingerprints equal but for how the weights were hashed (header vs full)."""
-    if not isinstance(a, dict):
-        return False
-    method = ("weights_hash", "weights_content_sha256")
-    both_full = all("weights_content_sha256" in fp for fp in (a, b))
-    return ("weights_hash" in a and {k: v for k, v in a.items() if k not in method}
-            == {k: v for k, v in b.items() if k not in method}
-            and (not both_full or a["weights_content_sha256"] == b["weights_content_sha256"]))
-
-
-LEGACY_WEIGHTS = ("weights_sha256 (the stored one hashes the weights' bytes, an older spechead's; the configured "
-                  "one their headers: not comparable — rerun with target.fingerprint=full)")
-
-
-def fingerprint_mismatches(stored: dict[str, Any], expected: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """[(key, stored value, configured value)] for every way `stored` identifies another target than
-    `expected`: config, tokenizer, weight files (headers + sizes; the content hash too when both
-    fingerprints have one) or compute dtype. Empty: the same target.
-
-    The weights are compared by what both fingerprints contain, never by how they were made: a `full`
-    fingerprint holds the header hash as well, so a `header` and a `full` one compare on it. A legacy
-    fingerprint (no `weights_hash`: its `weights_sha256` hashes the tensor bytes) compares with a
-    `full` one's `weights_content_sha256`; against a `header` one it cannot be compared and is
-    reported as a mismatch whose key says so (`LEGACY_WEIGHTS`). Keys one side lacks (`compute_dtype`
-    and `weights_bytes` of older fingerprints) are not compared; `name`, `versions` and `weights_hash`
-    never are."""
-    diffs: list[tuple[str, Any, Any]] = []
-    for key in ("config_sha256", "tokenizer_sha256"):
-        if stored.get(key) != expected.get(key):
-            diffs.append((key, stored.get(key), expected.get(key)))
-    s_legacy, e_legacy = (_weights_kind(fp) == "legacy" for fp in (stored, expected))
-    if s_legacy == e_legacy:
-        pairs = [("weights_sha256", "weights_sha256", True), ("weights_content_sha256", "weights_content_sha256", False)]
-    elif s_legacy:
-        pairs = [("weights_sha256", "weights_content_sha256", True)]
-    else:
-        pairs = [("weights_content_sha256", "weights_sha256", True)]
-    for skey, ekey, required in pairs:
-        sv, ev = stored.get(skey), expected.get(ekey)
-        if sv is None or ev is None:
-            if required and (sv, ev) != (None, None):
-                diffs.append((LEGACY_WEIGHTS if s_legacy != e_legacy else skey, sv, ev))
-            continue
-        if sv != ev:
-            diffs.append((skey if skey == ekey else f"{skey} (stored) vs {ekey} (configured)", sv, ev))
-    for key in ("weights_bytes", "compute_dtype"):
-        if stored.get(key) is not None and expected.get(key) is not None and stored[key] != expected[key]:
-            diffs.append((key, stored[key], expected[key]))
-    return diffs
-
-
 def check_fingerprint(stored: dict[str, Any], expected: dict[str, Any], where: Path | str) -> None:
-    """Refuse (StoreError) a store whose target differs from the configured one (`fingerprint_mismatches`),
-    naming the store (`where`) and, for each differing key, the stored and the configured value."""
-    diffs = fingerprint_mismatches(stored, expected)
-    if diffs:
-        detail = "; ".join(f"{k}: stored {sv!r}, configured {ev!r}" for k, sv, ev in diffs)
-        if [k for k, _, _ in diffs] == ["compute_dtype"]:
+    """Refuse (StoreError) a store whose target differs from the configured one, naming the store (`where`)
+    and, for each differing key, the stored and the configured value (`core.fingerprint`'s comparison). A
+    legacy fingerprint that cannot be compared with the configured one is refused too: the store's states
+    would be used on faith."""
+    diffs, uncompared = compare_fingerprints(stored, expected)
+    items = [(k, sv, ev) for k, (sv, ev) in diffs.items()]
+    if LEGACY_UNCOMPARABLE in uncompared:
+        items.append((LEGACY_UNCOMPARABLE, stored.get("weights_sha256"), expected.get("weights_sha256")))
+    if items:
+        detail = "; ".join(f"{k}: stored {sv!r}, configured {ev!r}" for k, sv, ev in items)
+        if [k for k, _, _ in items] == ["compute_dtype"]:
             remedy = (f"set target.dtype={stored.get('compute_dtype')} (the dtype the store's hidden states were "
                       "computed in) or precompute a new store")
         else:
             remedy = "precompute a new store for this target"
         raise StoreError(f"{where}: the store was built for another target or tokenizer or compute dtype "
                          f"(stored {stored.get('name')!r}, configured {expected.get('name')!r}; {detail}); {remedy}")
-
-
-def weights_header_sha256(files: list[Path]) -> tuple[str, int]:
-    """(sha256 over each weight file's name, size and raw safetensors header, total bytes): reads the
-    headers only, never the tensor bytes. A malformed or truncated file is a StoreError naming it."""
-    h, total = hashlib.sha256(), 0
-    for f in files:
-        _, size, raw = read_safetensors_header(f, validate=False)
-        h.update(f"{f.name}\0{size}\0{len(raw)}\0".encode())
-        h.update(raw)
-        total += size
-    return h.hexdigest(), total
-
-
-def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str,
-                       full_hash: bool | str = False) -> dict[str, Any]:
-    """What identifies the hidden states: config, weights, tokenizer + chat template, dtype, versions.
-
-    The weights enter as `weights_sha256`, the hash of every `*.safetensors` file's name, size and
-    header (tensor names, dtypes, shapes, offsets, metadata), with `weights_bytes` their total size:
-    milliseconds for a 140 GB target, no tensor bytes read. `full_hash=True` (or "full"; the hydra key
-    `target.fingerprint`) adds `weights_content_sha256`, the sha256 of every file's bytes (what
-    `weights_sha256` was before `weights_hash` existed); `weights_hash` records "header" or "full".
-    A target whose family ties E, N_f, W_lm to a head otherwise than Llama (Gemma: E·√H, (1 + w) norm)
-    records how as `tied_conventions` (heads/layers.py TiedConventions); Llama-family ones record none."""
-    import safetensors
-    import transformers
-
-    if isinstance(full_hash, str):
-        if full_hash not in FINGERPRINT_METHODS:
-            raise ValueError(f"target.fingerprint={full_hash!r}: choose one of {FINGERPRINT_METHODS}")
-        full_hash = full_hash == "full"
-    model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
-        cfg.pop(volatile, None)
-    files = sorted(model_dir.glob("*.safetensors"))
-    weights, weights_bytes = weights_header_sha256(files)
-    tok = hashlib.sha256()
-    for fname in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        f = model_dir / fname
-        if f.exists():
-            tok.update(fname.encode() + f.read_bytes())
-    fp = {
-        "name": name,
-        "config_sha256": hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
-        "weights_sha256": weights,
-        "weights_bytes": weights_bytes,
-        "weights_hash": "full" if full_hash else "header",
-        "tokenizer_sha256": tok.hexdigest(),
-        "compute_dtype": compute_dtype,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "safetensors": safetensors.__version__},
-    }
-    conventions = _tied_conventions(model_dir)
-    if conventions is not None:
-        fp["tied_conventions"] = conventions
-    if full_hash:
-        content = hashlib.sha256()
-        for f in files:
-            content.update(sha256_file(f).encode())
-        fp["weights_content_sha256"] = content.hexdigest()
-    return fp
-
-
-def _tied_conventions(model_dir: Path) -> dict[str, Any] | None:
-    """The target family's TiedConventions when they are not Llama's (None too for a family the engine
-    does not implement: its heads cannot be built)."""
-    from heads.layers import TiedConventions
-    from inference_eval.model import target_args
-
-    try:
-        conventions = target_args(model_dir).tied_conventions()
-    except (ValueError, NotImplementedError, KeyError):
-        return None
-    return None if conventions == TiedConventions() else conventions.to_dict()
 
 
 # ------------------------------------------------------------------------------------ several ranks

@@ -24,7 +24,7 @@ residual stream at layer N is not the one N_f was fitted to, and a free norm cos
 Layer-skip drafts (`LlamaForCausalLM.truncated`) keep N_f frozen instead; `init: target` with
 training off is exactly that draft.
 
-Export (`draft-hf`): a plain HF checkpoint of the target's own class (`LlamaForCausalLM` for a Llama
+Export (`draft-hf`, artifacts/draft_hf.py): a plain HF checkpoint of the target's own class (`LlamaForCausalLM` for a Llama
 target) — the target's config with `num_hidden_layers: N`, `model.embed_tokens.weight` copied from the target (and `lm_head.weight` for an
 untied target), the draft's layers and norm — which vLLM / SGLang load as a separate draft model and
 spechead's engine loads with `LlamaForCausalLM.from_pretrained` (`evaluate.draft_models.<label>.path`).
@@ -33,23 +33,17 @@ spechead's engine loads with `LlamaForCausalLM.from_pretrained` (`evaluate.draft
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import DecoderLayer, LlamaArgs, RMSNorm, linear
+from heads.layers import LLAMA_FAMILY, DecoderLayer, LlamaArgs, RMSNorm, linear
 
-EXPORT_FORMAT = "draft-hf"
 
 
 @dataclass(frozen=True)
@@ -171,11 +165,9 @@ class DraftLMHead(DraftHead):
     @torch.no_grad()
     def copy_target_layers(self, state: dict[str, torch.Tensor]) -> None:
         """Load the target's first N decoder layers: `state` holds `model.layers.{i}.*` for i < N, by the
-        target's own names (`read_target_layers`). Only a Llama-architecture target's layers are the
+        target's own names (`artifacts.draft_hf.read_target_layers`). Only a Llama-architecture target's layers are the
         draft's: another family's (Gemma 3: four norms of the (1 + w) form, q/k norms) load under the
         same names but compute something else, so they are refused."""
-        from heads.export import LLAMA_FAMILY
-
         if self.args.model_type not in LLAMA_FAMILY:
             raise ValueError(f"draft_lm init=target: a {self.args.model_type!r} target's layers are not Llama "
                              "layers (the draft's); use head.init=random for this target")
@@ -186,116 +178,3 @@ class DraftLMHead(DraftHead):
                              f"({len(missing)} tensors of its first {self.cfg.num_layers} layers)")
         for k, p in own.items():
             p.copy_(state[k].to(p.dtype))
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors file (is this an HF checkpoint directory?)")
-    return files
-
-
-def read_target_layers(target_dir: str | Path, num_layers: int) -> dict[str, torch.Tensor]:
-    """`model.layers.{i}.*` for i < num_layers from a target checkpoint directory (one tensor at a time)."""
-    pattern = re.compile(r"model\.layers\.(\d+)\..+")
-    out: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(Path(target_dir)):
-        with safe_open(f, framework="pt") as fh:
-            for key in fh.keys():
-                m = pattern.fullmatch(key)
-                if m is not None and int(m.group(1)) < num_layers:
-                    out[key] = fh.get_tensor(key)
-    return out
-
-
-# ---- export: a plain HF checkpoint of the target's class -------------------------------------------
-def draft_hf_config(head: DraftLMHead, target_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The target's config.json with the draft's depth and dtype (class, RoPE, vocabulary, token ids kept)."""
-    dtype = str(head.dtype).removeprefix("torch.")
-    cfg = {**target_cfg, "architectures": target_cfg.get("architectures") or ["LlamaForCausalLM"],
-           "num_hidden_layers": head.cfg.num_layers,
-           "torch_dtype": dtype, "dtype": dtype}  # transformers < 5 reads the first, >= 5 the second
-    if isinstance(cfg.get("layer_types"), list):
-        cfg["layer_types"] = cfg["layer_types"][: head.cfg.num_layers]
-    cfg.pop("num_nextn_predict_layers", None)
-    return cfg
-
-
-def write_draft_hf(head: DraftLMHead, out: Path, target_dir: Path) -> None:
-    """config.json + model.safetensors (+ the target's tokenizer files): the draft's layers and final
-    norm, `model.embed_tokens.weight` (and `lm_head.weight` for an untied target) copied from the
-    target in the draft's dtype."""
-    from heads.export import _copy_aux_files
-    from heads.validate import read_json, target_embed_and_head
-
-    tcfg = read_json(target_dir / "config.json")
-    _copy_aux_files(target_dir, out, skip_weights=True)
-    embed, lm_head = target_embed_and_head(target_dir)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-    state["model.embed_tokens.weight"] = embed.to(head.dtype).contiguous()
-    if not tcfg.get("tie_word_embeddings", False):
-        state["lm_head.weight"] = lm_head.to(head.dtype).contiguous()
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(draft_hf_config(head, tcfg), indent=2))
-
-
-def read_draft_hf(path: str | Path, tied: TiedTarget, args: LlamaArgs) -> DraftLMHead:
-    """A `draft-hf` export as a spechead head over the target's frozen tensors (`args`: the target's)."""
-    path = Path(path)
-    cfg = json.loads((path / "config.json").read_text())
-    head = DraftLMHead(args, DraftLMConfig(num_layers=int(cfg["num_hidden_layers"])), tied)
-    state = {}
-    for f in _safetensors_files(path):
-        with safe_open(f, framework="pt") as fh:
-            for key in fh.keys():
-                if key.startswith(("model.layers.", "model.norm.")):
-                    state[key] = fh.get_tensor(key)
-    head.load_state_dict(state, strict=True)
-    return head.to(tied.embed.dtype)
-
-
-def validate_draft_hf(cfg: dict[str, Any], path: Path, target: Path | None, tcfg: dict[str, Any] | None) -> list[str]:
-    """Violations of the `draft-hf` layout: a config of the target's class sized like the target, exactly
-    the tensors of a num_hidden_layers-layer model of it, and an embedding (lm_head) equal to the target's."""
-    from heads.validate import (_check_finite, _check_keys, _check_positions, llama_layer_shapes, load_tensor,
-                                scan_tensors, target_embed_and_head)
-
-    problems: list[str] = []
-    archs = cfg.get("architectures")
-    if not (isinstance(archs, list) and len(archs) == 1 and str(archs[0]).endswith("ForCausalLM")):
-        problems.append(f"architectures must name one causal LM class, got {archs}")
-    if tcfg is not None and (archs, cfg.get("model_type")) != (tcfg.get("architectures") or ["LlamaForCausalLM"],
-                                                               tcfg.get("model_type")):
-        problems.append(f"architectures/model_type {archs}/{cfg.get('model_type')!r} are not the target's "
-                        f"{tcfg.get('architectures')}/{tcfg.get('model_type')!r}")
-    if problems:
-        return problems
-    try:
-        a = LlamaArgs.from_hf_config(cfg)
-    except (KeyError, ValueError, TypeError) as e:
-        return [f"config.json is not a Llama-family config: {e!r}"]
-    infos = scan_tensors(path, problems)
-    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
-                                            "model.norm.weight": (a.hidden_size,)}
-    for i in range(a.num_hidden_layers):
-        expected |= {f"model.layers.{i}.{k}": s for k, s in llama_layer_shapes(a).items()}
-    if not a.tie_word_embeddings:
-        expected["lm_head.weight"] = (a.vocab_size, a.hidden_size)
-    _check_keys(infos, expected, problems)
-    _check_finite(infos, [k for k in expected if k.startswith("model.layers.") or k == "model.norm.weight"], problems)
-    if tcfg is not None:
-        ta = LlamaArgs.from_hf_config(tcfg)
-        for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                      "tie_word_embeddings"):
-            if getattr(a, field) != getattr(ta, field):
-                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
-        _check_positions(cfg, tcfg, problems)
-    if target is not None and not problems:
-        embed, lm_head = target_embed_and_head(target)
-        for name, ref in (("model.embed_tokens.weight", embed), ("lm_head.weight", lm_head)):
-            if name in infos:
-                got = load_tensor(infos[name], name)
-                if not torch.equal(got, ref.to(got.dtype)):
-                    problems.append(f"tensor {name!r} is not the target's (cast to {got.dtype}): a stale or "
-                                    "random copy destroys acceptance")
-    return problems

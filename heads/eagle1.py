@@ -1,4 +1,4 @@
-"""The EAGLE-1 head, kept exactly for the ablation and for export — DESIGN.md §3.
+"""The EAGLE-1 head, kept exactly for the ablation and for export — docs/design.md §3.
 
 EAGLE-1 (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty";
 SafeAILab/EAGLE `eagle/model/cnets1.py`) works in the target's *post-norm* feature space:
@@ -13,7 +13,7 @@ Depth convention of `fuse` / `forward`: depth 1 consumes the target's pre-norm H
 the engine's hidden states), depth > 1 the head's own previous output Ĥ (already in F-space).
 
 Tensor names are EAGLE's own (`fc`, `layers.0.self_attn.*`, `layers.0.post_attention_layernorm`,
-`layers.0.mlp.*`), so the native state dict is already the engines' key set (heads/export.py).
+`layers.0.mlp.*`), so the native state dict is already the engines' key set (artifacts/export.py).
 The interface is MTPHead's, so the training module and the engine's draft loop drive it unchanged.
 """
 
@@ -32,7 +32,7 @@ from heads.layers import DecoderLayer, Linear, LlamaArgs
 @dataclass(frozen=True)
 class Eagle1Config:
     """Head hyper-parameters beyond the target's shapes. `bias=False` for a head meant for vLLM,
-    which has no `fc.bias` parameter and silently drops the key (export_formats.md §14)."""
+    which has no `fc.bias` parameter and silently drops the key (docs/reference/export_formats.md §14)."""
 
     bias: bool = True
     init: Literal["copy", "random"] = "copy"  # copy: fc starts as [noise | I], x ≈ F_i at step 0

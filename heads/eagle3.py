@@ -1,4 +1,4 @@
-"""The EAGLE-3 head — DESIGN.md §3, export_formats.md §3.2 / §4.2 / §9.3.
+"""The EAGLE-3 head — docs/design.md §3, docs/reference/export_formats.md §3.2 / §4.2 / §9.3.
 
 EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test") drafts from three target layers instead of the last one, has no hidden-state
@@ -31,7 +31,7 @@ from heads.layers import MLP, Attention, Linear, LlamaArgs, RMSNorm
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """(2, L//2, L-3) in the "input of layer i" convention (export_formats.md §1.2): vLLM's default.
+    """(2, L//2, L-3) in the "input of layer i" convention (docs/reference/export_formats.md §1.2): vLLM's default.
     For very shallow targets the ids are clamped into 1..L-1 and deduplicated."""
     ids = sorted({min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
     return tuple(ids)

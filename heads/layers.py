@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads import native
+from core import native
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class TiedConventions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# the HF model types whose decoder is Llama's (the engine model, the heads' layers, draft_lm, the Llama export
+# formats): Qwen2 adds q/k/v biases, Qwen3 q/k norms, Mistral a sliding window the heads do not use
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class LlamaArgs:
     def from_hf_config(cls, cfg: dict[str, Any] | Any) -> "LlamaArgs":
         d = cfg if isinstance(cfg, dict) else cfg.to_dict()
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        if model_type not in LLAMA_FAMILY:
             raise ValueError(f"model_type {model_type!r} is not a Llama-family architecture this engine implements")
         # transformers 5 moved rope settings into `rope_parameters`; older configs keep them top-level.
         rope = dict(d.get("rope_parameters") or {})
@@ -103,7 +108,7 @@ class LlamaArgs:
 # fp32 inference on CPU: for 2..256 rows, MKL's x·Wᵀ GEMM (what F.linear runs) is 1.3-5x slower than
 # (W·xᵀ)ᵀ on the same data, and for one row its GEMV is 2-3x slower than that GEMM on two rows
 # (SmolLM2's shapes, 2 threads: lm_head at 2 rows 24 vs 5 ms, at 1 row 10 vs 3 ms) — the rows of
-# decode, verification and drafting. Up to NATIVE_ROWS rows the C kernel of heads/native.py does
+# decode, verification and drafting. Up to NATIVE_ROWS rows the C kernel of core/native.py does
 # better still (it streams the weights at close to memory speed) where it could be built.
 # bf16 shows no such gap; large batches (prefill) neither.
 FAST_LINEAR_ROWS = 256
@@ -287,7 +292,7 @@ class Attention(nn.Module):
                          extras: list[tuple[torch.Tensor, torch.Tensor]],
                          mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Attention of the training-time test (DESIGN.md §4). Row i of depth d attends the depth-1
+        """Attention of the training-time test (docs/design.md §4). Row i of depth d attends the depth-1
         keys of positions ≤ i (`base`, causal) and the keys that depths 2..d-1 produced *at row i*
         (`extras`, one per depth, diagonal) plus its own — the draft KV cache of the engine at draft
         step d. With `base=None` (depth 1) this is plain causal attention. `mask` [B, T, T] (packed

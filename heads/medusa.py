@@ -1,4 +1,4 @@
-"""The Medusa-1 head, a baseline — DESIGN.md §3, export_formats.md §3.4 / §9.6.
+"""The Medusa-1 head, a baseline — docs/design.md §3, docs/reference/export_formats.md §3.4 / §9.6.
 
 Medusa (Cai et al., 2024) drafts k tokens at once from the target's last post-norm feature
 F_i = N_f(H_i), with no chain and no attention: head j (1..D) is a stack of residual SiLU blocks

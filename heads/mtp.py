@@ -1,4 +1,4 @@
-"""The RMSNorm-restored MTP head (the default) — DESIGN.md §3.
+"""The RMSNorm-restored MTP head (the default) — docs/design.md §3.
 
 One module computes, for position i, from the target state H_i and the next token t_{i+1}:
 

@@ -1,4 +1,4 @@
-"""The training-time test unroll (DESIGN.md §4), shared by every head with the small interface.
+"""The training-time test unroll (docs/design.md §4), shared by every head with the small interface.
 
 For original position i, depth d consumes the state Ĥ^{d-1}_i (depth 1: the target's state, H_i or
 the aux layers of EAGLE-3) and the token t_{i+d} at RoPE position i+d-1 and produces Ĥ^d_i, trained

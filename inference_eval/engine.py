@@ -1,4 +1,4 @@
-"""The batched engine (DESIGN.md §5): one scheduler and one page allocation for the target and its
+"""The batched engine (docs/design.md §5): one scheduler and one page allocation for the target and its
 drafter, continuous batching, preemption with recompute, and speculative rounds for a whole batch.
 
     engine = Engine(target, proposer=head, k=3, max_batch=8)

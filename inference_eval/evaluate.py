@@ -1,4 +1,4 @@
-"""Acceptance evaluation (DESIGN.md §7): τ and α_d of a head on a prompt set through the engine."""
+"""Acceptance evaluation (docs/design.md §7): τ and α_d of a head on a prompt set through the engine."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from data.progress import Progress, log_interval
+from core.progress import Progress, log_interval
 from inference_eval.speculative import GREEDY, Sampling, SpecStats
+from data.prompts import DATASETS, load_prompts, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,111 +87,6 @@ def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: in
     """Plain decoding speed in the paged engine: the median over `repeats` passes after `warmup` prompts."""
     return evaluate_batched(target, None, prompts, 1, max_new_tokens, stop_ids, batch_size, "plain", warmup,
                             repeats, sampling).tokens_per_s
-
-
-def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[dict[str, Any]]:
-    """Held-out ShareGPT prompts: the conversations right after the training data's range
-    [skip, skip + max_samples), each up to its first assistant turn."""
-    from data.conversations import tokenize_prompt
-    from data.sources import load_conversations
-
-    if data_cfg.get("max_samples") is None:
-        raise ValueError("evaluate.dataset=sharegpt takes the conversations after the training range "
-                         "[data.skip, data.skip + data.max_samples); data.max_samples is null (the whole source "
-                         "was used for training), so nothing is held out")
-    held = dict(data_cfg)
-    held["skip"] = int(data_cfg.get("skip", 0)) + int(data_cfg.max_samples)
-    held["max_samples"] = num_prompts
-    out = []
-    for sid, messages in load_conversations(held).items:
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        out.append({"ids": tokenize_prompt(tokenizer, messages[:first]), "category": "sharegpt", "id": sid})
-    return out
-
-
-def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[dict[str, Any]]:
-    """Prompts from a JSONL file: one object per line with `prompt` (a user message) or
-    `messages` / `conversations` (the prompt is everything before the first assistant turn);
-    optional `category` and `id`. A tokenizer without a chat template (a base model) takes `prompt`
-    records as the raw text it continues (with its BOS, as data.source=text tokenizes), nothing else."""
-    from data.conversations import normalize_record, tokenize_prompt
-
-    raw = not getattr(tokenizer, "chat_template", None)
-    out = []
-    path = Path(path)
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-            messages = [{"role": "user", "content": rec["prompt"]}]
-        elif raw:
-            raise ValueError(f"{path}:{n}: no `prompt` string; the target has no chat template, so only "
-                             "`prompt` records (raw text) can be used — or set data.chat_template=<file>")
-        else:
-            # a prompt need not have an answer: normalise the turns with a placeholder reply appended,
-            # then keep everything before the first assistant turn
-            padded = dict(rec) if isinstance(rec, dict) else {}
-            for key, role, content, reply in (("conversations", "from", "value", "gpt"),
-                                              ("messages", "role", "content", "assistant")):
-                if isinstance(padded.get(key), list):
-                    padded[key] = [*padded[key], {role: reply, content: "…"}]
-            messages, reason = normalize_record(padded)
-            if messages is None:
-                raise ValueError(f"{path}:{n}: no `prompt` string and no usable `messages`/`conversations` ({reason})")
-            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            messages = messages[:first]
-        if not messages:
-            raise ValueError(f"{path}:{n}: the prompt is empty (the record starts with an assistant turn)")
-        ids = list(tokenizer(rec["prompt"])["input_ids"]) if raw else tokenize_prompt(tokenizer, messages)
-        out.append({"ids": ids, "category": str(rec.get("category", "jsonl")),
-                    "id": str(rec.get("id", n))})
-        if num_prompts and len(out) >= num_prompts:
-            break
-    return out
-
-
-def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=None, max_new_tokens: int = 64,
-                    stop_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
-    """MT-Bench prompts, taken round-robin over the 8 categories so a subset stays balanced.
-    Turn 2 follows MT-Bench: the model's own (greedy) turn-1 answer, then the second question."""
-    from data.assets import load_mtbench
-    from data.conversations import tokenize_prompt
-
-    cats: dict[str, list[dict]] = {}
-    for q in load_mtbench():
-        cats.setdefault(q["category"], []).append(q)
-    ordered = [q for group in zip(*cats.values()) for q in group]
-    ordered = ordered[:num_prompts] if num_prompts else ordered
-    conversations = [[{"role": "user", "content": q["turns"][0]}] for q in ordered]
-    if turn == 2:
-        if target is None:
-            raise ValueError("MT-Bench turn 2 needs the target to answer turn 1")
-        from inference_eval.engine import engine_generate
-
-        # the target's greedy turn-1 answers, all questions in one batch of the engine
-        answers, _ = engine_generate(target, [tokenize_prompt(tokenizer, m) for m in conversations], max_new_tokens,
-                                     stop_ids=stop_ids, max_batch=8)
-        for messages, answer, q in zip(conversations, answers, ordered):
-            messages += [{"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()},
-                         {"role": "user", "content": q["turns"][1]}]
-    return [{"ids": tokenize_prompt(tokenizer, messages), "category": q["category"], "id": q["question_id"],
-             "turn": turn} for messages, q in zip(conversations, ordered)]
-
-
-def stop_token_ids(tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):  # ChatML, Llama 3, Qwen, Gemma
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-            ids.add(tid)
-    return ids
-
-
-DATASETS = ("mtbench", "sharegpt", "jsonl")
 
 
 def choose_k(settings, tokens_per_s, plain_tokens_per_s: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -290,35 +186,17 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
                 raise FileNotFoundError(f"evaluate.{key}.{label}={path}: no such directory{hint}")
 
 
-def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str, Any]]:
-    ecfg = cfg.evaluate
-    n = ecfg.get("num_prompts")
-    if ecfg.dataset == "mtbench":
-        turns = [int(t) for t in ecfg.get("turns", [1])]
-        return [p for t in turns for p in mtbench_prompts(tokenizer, n, t, target, int(ecfg.max_new_tokens), stops)]
-    if ecfg.dataset == "sharegpt":
-        return sharegpt_prompts(tokenizer, cfg.data, n)
-    if ecfg.dataset == "jsonl":
-        if not ecfg.get("prompts_path"):
-            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path")
-        return jsonl_prompts(tokenizer, ecfg.prompts_path, n)
-    raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected mtbench, sharegpt (held-out) or jsonl")
-
-
 def run_evaluation(cfg: Any) -> dict[str, Any]:
     """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
     on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
     from data.conversations import load_tokenizer
     from data.sources import resolve_target_dir
     from data.store import DTYPES
-    from heads.export import load_any
+    from artifacts.export import load_any
     from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
     from inference_eval.speculative import DraftModelProposer
 
-    from data.checks import check_before_work
-
     ecfg = cfg.evaluate
-    check_before_work(cfg, "evaluate")
     temperature = float(ecfg.get("temperature", 0.0))
     sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
                         torch.Generator().manual_seed(int(cfg.seed)))
@@ -373,7 +251,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     for label, path in (ecfg.get("heads") or {}).items():
         if path:
             if expected_fp is None:
-                from data.store import target_fingerprint
+                from inference_eval.model import target_fingerprint
                 expected_fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
                                                  cfg.target.get("fingerprint", "header"))
             proposers[label] = load_any(path, tied, target.args, expected_fingerprint=expected_fp).to(device).eval()
@@ -530,7 +408,7 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from data.store import atomic_write_bytes
+    from core.files import atomic_write_bytes
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(json_path, json.dumps(report, indent=2).encode())

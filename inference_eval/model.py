@@ -2,7 +2,7 @@
 an HF checkpoint by its own tensor names; other families (Gemma 3) subclass it in
 inference_eval/families/, whose table `from_pretrained` and `target_args` dispatch on.
 
-The forward returns the last decoder layer's output before the final norm (H_i, DESIGN.md §2) and,
+The forward returns the last decoder layer's output before the final norm (H_i, docs/design.md §2) and,
 on demand, logits and the inputs of chosen layers (EAGLE-3's "input of layer i" convention). The
 same code computes the features of the precompute stage and runs validation and evaluation, so
 train/serve numerics are one path. Built from the blocks in heads/layers.py.
@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from heads.layers import DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary
+from core.fingerprint import fingerprint_checkpoint
+from core.safetensors_io import checkpoint_tensor_names, stream_safetensors_dir
+from heads.layers import DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary, TiedConventions
 
 
 @dataclass
@@ -144,42 +143,6 @@ class LlamaForCausalLM(nn.Module):
         return TargetOutput(hidden=x, logits=out, aux=aux)
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors file (is this an HF checkpoint directory?)")
-    return files
-
-
-def checkpoint_tensor_names(path: Path) -> list[str]:
-    """Every tensor name of an HF checkpoint directory, read from the safetensors headers alone."""
-    names: list[str] = []
-    for f in checkpoint_files(path):
-        with safe_open(f, framework="pt") as fh:
-            names.extend(fh.keys())
-    return names
-
-
-def stream_safetensors_dir(path: Path, names: set[str] | None = None, device: str | torch.device = "cpu"):
-    """Yield (name, tensor) for the checkpoint's tensors (all, or `names`), each read straight onto
-    `device`: one tensor is materialised at a time, so a caller that places each one before asking
-    for the next never holds the whole state dict in host memory."""
-    device = torch.device(device)
-    where = "cpu" if device.type == "cpu" else str(device)
-    for f in checkpoint_files(path):
-        with safe_open(f, framework="pt", device=where) as fh:
-            for key in fh.keys():
-                if names is None or key in names:
-                    yield key, fh.get_tensor(key)
-
-
-def load_safetensors_dir(path: Path, names: set[str] | None = None,
-                         device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Read the tensors of an HF checkpoint directory (one file or an index of shards): for small
-    selections (the frozen parts a head shares); models stream through `stream_safetensors_dir`."""
-    return dict(stream_safetensors_dir(path, names, device))
-
-
 def _assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Replace the (meta) parameter or buffer `name` of `model` by `tensor`, frozen."""
     prefix, _, leaf = name.rpartition(".")
@@ -260,87 +223,18 @@ def tied_from_model(target: "LlamaForCausalLM"):
                       target.args.rms_norm_eps, target.args.tied_conventions())
 
 
-def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
-    """`auto` → `engine` for a checkpoint of a family the engine implements (inference_eval/families),
-    else `hf`; precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
-    backend = backend or "auto"
-    choices = ("auto", "engine", "hf", "vllm") if stage == "precompute" else ("auto", "engine", "hf")
-    if backend not in choices:
-        raise ValueError(f"{stage}.backend={backend!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
-    if backend != "auto":
-        return backend
+def target_fingerprint(model_dir: str | Path, name: str, compute_dtype: str,
+                       full_hash: bool | str = False) -> dict[str, Any]:
+    """The target's fingerprint (`core.fingerprint.fingerprint_checkpoint`) with its family's
+    `tied_conventions` when they are not Llama's: what stores, heads and caches compare."""
+    return fingerprint_checkpoint(model_dir, name, compute_dtype, full_hash, _tied_conventions(Path(model_dir)))
+
+
+def _tied_conventions(model_dir: Path) -> dict[str, Any] | None:
+    """The target family's TiedConventions when they are not Llama's (None too for a family the engine
+    does not implement: its heads cannot be built)."""
     try:
-        target_args(target_dir)
-    except ValueError:
-        return "hf"
-    return "engine"
-
-
-class HFTarget:
-    """An HF transformers causal LM behind the engine model's forward signature, for the families
-    the engine does not implement (precompute's `hf` backend): the last decoder layer's output before
-    the final norm (a forward hook) and the inputs of requested layers (`hidden_states[i]`); the base
-    model runs without its lm_head, so no logits are computed."""
-
-    def __init__(self, model) -> None:
-        self.hf = model.eval().requires_grad_(False)
-        base = model.base_model
-        self.layers = getattr(base, "layers", None) or getattr(base, "h", None)
-        if self.layers is None:
-            raise ValueError(f"{type(model).__name__}: no decoder layer list (base_model.layers or .h) to hook")
-        # one hook for the model's lifetime, writing to thread-local storage: precompute runs batches
-        # on several threads at once, and a hook sees every thread's forward
-        self._local = threading.local()
-        self.layers[-1].register_forward_hook(self._capture)
-        cfg = model.config
-        self.args = SimpleNamespace(num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                                    max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 30))
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", trust_remote_code: bool = False,
-                        device_map: str | dict | None = None) -> "HFTarget":
-        """`device_map` (e.g. `auto`) shards the layers over the visible GPUs through accelerate, for a
-        target too large for one; the weights then load straight onto their devices."""
-        from transformers import AutoModelForCausalLM
-
-        if device_map is not None:
-            return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                            device_map=device_map))
-        device = torch.device(device)
-        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                        device_map=None if device.type == "cpu" else str(device)))
-
-    @property
-    def device(self) -> torch.device:
-        """Where inputs go: the embedding's device (the first shard's under a device_map)."""
-        return self.hf.get_input_embeddings().weight.device
-
-    def __call__(self, input_ids: torch.Tensor, logits: str = "none", capture_layers: tuple[int, ...] = ()
-                 ) -> TargetOutput:
-        if logits != "none":
-            raise ValueError("HFTarget computes hidden states only (logits='none')")
-        out = self.hf.base_model(input_ids=input_ids, output_hidden_states=bool(capture_layers), use_cache=False)
-        hidden, self._local.hidden = self._local.hidden, None
-        aux = [out.hidden_states[i] for i in capture_layers]
-        return TargetOutput(hidden=hidden, logits=None, aux=aux)
-
-    def _capture(self, module, args, output) -> None:
-        self._local.hidden = output[0] if isinstance(output, tuple) else output
-
-
-
-def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
-    """The target a stage runs, placed by `target.device` (`resolve_device`): the engine's model, or for
-    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set, or
-    for `vllm` (precompute only) a vLLM worker process placed by vLLM (`precompute.vllm.*`)."""
-    if backend == "vllm":
-        from inference_eval.vllm_backend import VLLMBackend
-
-        return VLLMBackend.from_config(cfg, target_dir, dtype)
-    device = resolve_device(cfg.target.get("device", "auto"))
-    if backend == "engine":
-        return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
-    return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
-                                    trust_remote_code=bool(cfg.target.get("trust_remote_code", False)),
-                                    device_map=cfg.target.get("device_map"))
+        conventions = target_args(model_dir).tied_conventions()
+    except (ValueError, NotImplementedError, KeyError):
+        return None
+    return None if conventions == TiedConventions() else conventions.to_dict()

@@ -1,4 +1,4 @@
-"""Paged KV cache (DESIGN.md §5): a pool of fixed-size blocks per layer, per-sequence block tables,
+"""Paged KV cache (docs/design.md §5): a pool of fixed-size blocks per layer, per-sequence block tables,
 slot mapping, and the attention metadata of one packed (varlen) forward.
 
 A slot is `block * block_size + offset`; position p of a sequence lives in slot

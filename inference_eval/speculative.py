@@ -1,10 +1,10 @@
-"""Speculative decoding's shared pieces (DESIGN.md §5): acceptance statistics, the greedy and the
+"""Speculative decoding's shared pieces (docs/design.md §5): acceptance statistics, the greedy and the
 rejection-sampling accept rules (`Sampling`, `accept_rejection`), a head's logits over the target
 vocabulary, and the head's cached draft path along one sequence (`refresh`, `draft_chain`) that
 teacher-forced scoring runs (inference_eval/scoring.py). The decoder itself is the paged engine
-(inference_eval/engine.py): `generate_speculative` / `generate_plain` below are that engine with one
-slot. (The earlier batch-1 loop over a contiguous cache survives only as the tests' reference,
-tests/reference_decoding.py.)
+(inference_eval/engine.py, `engine_generate`), which imports this module, never the other way round.
+(The earlier batch-1 loop over a contiguous cache survives only as the tests' reference,
+tests/reference_decoding.py; tests/helpers.py has the engine with one slot as `generate_speculative`.)
 
 After each verification the head re-runs over the newly accepted positions with the *target's* hidden
 states, so its cache only ever holds step-1 entries computed from target states plus the current
@@ -208,29 +208,3 @@ class DraftModelProposer:
 
     draft: Any
     label: str = "draft_model"
-
-
-@torch.inference_mode()
-def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
-                         ) -> tuple[list[int], SpecStats]:
-    """Speculative decoding of one prompt by the paged engine (inference_eval/engine.py) with one slot —
-    the one decoder every stage runs. `proposer`: a head from heads/, a draft LM, or an engine proposer.
-    Greedy: output equal to `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s
-    (rejection sampling). Returns the new tokens and the acceptance stats."""
-    from inference_eval.engine import engine_generate
-
-    outs, eng = engine_generate(target, [prompt], max_new_tokens, proposer, k, stop_ids, sampling,
-                                **{"max_batch": 1, **engine_kw})
-    return outs[0], eng.stats
-
-
-@torch.inference_mode()
-def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
-                   sampling: Sampling = GREEDY, **engine_kw) -> list[int]:
-    """Plain decoding of one prompt by the paged engine with one slot."""
-    from inference_eval.engine import engine_generate
-
-    outs, _ = engine_generate(target, [prompt], max_new_tokens, None, 1, stop_ids, sampling,
-                              **{"max_batch": 1, **engine_kw})
-    return outs[0]

@@ -114,7 +114,7 @@ class VLLMBackend:
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
         """The backend for `cfg` (precompute.vllm.*, target.*, data.max_length, the store's aux layers
         from `precompute.aux_layers`), reusing a worker kept by an earlier call with the same settings."""
-        from data.precompute import resolve_aux_layers
+        from heads.registry import resolve_aux_layers
 
         vcfg = cfg.precompute.get("vllm") or {}
         python = vllm_python(vcfg.get("python"))

@@ -1,4 +1,4 @@
-"""spechead's vLLM plugin: serves the default `mtp` head (DESIGN.md §3) through vLLM's existing
+"""spechead's vLLM plugin: serves the default `mtp` head (docs/design.md §3) through vLLM's existing
 `eagle3` speculative method. Imports only vllm, torch and the standard library: it runs inside vLLM's
 own environment (`make vllm-env` installs spechead there with `pip install --no-deps -e .`, which
 registers the entry point below), never in spechead's.
@@ -6,7 +6,7 @@ registers the entry point below), never in spechead's.
 Entry point (pyproject.toml): `[project.entry-points."vllm.general_plugins"] spechead_mtp =
 "inference_eval.vllm_plugin:register"`. vLLM calls `register()` in every process it starts
 (vllm/plugins/__init__.py, group `vllm.general_plugins`); it adds the architecture `MTP_ARCH` to
-vLLM's ModelRegistry. An `mtp-vllm` export (heads/export.py) names that architecture; served with
+vLLM's ModelRegistry. An `mtp-vllm` export (artifacts/export.py) names that architecture; served with
 `{"method": "eagle3", "model": <export>, "num_speculative_tokens": k}` vLLM keeps the name (it starts
 with `Eagle3`: vllm/transformers_utils/configs/eagle.py) and builds `SpecheadMTPForCausalLM`.
 

@@ -1,27 +1,25 @@
 """Export a head checkpoint (`export.source`) to the native format (`export.dir`) and the engine
 formats `export.formats` (default: every format of the head type) under `export.root`; each one is
-validated against the target and read back before it is reported (heads/export.py, docs/export.md)."""
+validated against the target and read back before it is reported (artifacts/export.py, docs/export.md)."""
 
 import logging
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from scripts import stage_main
+from scripts.runtime import stage_main
 
 log = logging.getLogger(__name__)
 
 
 def run_export(cfg: DictConfig) -> dict[str, Path]:
     """Returns {format: directory}; "native" is always among them."""
-    from data.checks import check_before_work
     from data.sources import resolve_target_dir
-    from data.store import target_fingerprint
-    from heads.checkpoint import load_native, read_config
-    from heads.export import default_formats, export_head
+    from inference_eval.model import target_fingerprint
+    from artifacts.checkpoint import load_native, read_config
+    from artifacts.export import default_formats, export_head
     from inference_eval.model import tied_target
 
-    check_before_work(cfg, "export")
     if not Path(cfg.export.source).is_dir():
         raise FileNotFoundError(f"export.source={cfg.export.source}: no such directory (train a head first, or point "
                                 "export.source at a native head checkpoint)")

@@ -1,99 +1,14 @@
-"""What fp8 feature storage does to the trained head (issue: feature store, DESIGN.md §6).
+"""Entry point of experiments/fp8_study.py: `python -m scripts.fp8_study` (its docstring has the commands)."""
 
-The same conversations are precomputed twice — `bfloat16` and `fp8` (e4m3 + a per-token scale) —
-and the configured head is trained on each with the same batches, steps, schedule and seed. Both
-heads are then scored on the *bf16* store's held-out split (top-1 agreement per depth, the
-training-time-test unroll) and on MT-Bench through the engine (τ, greedy).
+from omegaconf import DictConfig
 
-    python -m scripts.fp8_study run_name=fp8_study            # the demo's data and training settings
-
-A head or evaluation report already on disk is reused only when it was made from the same inputs
-(scripts/cache.py: resolved config sections + the store's / checkpoint's hashes, kept beside it as
-`<result>.key.json`); otherwise it is recomputed and the reason logged. `cached` in the JSON marks reuse.
-
-Writes `<run_dir>/fp8_study.json`; last line `fp8_study acc_d1_bf16=… acc_d1_fp8=… tau_bf16=… tau_fp8=…
-bytes_per_token_bf16=… bytes_per_token_fp8=…`.
-"""
-
-from __future__ import annotations
-
-import json
-from pathlib import Path
-
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from scripts import stage_main
+from experiments.fp8_study import run_fp8_study
+from scripts.runtime import stage_main
 
 
 @stage_main
 def main(cfg: DictConfig) -> None:
     run_fp8_study(cfg)
-
-
-def run_fp8_study(cfg: DictConfig) -> dict:
-    from data.precompute import run_precompute
-    from data.sources import resolve_target_dir
-    from data.store import FeatureStore, atomic_write_bytes, target_fingerprint
-    from heads.checkpoint import load_native
-    from inference_eval.evaluate import run_evaluation
-    from inference_eval.model import tied_target
-    from train.data import FeatureDataModule
-    from train.module import heldout_agreement
-    from train.run import run_training
-
-    from scripts.cache import evaluation_key, lookup, record, training_key
-
-    target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                     cfg.target.get("fingerprint", "header"))
-    depth = int(cfg.get("fp8_study", {}).get("eval_depth", 3))
-    results = {}
-    for dtype in ("bfloat16", "fp8"):
-        c = cfg.copy()
-        with open_dict(c):
-            c.store_dir = f"{cfg.run_dir}/features_{dtype}"
-            c.head_dir = f"{cfg.run_dir}/head_{dtype}"
-            c.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints_{dtype}"
-            c.train.untrained_dir = None
-            c.precompute.store_dtype = dtype
-            c.evaluate.heads = {dtype: c.head_dir}
-            c.evaluate.report = f"{cfg.run_dir}/eval_{dtype}.json"
-        store_dir, _ = run_precompute(c)
-        tkey = training_key(c, store_dir)
-        head_cached = lookup(c.head_dir, tkey, f"the head trained on the {dtype} store") is not None
-        if not head_cached:
-            _, metrics = run_training(c)
-            record(c.head_dir, tkey, final_metrics=metrics)
-        store = FeatureStore(store_dir)
-        tokens = sum(s["num_tokens"] for s in store.manifest["shards"])
-        size = sum((Path(store_dir) / s["file"]).stat().st_size for s in store.manifest["shards"])
-        ekey = evaluation_key(c, fingerprint)
-        report_cached = lookup(c.evaluate.report, ekey, f"the {dtype} head's evaluation") is not None
-        if report_cached:
-            report = json.loads(Path(c.evaluate.report).read_text())
-        else:
-            report = run_evaluation(c)
-            record(c.evaluate.report, ekey)
-        results[dtype] = {"store": str(store_dir), "bytes_per_token": size / tokens, "head": c.head_dir,
-                          "tau": report["results"][dtype]["tau"], "alpha": report["results"][dtype]["alpha"],
-                          "cached": {"head": head_cached, "evaluation": report_cached}}
-    # held-out agreement of both heads on the bf16 store's validation split (the accurate features)
-    dm = FeatureDataModule(f"{cfg.run_dir}/features_bfloat16", fingerprint,
-                           **OmegaConf.to_container(cfg.train.data, resolve=True))
-    dm.setup("validate")
-    tied, args, _ = tied_target(target_dir)
-    for dtype, r in results.items():
-        r["heldout"] = heldout_agreement(load_native(r["head"], tied, args, expected_fingerprint=fingerprint),
-                                         dm.val_dataloader(), depth)
-    out = Path(cfg.run_dir) / "fp8_study.json"
-    atomic_write_bytes(out, json.dumps({"results": results, "heldout_conversations": len(dm.val_idx)}, indent=2).encode())
-    b, f = results["bfloat16"], results["fp8"]
-    print(f"fp8_study report={out}")
-    print(" ".join(["fp8_study"] + [f"acc_d{d + 1}_{n}={r['heldout']['acc'][d]:.4f}" for n, r in (("bf16", b), ("fp8", f))
-                                     for d in range(depth)]
-                   + [f"tau_bf16={b['tau']:.3f}", f"tau_fp8={f['tau']:.3f}",
-                      f"bytes_per_token_bf16={b['bytes_per_token']:.1f}", f"bytes_per_token_fp8={f['bytes_per_token']:.1f}"]))
-    return results
 
 
 if __name__ == "__main__":

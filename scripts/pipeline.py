@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from scripts import stage_main
+from scripts.runtime import stage_main
 
 
 def disk_use(root: str | Path) -> dict[str, int]:
@@ -67,7 +67,7 @@ def main(cfg: DictConfig) -> None:
 
 def run_pipeline(cfg: DictConfig) -> dict:
     """The demo's stages in order (main's body); returns the evaluation report."""
-    from data.checks import check_before_work
+    from scripts.checks import check_before_work
     from data.precompute import run_precompute
     from inference_eval.evaluate import run_evaluation
     from scripts.export import run_export

@@ -5,7 +5,7 @@ on them with `data.source=jsonl data.path=<out>`, the path the summary line ends
 
 from omegaconf import DictConfig
 
-from scripts import stage_main
+from scripts.runtime import stage_main
 
 
 @stage_main

@@ -2,7 +2,7 @@
 
 from omegaconf import DictConfig
 
-from scripts import stage_main
+from scripts.runtime import stage_main
 
 
 @stage_main

@@ -2,6 +2,8 @@
 
 import torch
 
+from inference_eval.engine import engine_generate
+from inference_eval.speculative import GREEDY, Sampling, SpecStats
 from tests.numerics import assert_close_float32, assert_same_function, decoder_chain, float64_copy
 
 
@@ -138,3 +140,25 @@ def assert_cached_decode_equals_full_forward(hf, model, ids: torch.Tensor) -> No
     parts += [model(ids[:, i:i + 1], cache=cache, start=i) for i in range(8, ids.shape[1])]
     assert_same_function(torch.cat([p.logits for p in parts], 1), full.logits)
     assert_same_function(torch.cat([p.hidden for p in parts], 1), full.hidden)
+
+
+@torch.inference_mode()
+def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
+                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
+                         ) -> tuple[list[int], SpecStats]:
+    """Speculative decoding of one prompt by the paged engine (inference_eval/engine.py) with one slot —
+    the one decoder every stage runs (the tests' shorthand for `engine_generate` of one prompt). `proposer`: a head from heads/, a draft LM, or an engine proposer.
+    Greedy: output equal to `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s
+    (rejection sampling). Returns the new tokens and the acceptance stats."""
+    outs, eng = engine_generate(target, [prompt], max_new_tokens, proposer, k, stop_ids, sampling,
+                                **{"max_batch": 1, **engine_kw})
+    return outs[0], eng.stats
+
+
+@torch.inference_mode()
+def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                   sampling: Sampling = GREEDY, **engine_kw) -> list[int]:
+    """Plain decoding of one prompt by the paged engine with one slot."""
+    outs, _ = engine_generate(target, [prompt], max_new_tokens, None, 1, stop_ids, sampling,
+                              **{"max_batch": 1, **engine_kw})
+    return outs[0]

@@ -1,4 +1,4 @@
-"""Issue 17, "nothing lost, nothing silently wrong", for the artifacts spechead writes (heads/checkpoint.py
+"""Issue 17, "nothing lost, nothing silently wrong", for the artifacts spechead writes (artifacts/checkpoint.py
 `atomic_artifact_dir`, used by `save_native` and every engine export):
 
 - a save never replaces a directory that is not a spechead artifact of the same kind (marker
@@ -26,12 +26,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import heads.checkpoint as ck
-from data.store import target_fingerprint
-from heads.checkpoint import (ARTIFACT_MARKER, ArtifactError, TargetMismatchError, atomic_artifact_dir, build_head,
-                              check_target_fingerprint, export_kind, load_native, recover_interrupted_save,
-                              save_native)
-from heads.export import WRITERS, export_head, load_any, load_export, probe_logits
+import core.files as atomic_files
+from inference_eval.model import target_fingerprint
+from artifacts.checkpoint import (ARTIFACT_MARKER, ArtifactError, TargetMismatchError, atomic_artifact_dir,
+                                  check_target_fingerprint, export_kind, load_native, save_native)
+from heads.registry import build_head
+from core.files import recover_interrupted_save
+from artifacts.export import WRITERS, export_head, load_any, load_export, probe_logits
 from inference_eval.model import tied_target
 
 KILL_STEPS = ("mkdir", "fsync", "replace", "rename", "unlink", "rmdir")  # os functions a save goes through
@@ -189,9 +190,9 @@ def _run_killed(fn, kill_at: int, exchange: bool) -> str:
             if not exchange:
                 def unsupported(a, b):
                     raise OSError(errno.ENOSYS, "renameat2 unsupported (test)")
-                ck._rename_exchange = hook(unsupported)
+                atomic_files._rename_exchange = hook(unsupported)
             else:
-                ck._rename_exchange = hook(ck._rename_exchange)
+                atomic_files._rename_exchange = hook(atomic_files._rename_exchange)
             fn()
             os._exit(0)
         except BaseException:
@@ -220,7 +221,7 @@ def _kill_matrix(tmp_path, prepare, child_save, new_snap, next_save, next_snap, 
     park-old path only, be missing with the old one parked at `.head.old`, which recovery moves back — and
     `next_save(out)` must then succeed and leave `out` alone in its directory. Returns the outcomes."""
     if not exchange:  # the parent's recovery and next save take the park-old path too
-        monkeypatch.setattr(ck, "_rename_exchange", lambda a, b: (_ for _ in ()).throw(OSError(errno.ENOSYS, "x")))
+        monkeypatch.setattr(atomic_files, "_rename_exchange", lambda a, b: (_ for _ in ()).throw(OSError(errno.ENOSYS, "x")))
     outcomes = []
     for n in itertools.count(1):
         runs = tmp_path / "runs"
@@ -375,7 +376,7 @@ def test_fingerprint_check_compares_identity_keys_generically(tmp_path, caplog):
     assert "weights_sha256: stored 'w1', configured 'w2'" in msg
     assert "compute_dtype: stored 'bfloat16', configured 'float32'" in msg
     assert "config_sha256" not in msg and "only_" not in msg
-    with caplog.at_level(logging.WARNING, logger="heads.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="artifacts.checkpoint"):
         check_target_fingerprint(stored, {**same, "only_expected": 2}, tmp_path / "ckpt")
     assert "['only_expected', 'only_stored'] recorded on one side only" in caplog.text
 
@@ -397,7 +398,7 @@ def test_fingerprint_check_across_weight_hash_methods(tmp_path, caplog):
         check_target_fingerprint(full, {**full, "weights_content_sha256": "B2"}, tmp_path)
     with pytest.raises(TargetMismatchError, match=r"weights_sha256: stored 'H1', configured 'H2'"):
         check_target_fingerprint(header, {**full, "weights_sha256": "H2"}, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="heads.checkpoint"):  # bytes vs headers: cannot tell
+    with caplog.at_level(logging.WARNING, logger="artifacts.checkpoint"):  # bytes vs headers: cannot tell
         check_target_fingerprint(legacy, header, tmp_path / "old-head")
     assert "old-head" in caplog.text and "set target.fingerprint=full to compare them" in caplog.text
     with pytest.raises(TargetMismatchError, match=r"config_sha256: stored 'c', configured 'c2'"):
@@ -428,7 +429,7 @@ def test_load_native_refuses_another_target_and_dtype(mtp_heads, fp, tiny_target
                                                   rf"configured '{retrained['weights_content_sha256']}'"):
         load_native(full, tied, args, expected_fingerprint=retrained)
     legacy = save_native(mtp_heads[0], tmp_path / "legacy")  # no fingerprint recorded
-    with caplog.at_level(logging.WARNING, logger="heads.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="artifacts.checkpoint"):
         head = load_native(legacy, tied, args, expected_fingerprint=other)
     assert torch.equal(probe_logits(head), probe_logits(mtp_heads[0]))
     assert f"{legacy}: records no target fingerprint" in caplog.text and "'tiny'" in caplog.text

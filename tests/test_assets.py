@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from data import assets
-from data.assets import (
-    AssetMissingError,
-    ensure_smollm2_checkpoint,
-    iter_json_records,
-    load_mtbench,
-    load_sharegpt,
-    package_file,
-)
+from data.assets import (AssetMissingError, ensure_smollm2_checkpoint, iter_json_records, load_mtbench,
+                         load_sharegpt, package_file)
 
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
@@ -85,7 +79,8 @@ def test_truncated_array_stops_cleanly_and_logs_offset(tmp_path, caplog):
         got = list(iter_json_records(path))
     assert got == records[:2]
     start_of_third = text.rindex("{", 0, text.index('"2"'))
-    assert f"offset {start_of_third} after 2 records" in caplog.text
+    line = text.count("\n", 0, start_of_third) + 1  # where the cut record starts (core/jsonio.py names lines)
+    assert f"{path}:{line}: truncated" in caplog.text and "after 2 complete records" in caplog.text
 
 
 def test_complete_and_cut_after_comma_arrays(tmp_path, caplog):
@@ -121,7 +116,7 @@ def test_mtbench_malformed_line_names_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=rf"{path}:2: malformed"):
         load_mtbench(path)
     path.write_text(good + "\n\n" + "{not json\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"{path}:3: malformed"):
+    with pytest.raises(ValueError, match=rf"{path}:3: not JSON"):  # the one JSONL reader (core/jsonio.py)
         load_mtbench(path)
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from data.checks import ConfigError, check_before_work
+from scripts.checks import ConfigError, check_before_work
 from data.conversations import MissingTemplateError, normalize_record
 from data.precompute import run_precompute, tokenize_all
 from data.store import FeatureStore, StoreError
@@ -97,10 +97,10 @@ TEXTS = ["Once upon a time there was a tiny model.", "The quick brown fox jumps 
 def test_plain_text_end_to_end_on_a_base_model(tiny_target, tiny_overrides, tmp_path):
     """data.source=text on a target without a template: precompute (loss on every token but the first, bad
     records counted with file:line), training with engine validation, and evaluation on raw `prompt` records."""
-    from heads.checkpoint import load_native
+    from artifacts.checkpoint import load_native
     from inference_eval.evaluate import run_evaluation
     from inference_eval.model import tied_target
-    from heads.export import probe_logits
+    from artifacts.export import probe_logits
     from train.run import run_training
 
     base = base_target(tiny_target, tmp_path)
@@ -156,7 +156,7 @@ def test_plain_text_end_to_end_on_a_base_model(tiny_target, tiny_overrides, tmp_
 
 def test_raw_prompts_without_a_template_and_templated_ones_with_it(tiny_target, tmp_path):
     from data.conversations import load_tokenizer
-    from inference_eval.evaluate import jsonl_prompts
+    from data.prompts import jsonl_prompts
 
     base = base_target(tiny_target, tmp_path)
     prompts = tmp_path / "prompts.jsonl"

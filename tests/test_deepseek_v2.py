@@ -15,7 +15,7 @@ from inference_eval.engine import engine_generate
 from inference_eval.families.deepseek_v2 import DeepseekV2Args, DeepseekV2ForCausalLM, MLARotary
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.paged import PackedRows
-from inference_eval.speculative import generate_plain
+from tests.helpers import generate_plain
 from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
                            paged_steps_per_sequence, pool_and_tables as _tables, random_hf_model)
 from tests.numerics import assert_matches_hf, assert_same_function, float64_copy
@@ -106,7 +106,7 @@ def test_parity_with_hf(tmp_path, variant):
     for c in chosen:
         assert len(c.unique()) >= 6 and len({tuple(sorted(r)) for r in c.tolist()}) >= 8
     if variant == "yarn":  # a head builds on a YaRN target; its Llama layer has plain RoPE at rope_theta
-        from heads.checkpoint import build_head
+        from heads.registry import build_head
         from heads.layers import Rotary
         from inference_eval.model import tied_target
 
@@ -340,7 +340,7 @@ def test_engine_plain_and_draft_model_equal_reference(varied):
     assert out == reference and eng.pool.k[0].shape[1:] == (1, RANK + ROPE)
     out, eng = engine_generate(target, prompts, 16, proposer=target.truncated(2), k=2, block_size=4)
     assert out == reference and 0 < eng.stats.alpha[0] < 1
-    from heads.checkpoint import build_head
+    from heads.registry import build_head
     from inference_eval.model import tied_target
 
     tied, args, parts = tied_target(path)  # an untrained eagle3 head: the target captures layers 1 and 2's inputs
@@ -356,11 +356,12 @@ def test_mtp_head_speculative_equals_plain(varied, tmp_path):
     the batch-1 loop: greedy output equal to plain decoding, drafts both accepted and rejected; it
     exports as native only by default (no engine format is checked against a DeepSeek target yet), and the
     export is validated against the target and reloads to the same logits."""
-    from heads.checkpoint import build_head, load_native, save_native
-    from heads.export import default_formats
+    from heads.registry import build_head
+    from artifacts.checkpoint import load_native, save_native
+    from artifacts.export import default_formats
     from heads.layers import LlamaArgs
     from inference_eval.model import tied_target
-    from inference_eval.speculative import generate_speculative
+    from tests.helpers import generate_speculative
     from tests.helpers import train_on_batch
     from train.module import DraftHeadModule
 
@@ -384,7 +385,7 @@ def test_mtp_head_speculative_equals_plain(varied, tmp_path):
         assert got == reference and 0 < eng.stats.alpha[0] < 1
     assert [generate_speculative(target, head, p, 2, 16)[0] for p in prompts[:3]] == reference[:3]
     assert default_formats(head) == ["native"]
-    from heads.export import export_head
+    from artifacts.export import export_head
 
     written = export_head(head, {"native": tmp_path / "export"}, path)  # validated against the target, read back
     assert (written["native"] / "model.safetensors").is_file()

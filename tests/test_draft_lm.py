@@ -13,11 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.checkpoint import TargetMismatchError, build_head, load_native, save_native
-from heads.draft_lm import DraftLMHead, read_target_layers
+from artifacts.checkpoint import TargetMismatchError, load_native, save_native
+from heads.registry import build_head
+from heads.draft_lm import DraftLMHead
+from artifacts.draft_hf import read_target_layers
 from inference_eval.engine import PagedDraftModelProposer, engine_generate
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import DraftModelProposer, generate_plain, generate_speculative
+from inference_eval.speculative import DraftModelProposer
+from tests.helpers import generate_plain, generate_speculative
 from tests.conftest import compose_config, make_hf_model
 from tests.helpers import train_on_batch
 from tests.numerics import assert_matches_hf
@@ -29,7 +32,7 @@ ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 13]
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """One torch thread here: on 2 shared cores the engine's skinny-matmul kernel (heads/native.py) spins
+    """One torch thread here: on 2 shared cores the engine's skinny-matmul kernel (core/native.py) spins
     its threads against other processes' and decoding runs ~50x slower (measured: 8 s vs 0.13 s for the
     plain references below). No value tested depends on the thread count."""
     n = torch.get_num_threads()
@@ -182,8 +185,8 @@ def test_packed_rows_equal_separate_rows(setup):
 def test_export_reloads_with_identical_logits(setup, tmp_path):
     import transformers
 
-    from heads.export import detect_format, export_head, load_any
-    from heads.validate import validate_export
+    from artifacts.export import detect_format, export_head, load_any
+    from artifacts.validate import validate_export
 
     head, path, target = setup["head"], setup["path"], setup["target"]
     dirs = {"native": tmp_path / "native", "draft-hf": tmp_path / "draft-hf"}
@@ -225,7 +228,7 @@ def test_export_of_other_families(family, tmp_path):
     class, its export ships the untied lm_head, and transformers reloads it with the draft's logits."""
     import transformers
 
-    from heads.export import export_head
+    from artifacts.export import export_head
 
     path = tmp_path / "target"
     make_hf_model(family, seed=2, tie_word_embeddings=False).save_pretrained(path)
@@ -285,7 +288,7 @@ def test_evaluation_native_export_and_draft_model_path(tiny_overrides, tiny_targ
     """scripts.evaluate serves the draft LM by every route: its native checkpoint and its draft-hf export
     as `evaluate.heads`, the export as `evaluate.draft_models.<label>.path`. Untrained with init: target
     it is the layer-skip draft `{layers: 1}`, so all four rows have the same τ and α."""
-    from heads.export import export_head
+    from artifacts.export import export_head
     from inference_eval.evaluate import run_evaluation
 
     head = _draft(tiny_target, num_layers=1)

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from data.precompute import run_precompute
 from data.store import FeatureStore
-from heads.checkpoint import build_head, load_native, read_config
+from heads.registry import build_head
+from artifacts.checkpoint import load_native, read_config
 from heads.eagle1 import Eagle1Head
-from heads.export import export_native, probe_logits
+from artifacts.export import export_native, probe_logits
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import generate_plain, generate_speculative
+from tests.helpers import generate_plain, generate_speculative
 from tests.conftest import compose_config
 from tests.helpers import assert_cached_steps_equal_full_forward, train_on_batch
 from tests.numerics import assert_close_float32, decoder_chain

@@ -22,7 +22,7 @@ ARRIVALS = [0, 0, 1, 2, 3, 5, 8, 13]
 
 
 def _train(path, batch, head_cfg, steps=60):
-    from heads.checkpoint import build_head
+    from heads.registry import build_head
     from tests.helpers import train_on_batch
     from train.module import DraftHeadModule
 

@@ -94,7 +94,7 @@ def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bi
     import torch.nn.functional as F
 
     import heads.layers
-    from heads import native
+    from core import native
     from heads.layers import FAST_LINEAR_ROWS, NATIVE_ROWS, PAD_ONE_ROW_MIN_WEIGHT, linear
 
     if use_native:
@@ -134,7 +134,7 @@ def test_native_kernel_is_batch_invariant(k, n):
     """The C kernel: F.linear's values for 1..40 rows (both register blockings; k with and without a
     16-lane tail, n with and without a partial block, bias or not), each row bit-identical to that
     row computed alone."""
-    from heads import native
+    from core import native
 
     assert native.available(), native.error()
     g = torch.Generator().manual_seed(k + n)
@@ -156,7 +156,7 @@ def test_native_kernel_build_is_cached_and_fails_cleanly(tmp_path, monkeypatch, 
     """The kernel is built once per cache into <SPECHEAD_CACHE>/native; a failing compiler or
     SPECHEAD_NATIVE=0 leaves it unavailable with the reason logged, nothing half-written, and
     heads.layers.linear still computes F.linear's values."""
-    from heads import native
+    from core import native
     from heads.layers import linear
 
     def fresh():
@@ -179,7 +179,7 @@ def test_native_kernel_build_is_cached_and_fails_cleanly(tmp_path, monkeypatch, 
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         fresh()
-        with caplog.at_level("WARNING", logger="heads.native"):
+        with caplog.at_level("WARNING", logger="core.native"):
             assert not native.available()
         assert reason in native.error() and reason in caplog.text
         with torch.inference_mode():

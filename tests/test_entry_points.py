@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from scripts import apply_threads, resolve_threads
+from scripts.runtime import apply_threads, resolve_threads
 from tests.conftest import ROOT
 
 
@@ -32,7 +32,7 @@ def test_thread_policy():
 def test_runs_started_in_the_same_second_get_their_own_hydra_directory(tmp_path):
     """Two entry points at once: each run's hydra directory carries its process id."""
     code = ("import sys; sys.argv = ['x', 'run_dir={d}', 'hydra.job.chdir=false'];"
-            "from scripts import stage_main\n"
+            "from scripts.runtime import stage_main\n"
             "from hydra.core.hydra_config import HydraConfig\n"
             "@stage_main\n"
             "def main(cfg):\n    import os; print('DIR', HydraConfig.get().runtime.output_dir, os.getpid())\n"
@@ -52,7 +52,7 @@ def test_runs_started_in_the_same_second_get_their_own_hydra_directory(tmp_path)
 
 
 def test_busy_elsewhere_counts_other_running_processes():
-    from scripts import busy_elsewhere
+    from scripts.runtime import busy_elsewhere
 
     spin = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"]) for _ in range(2)]
     try:

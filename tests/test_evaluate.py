@@ -73,8 +73,8 @@ def test_mtbench_turn2_uses_the_models_own_answer(target, tiny_target):
     from transformers import AutoTokenizer
 
     from data.assets import load_mtbench
-    from inference_eval.evaluate import mtbench_prompts
-    from inference_eval.speculative import generate_plain
+    from data.prompts import mtbench_prompts
+    from tests.helpers import generate_plain
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     first = mtbench_prompts(tok, 2, turn=1)
@@ -93,8 +93,9 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     """run_evaluation on a native head, its eagle1-sglang export and a draft-model baseline, over a
     prompts JSONL: the export scores exactly like the native checkpoint, simulated τ and speedups are
     reported, and the Markdown table has every row."""
-    from heads.checkpoint import build_head, save_native
-    from heads.export import detect_format, export_head
+    from heads.registry import build_head
+    from artifacts.checkpoint import save_native
+    from artifacts.export import detect_format, export_head
     from inference_eval.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from tests.conftest import compose_config
@@ -163,7 +164,7 @@ def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
 
     from data.conversations import tokenize_prompt
     from data.sources import load_conversations
-    from inference_eval.evaluate import sharegpt_prompts
+    from data.prompts import sharegpt_prompts
     from tests.conftest import CONVERSATIONS, compose_config
 
     cfg = compose_config(tiny_overrides + ["data.max_samples=8"])
@@ -179,7 +180,7 @@ def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_pat
     from transformers import AutoTokenizer
 
     from data.conversations import tokenize_prompt
-    from inference_eval.evaluate import jsonl_prompts, sharegpt_prompts
+    from data.prompts import jsonl_prompts, sharegpt_prompts
     from tests.conftest import compose_config
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
@@ -232,9 +233,11 @@ def test_config_errors_come_before_the_target_loads(override, error, words, tiny
         raise AssertionError("the target was loaded before the configuration was checked")
 
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
+    from scripts.runtime import run_checked
+
     cfg = compose_config([*tiny_overrides, *override])
     with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):
-        run_evaluation(cfg)
+        run_checked("evaluate", run_evaluation, cfg)  # as `python -m scripts.evaluate` runs it
 
 
 def test_k_auto_picks_the_fastest_measured_setting():

@@ -1,4 +1,4 @@
-"""Engine export formats (export_formats.md): golden key sets and configs on the tiny target, validators
+"""Engine export formats (docs/reference/export_formats.md): golden key sets and configs on the tiny target, validators
 that reject planted defects, read-back round trips, and the engines' name mappings re-implemented as
 pure functions so that every engine parameter is shown to be covered by exactly one checkpoint key
 (§11 step 2)."""
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.checkpoint import build_head
-from heads.export import default_formats, export_head, load_export, probe_logits
-from heads.validate import ExportValidationError, check_export, main as validate_main, validate_export
+from heads.registry import build_head
+from artifacts.export import default_formats, export_head, load_export, probe_logits
+from artifacts.validate import ExportValidationError, check_export, main as validate_main, validate_export
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import generate_speculative
+from tests.helpers import generate_speculative
 
 LAYER = {"input_layernorm.weight", "post_attention_layernorm.weight",
          *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
@@ -162,7 +162,7 @@ def test_every_format_reads_back_to_the_same_function(exported, heads, tiny_targ
         back = load_export(path, fmt.removesuffix("-bias"), tied, args)
         assert torch.equal(probe_logits(back), probe_logits(heads[owner[fmt]])), fmt
         assert validate_export(path, fmt.removesuffix("-bias"), tiny_target) == []
-    # DESIGN.md §8: the same τ in the engine after export, for every format, on a fixed prompt set
+    # docs/design.md §8: the same τ in the engine after export, for every format, on a fixed prompt set
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     for fmt, path in exported.items():
         back = load_export(path, fmt.removesuffix("-bias"), tied, args)
@@ -283,7 +283,7 @@ def test_all_violations_are_listed_and_cli(exported, tiny_target, tmp_path, caps
         validate_export(bad, "eagle2", tiny_target)
 
 
-# ---- engines' name mappings as pure functions (export_formats.md §3.1, §3.3, §4.1, §4.3) ---------------
+# ---- engines' name mappings as pure functions (docs/reference/export_formats.md §3.1, §3.3, §4.1, §4.3) ---------------
 STACKED = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 SKIP = "skip"  # the loader ignores the key on purpose (shared from the target, or not an MTP layer)
@@ -386,8 +386,8 @@ def test_engine_name_mappings_cover_every_parameter(exported):
 # ---- mtp-vllm: spechead's vLLM plugin (inference_eval/vllm_plugin.py; served in tests/test_vllm_serving.py) --
 @pytest.mark.parametrize("modules", [1, 2])
 def test_mtp_vllm_layout_and_round_trip(tiny_target, tmp_path, modules):
-    from heads.export import detect_format
-    from heads.validate import MTP_VLLM_ARCH
+    from artifacts.export import detect_format
+    from artifacts.validate import MTP_VLLM_ARCH
 
     tied, args, _ = tied_target(tiny_target)
     head = _perturb(build_head({"type": "mtp", "num_modules": modules}, args, tied), 11)
@@ -406,7 +406,7 @@ def test_mtp_vllm_layout_and_round_trip(tiny_target, tmp_path, modules):
 
 def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
     from inference_eval.vllm_plugin import MTP_ARCH  # importable without vLLM: the classes are built lazily
-    from heads.validate import MTP_VLLM_ARCH
+    from artifacts.validate import MTP_VLLM_ARCH
 
     assert MTP_ARCH == MTP_VLLM_ARCH
     tied, args, _ = tied_target(tiny_target)

@@ -1,4 +1,4 @@
-"""eagle3 and medusa exports (export_formats.md §3.2, §3.4, §4.2, §9.3, §9.6): golden key sets and
+"""eagle3 and medusa exports (docs/reference/export_formats.md §3.2, §3.4, §4.2, §9.3, §9.6): golden key sets and
 configs, round trips (same logits, same τ through the engine), validators rejecting planted defects."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from heads.checkpoint import build_head
-from heads.export import default_formats, export_head, load_export, probe_logits
-from heads.validate import validate_export
+from heads.registry import build_head
+from artifacts.export import default_formats, export_head, load_export, probe_logits
+from artifacts.validate import validate_export
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import generate_speculative
+from tests.helpers import generate_speculative
 from tests.test_export import _embed, _keys, _perturb, assert_rejects_planted_defect
 
 MID = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",

@@ -27,7 +27,7 @@ def _target(kind: str, path):
 def test_family_goes_precompute_train_evaluate_export(kind, tiny_overrides, tmp_path):
     from data.precompute import run_precompute
     from data.store import FeatureStore
-    from heads.export import load_export
+    from artifacts.export import load_export
     from inference_eval.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from scripts.export import run_export
@@ -58,7 +58,7 @@ def test_family_goes_precompute_train_evaluate_export(kind, tiny_overrides, tmp_
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 6, args.hidden_size, generator=g)
     ids = torch.randint(0, args.vocab_size, (1, 6), generator=g)
-    from heads.checkpoint import load_native
+    from artifacts.checkpoint import load_native
 
     trained = load_native(head_dir, tied, args)
     with torch.no_grad():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from data.checks import ConfigError, check_before_work
-from data.progress import Progress, duration, log_interval
+from scripts.checks import ConfigError, check_before_work
+from core.progress import Progress, duration, log_interval
 from tests.conftest import ROOT, compose_config
 
 
@@ -83,21 +83,24 @@ def no_work(monkeypatch):
 
 
 def run_stage(stage, cfg):
+    """The stage as its entry point runs it (scripts/runtime.py `run_checked`: the checks, then the stage)."""
+    from scripts.runtime import run_checked
+
     if stage == "precompute":
         from data.precompute import run_precompute
-        return run_precompute(cfg)
+        return run_checked(stage, run_precompute, cfg)
     if stage == "train":
         from train.run import run_training
-        return run_training(cfg)
+        return run_checked(stage, run_training, cfg)
     if stage == "evaluate":
         from inference_eval.evaluate import run_evaluation
-        return run_evaluation(cfg)
+        return run_checked(stage, run_evaluation, cfg)
     if stage == "export":
         from scripts.export import run_export
-        return run_export(cfg)
+        return run_checked(stage, run_export, cfg)
     if stage == "regenerate":
         from data.regenerate import regenerate
-        return regenerate(cfg)
+        return run_checked(stage, regenerate, cfg)
     return check_before_work(cfg, stage)
 
 

@@ -12,7 +12,7 @@ from inference_eval.engine import engine_generate
 from inference_eval.families.gemma3 import Gemma3Args, Gemma3ForCausalLM
 from inference_eval.model import LlamaForCausalLM, target_args
 from inference_eval.paged import PackedRows
-from inference_eval.speculative import generate_plain
+from tests.helpers import generate_plain
 from tests.numerics import assert_matches_hf, assert_same_function, decoder_chain, float32_bound, float64_copy
 from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
                            paged_steps_per_sequence, random_hf_model)
@@ -252,10 +252,11 @@ def test_tied_target_follows_gemma(tmp_path, cap):
     and the final cap give the target's own embedding, final norm and logits (loaded from disk or
     taken from the loaded model); the head's norms start as (1 + w); its checkpoint records plain
     LlamaArgs and reloads; the store fingerprint records the conventions (a Llama target's none)."""
-    from heads.checkpoint import build_head, load_native, save_native
+    from heads.registry import build_head
+    from artifacts.checkpoint import load_native, save_native
     from heads.layers import LlamaArgs
     from inference_eval.model import tied_from_model, tied_target
-    from data.store import target_fingerprint
+    from inference_eval.model import target_fingerprint
     from tests.conftest import make_hf_model
 
     make_hf_gemma3(initializer_range=0.3, final_logit_softcapping=cap).save_pretrained(tmp_path / "g")
@@ -280,7 +281,7 @@ def test_tied_target_follows_gemma(tmp_path, cap):
         want = head.logits(head(out.hidden, ids, torch.arange(20)[None]))
     if cap is not None:
         assert want.abs().max() <= cap
-    from heads.export import default_formats
+    from artifacts.export import default_formats
 
     assert default_formats(head) == ["native"]  # no engine format applies Gemma's conventions (yet)
     save_native(head, tmp_path / "head")
@@ -301,7 +302,7 @@ def test_training_kl_and_draft_vocab_follow_the_cap(tmp_path):
     stored states, in value and gradient; the engine's draft-vocabulary logits are capped too."""
     import torch.nn.functional as F
 
-    from heads.checkpoint import build_head
+    from heads.registry import build_head
     from inference_eval.engine import PagedHeadProposer
     from inference_eval.model import tied_target
     from train.module import DraftHeadModule
@@ -341,9 +342,9 @@ def test_mtp_head_speculative_equals_plain(varied):
     """An mtp head trained briefly on a Gemma target's own continuations drafts for it in the batched
     engine (k = 1 and 3) and in the batch-1 loop: greedy output equal to plain decoding, drafts both
     accepted and rejected."""
-    from heads.checkpoint import build_head
+    from heads.registry import build_head
     from inference_eval.model import tied_target
-    from inference_eval.speculative import generate_speculative
+    from tests.helpers import generate_speculative
     from tests.helpers import train_on_batch
     from train.module import DraftHeadModule
 
@@ -371,9 +372,9 @@ def test_draft_lm_on_a_capped_gemma_target(tmp_path):
     own layers are refused as another architecture), the target's scaled embedding, a final norm that
     starts as N_f (1 + w), capped logits; trained briefly, it drafts in the engine with greedy output
     equal to plain decoding. Engine formats refuse its heads by name (native only)."""
-    from heads.checkpoint import build_head
-    from heads.draft_lm import read_target_layers
-    from heads.export import export_head
+    from heads.registry import build_head
+    from artifacts.draft_hf import read_target_layers
+    from artifacts.export import export_head
     from inference_eval.model import tied_target
     from tests.helpers import train_on_batch
     from train.module import DraftHeadModule
@@ -423,7 +424,7 @@ def test_mtp_hnorm_init_ones_starts_at_the_targets_logits(tmp_path):
     whose final-norm multipliers are far from 1 (Gemma-3-270M's span 0.19..301) starts far off."""
     import torch.nn.functional as F
 
-    from heads.checkpoint import build_head
+    from heads.registry import build_head
     from inference_eval.model import tied_target
 
     hf = make_hf_gemma3(initializer_range=0.3)

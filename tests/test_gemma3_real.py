@@ -76,7 +76,7 @@ def test_engine_equals_hf_on_the_real_weights(gemma_dir):
 
     from inference_eval.families.gemma3 import Gemma3ForCausalLM
     from inference_eval.model import LlamaForCausalLM
-    from inference_eval.speculative import generate_plain
+    from tests.helpers import generate_plain
 
     tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
     ids = torch.tensor([tokenizer(TEXT).input_ids])
@@ -107,8 +107,8 @@ def test_gemma3_target_goes_through_the_demo(gemma_dir, tmp_path):
     """The demo's command with `target=gemma3_270m`, Gemma's turn format for the base model, and small sizes:
     precompute on ShareGPT, training with in-loop engine validation, MT-Bench τ, the native export."""
     from data.store import FeatureStore
-    from heads.checkpoint import load_native
-    from heads.export import load_export, probe_logits
+    from artifacts.checkpoint import load_native
+    from artifacts.export import load_export, probe_logits
     from inference_eval.model import tied_target
 
     run = tmp_path / "run"

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from heads.checkpoint import build_head, load_native
-from heads.export import export_native, probe_logits
+from heads.registry import build_head
+from artifacts.checkpoint import load_native
+from artifacts.export import export_native, probe_logits
 from inference_eval.model import tied_target
 from tests.helpers import assert_cached_steps_equal_full_forward
 

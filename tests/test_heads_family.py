@@ -4,11 +4,13 @@ draft loop, greedy speculative == greedy plain, the sub-vocabulary KL, and train
 import pytest
 import torch
 
-from heads.checkpoint import build_head, load_native, save_native
+from heads.registry import build_head
+from artifacts.checkpoint import load_native, save_native
 from heads.eagle3 import default_aux_layers
 from heads.unroll import unroll
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import draft_chain, generate_plain, generate_speculative, refresh
+from inference_eval.speculative import draft_chain, refresh
+from tests.helpers import generate_plain, generate_speculative
 from train.losses import fused_linear_kl, naive_kl
 from tests.numerics import assert_close_float32, decoder_chain
 

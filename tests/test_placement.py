@@ -110,7 +110,8 @@ _PEAK = textwrap.dedent("""
     def hwm():  # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's peak over exec)
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
     sys.path.insert(0, {root!r})
-    from inference_eval.model import LlamaForCausalLM, load_safetensors_dir
+    from core.safetensors_io import load_safetensors_dir
+    from inference_eval.model import LlamaForCausalLM
     from heads.layers import LlamaArgs
     torch.set_num_threads(1)
     with torch.device("meta"):  # what building a model loads once (~70 MB of code), before the baseline

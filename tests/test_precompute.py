@@ -6,8 +6,10 @@ import torch
 
 from data.conversations import tokenize_conversation
 from data.precompute import run_precompute
-from data.store import FeatureStore, target_fingerprint
+from data.store import FeatureStore
+from inference_eval.model import target_fingerprint
 from tests.conftest import CONVERSATIONS, compose_config
+from scripts.runtime import run_checked
 
 
 def test_store_holds_hf_hidden_states(tiny_overrides, tiny_target):
@@ -210,7 +212,7 @@ def test_a_family_the_engine_lacks_goes_through_hf(tiny_overrides, tmp_path):
     backend, and the stored pre-norm state, through Gemma's own final norm, is HF's last hidden state."""
     import transformers
 
-    from inference_eval.model import resolve_backend
+    from inference_eval.targets import resolve_backend
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
     path = tmp_path / "gemma"
@@ -226,7 +228,7 @@ def test_a_family_the_engine_lacks_goes_through_hf(tiny_overrides, tmp_path):
     overrides = [o for o in tiny_overrides if not o.startswith("target.path=")]
     cfg = compose_config(overrides + [f"target.path={path}", f"store_dir={tmp_path / 'store'}"])
     with pytest.raises(ValueError, match="training, evaluation and export would fail on this target: refused"):
-        run_precompute(cfg)  # auto: the stages after it could not use the store
+        run_checked("precompute", run_precompute, cfg)  # auto: the stages after it could not use the store
     assert not (tmp_path / "store").exists()
     cfg = compose_config(overrides + [f"target.path={path}", f"store_dir={tmp_path / 'store'}",
                                       "precompute.backend=hf"])  # asked for by name: goes on, with a warning

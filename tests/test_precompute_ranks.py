@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from data.precompute import rank_of, resolve_rank, run_precompute
-from data.store import (
-    FeatureStore,
-    IncompleteRanksError,
-    StoreError,
-    merge_rank_manifests,
-    rank_dir,
-    target_fingerprint,
-)
+from data.store import FeatureStore, IncompleteRanksError, StoreError, merge_rank_manifests, rank_dir
+from inference_eval.model import target_fingerprint
 from tests.conftest import CONVERSATIONS, ROOT, compose_config
 
 

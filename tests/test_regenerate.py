@@ -35,7 +35,7 @@ def _overrides(tiny_overrides, target, out, *extra):
 
 def test_left_padded_batch_equals_plain_greedy_generate(text_target):
     from data.conversations import normalize_record, tokenize_prompt
-    from inference_eval.evaluate import stop_token_ids
+    from data.prompts import stop_token_ids
 
     model, tok = _load(text_target)
     stops = stop_token_ids(tok)
@@ -61,7 +61,7 @@ def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tm
     Llama target — or HF generate) is what plain batch-1 HF greedy generation gives for the
     conversation so far (earlier turns regenerated)."""
     from data.conversations import ROLE_MAP, tokenize_prompt
-    from inference_eval.evaluate import stop_token_ids
+    from data.prompts import stop_token_ids
 
     out, stats = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl",
                                        f"regenerate.backend={backend}"))

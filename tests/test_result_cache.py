@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import cache
+from experiments import cache
 from tests.conftest import compose_config
 
 
@@ -20,7 +20,7 @@ from tests.conftest import compose_config
 def test_lookup_reuses_only_an_exact_key_and_an_unchanged_result(tmp_path, caplog):
     result = tmp_path / "report.json"
     key = {"config": {"evaluate": {"k": 3, "max_new_tokens": 64}}, "heads": {"a": {"model.safetensors": "ab"}}}
-    with caplog.at_level(logging.INFO, logger="scripts.cache"):
+    with caplog.at_level(logging.INFO, logger="experiments.cache"):
         assert cache.lookup(result, key, "r") is None
     assert "no " in caplog.text
     result.write_text('{"tau": 2.0}')
@@ -31,7 +31,7 @@ def test_lookup_reuses_only_an_exact_key_and_an_unchanged_result(tmp_path, caplo
 
     changed = {"config": {"evaluate": {"k": 3, "max_new_tokens": 65}}, "heads": key["heads"]}
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="scripts.cache"):
+    with caplog.at_level(logging.INFO, logger="experiments.cache"):
         assert cache.lookup(result, changed, "r") is None
     assert "config.evaluate.max_new_tokens" in caplog.text and "config.evaluate.k" not in caplog.text
     assert not cache.key_path(result).exists()  # the stale key is gone: no later run can reuse the result
@@ -40,7 +40,7 @@ def test_lookup_reuses_only_an_exact_key_and_an_unchanged_result(tmp_path, caplo
     cache.record(result, key)
     result.write_text('{"tau": 3.0}')  # overwritten by something else since
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="scripts.cache"):
+    with caplog.at_level(logging.INFO, logger="experiments.cache"):
         assert cache.lookup(result, key, "r") is None
     assert "changed since" in caplog.text
 
@@ -75,10 +75,10 @@ def test_keys_follow_config_store_and_checkpoint(tiny_overrides, tmp_path):
 def fakes(monkeypatch, tiny_target):
     """Counting stand-ins for training (a real native head, different weights on every call),
     evaluation (a report whose τ numbers the call) and held-out scoring."""
+    import experiments.runner
     import inference_eval.evaluate
-    import train.module
     import train.run
-    from heads.checkpoint import save_native
+    from artifacts.checkpoint import save_native
 
     calls = {"train": [], "eval": []}
 
@@ -105,12 +105,12 @@ def fakes(monkeypatch, tiny_target):
 
     monkeypatch.setattr(train.run, "run_training", run_training)
     monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
-    monkeypatch.setattr(train.module, "heldout_agreement", heldout_agreement)
+    monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)  # the runner's scoring
     return calls
 
 
 def test_ablation_reuses_only_matching_results(tiny_overrides, fakes, tmp_path):
-    from scripts.ablation import run_ablation
+    from experiments.ablation import run_ablation
 
     base = tiny_overrides + ["+ablation.heads=[mtp]", "+ablation.ks=[1,2]", "+ablation.eval_depth=2"]
     first = run_ablation(compose_config(base))["results"]["mtp"]
@@ -137,14 +137,14 @@ def test_ablation_reuses_only_matching_results(tiny_overrides, fakes, tmp_path):
     head_dir = tmp_path / "run" / "heads" / "mtp"
     cfg = compose_config(base)
     from train.run import init_head
-    from heads.checkpoint import save_native
+    from artifacts.checkpoint import save_native
     save_native(init_head(cfg, Path(cfg.target.path)), head_dir)
     run_ablation(compose_config(base + ["evaluate.max_new_tokens=9", "train.module.lr=5e-4"]))
     assert (len(fakes["train"]), len(fakes["eval"])) == (3, 8)
 
 
 def test_fp8_study_reuses_only_matching_results(tiny_overrides, fakes, tmp_path):
-    from scripts.fp8_study import run_fp8_study
+    from experiments.fp8_study import run_fp8_study
 
     base = tiny_overrides + ["+fp8_study.eval_depth=2"]
     first = run_fp8_study(compose_config(base))

@@ -11,7 +11,8 @@ import torch
 
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.engine import engine_generate
-from inference_eval.speculative import DraftModelProposer, Sampling, accept_rejection, generate_speculative
+from inference_eval.speculative import DraftModelProposer, Sampling, accept_rejection
+from tests.helpers import generate_speculative
 from tests.reference_decoding import generate_plain  # the former batch-1 loop: the reference sampler
 from tests.test_heads_family import make
 

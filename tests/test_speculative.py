@@ -6,10 +6,10 @@ engine with one slot (`generate_speculative`), against the reference loop's plai
 import pytest
 import torch
 
-from heads.checkpoint import build_head
+from heads.registry import build_head
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import accept_greedy
-from inference_eval.speculative import generate_speculative as engine_speculative
+from tests.helpers import generate_speculative as engine_speculative
 from tests.reference_decoding import generate_plain, generate_speculative
 from tests.helpers import StubHead
 

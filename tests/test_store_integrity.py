@@ -11,17 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 import data.store as store_mod
-from data.store import (
-    STAMP,
-    FeatureStore,
-    Sample,
-    StoreError,
-    StoreWriter,
-    check_fingerprint,
-    merge_rank_manifests,
-    rank_dir,
-    target_fingerprint,
-)
+from data.store import (STAMP, FeatureStore, Sample, StoreError, StoreWriter, check_fingerprint,
+                        merge_rank_manifests, rank_dir)
+from inference_eval.model import target_fingerprint
 
 FP = {"name": "tiny", "config_sha256": "c", "weights_sha256": "w", "weights_hash": "header",
       "tokenizer_sha256": "t", "compute_dtype": "float32"}

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from data.precompute import run_precompute
-from heads.checkpoint import load_native
-from heads.export import probe_logits
+from artifacts.checkpoint import load_native
+from artifacts.export import probe_logits
 from inference_eval.model import tied_target
 from tests.conftest import ROOT, compose_config
 from train.data import TokenBudgetBatches

@@ -16,13 +16,13 @@ from tests.conftest import compose_config
 @pytest.fixture
 def spies(monkeypatch):
     """Count the real training and evaluation calls (wrapping, not replacing, them)."""
+    import experiments.runner
     import inference_eval.evaluate
-    import train.module
     import train.run
 
     calls = {"train": [], "eval": [], "heldout": 0}
     real_train, real_eval = train.run.run_training, inference_eval.evaluate.run_evaluation
-    real_heldout = train.module.heldout_agreement
+    real_heldout = experiments.runner.heldout_agreement  # the experiment runner's held-out scoring
 
     def run_training(cfg, *a, **kw):
         calls["train"].append(Path(cfg.head_dir).parent.name)
@@ -37,13 +37,13 @@ def spies(monkeypatch):
         return real_heldout(*a, **kw)
 
     monkeypatch.setattr(train.run, "run_training", run_training)
-    monkeypatch.setattr(train.module, "heldout_agreement", heldout_agreement)
+    monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)
     monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
     return calls
 
 
 def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_path, monkeypatch, capsys):
-    from scripts.study import run_study
+    from experiments.study import run_study
 
     monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path / "cache"))
     variants = ("{default:{},ttt2:{overrides:{train.module.depth:2}},regen:{data:regen},"
@@ -67,7 +67,10 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
         assert not p["cached"]
     assert points[("default", 20000, 0)]["steps"] > points[("default", 1000, 0)]["steps"]
     assert points[("few", 20000, 0)]["epochs"] > 2 * points[("default", 20000, 0)]["epochs"]  # fewer conversations, more epochs
-    assert points[("default", 20000, 0)]["tau"][1]["tau"] > points[("default", 1000, 0)]["tau"][1]["tau"]  # it learns
+    # it learns: held-out top-1 at depth 1 (its τ on 2 MT-Bench prompts of 8 tokens is ≈ 1.0 at both budgets on
+    # this random target, and rose above it only for some held-out splits: not a measure of learning here)
+    small, large = (points[("default", b, 0)]["heldout"]["acc"][0] for b in (1000, 20000))
+    assert large > 1.5 * small > 0, (small, large)
     regen_store = Path(points[("regen", 1000, 0)]["store"])
     assert regen_store != Path(points[("default", 1000, 0)]["store"])
     manifest = json.loads((regen_store / "manifest.json").read_text())
@@ -102,7 +105,7 @@ def test_study_points_reports_and_cache(tiny_overrides, text_target, spies, tmp_
 
 
 def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
-    from scripts.study import run_study
+    from experiments.study import run_study
 
     base = tiny_overrides + ["experiment=study", f"run_dir={tmp_path / 'run'}", "logger=csv"]
     for variants, message in (("{x:{data:webtext}}", "data='webtext'"), ("{x:{head:nope}}", "conf/head/nope.yaml"),
@@ -119,7 +122,7 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
     pool, batches and optimisation, and the default recipe is that variant's."""
     from omegaconf import OmegaConf
 
-    from scripts.study import data_config, parse_variant, point_config
+    from experiments.study import data_config, parse_variant, point_config
 
     study, best, default = (compose_config([f"experiment={e}"] if e else []) for e in ("study", "best", None))
     variant = parse_variant("bt512_pool2800", study.study.variants.bt512_pool2800)

@@ -3,8 +3,8 @@
 import torch
 
 from data.precompute import run_precompute
-from heads.checkpoint import load_native
-from heads.export import probe_logits
+from artifacts.checkpoint import load_native
+from artifacts.export import probe_logits
 from inference_eval.model import tied_target
 from tests.conftest import compose_config
 from tests.helpers import train_on_batch

@@ -5,7 +5,7 @@ up to i (teacher-forced tokens)."""
 import pytest
 import torch
 
-from heads.checkpoint import build_head
+from heads.registry import build_head
 from heads.unroll import unroll
 from inference_eval.model import tied_target
 from tests.numerics import assert_close_float32, decoder_chain
@@ -103,7 +103,7 @@ def test_training_path_logits_equal_the_engine_draft_logits(tiny_target, name, m
     give the same logits for every row and depth, and the same argmax in target ids. fp32, two
     summation orders: observed max difference 2.7e-7 on logits up to 0.64 (a few ulps); bound
     1e-6 + 1e-6·|logit| (≈ 6× that)."""
-    import heads.native as native
+    import core.native as native
     from inference_eval.speculative import full_vocab_logits
     from tests.test_heads_family import _engine_states, inputs, make
 

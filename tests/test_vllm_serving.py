@@ -116,8 +116,8 @@ def served(tmp_path_factory):
 
     from data.assets import ensure_smollm2_checkpoint
     from data.precompute import run_precompute
-    from heads.export import export_head, load_any, load_export
-    from inference_eval.evaluate import mtbench_prompts
+    from artifacts.export import export_head, load_any, load_export
+    from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
     from train.run import run_training
 
@@ -206,7 +206,7 @@ def test_a_zeroed_eh_proj_loads_silently_but_fails_the_acceptance_comparison(ser
 def test_the_plugin_is_registered_in_the_vllm_environment():
     """The entry point `make vllm-env` installs: vLLM's plugin loader finds it and the architecture named
     by the mtp-vllm export resolves in vLLM's registry."""
-    from heads.validate import MTP_VLLM_ARCH
+    from artifacts.validate import MTP_VLLM_ARCH
 
     code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "from vllm import ModelRegistry; "

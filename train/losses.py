@@ -1,4 +1,4 @@
-"""Losses of DESIGN.md §4: hidden-state regression and the KL to the target's distribution.
+"""Losses of docs/design.md §4: hidden-state regression and the KL to the target's distribution.
 
     KL(p_t || p_s) = Σ_v p_t(v) (log p_t(v) − log p_s(v)),   p_t = softmax(W_lm F_t),  p_s = softmax(W_lm F_s)
 

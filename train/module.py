@@ -1,4 +1,4 @@
-"""The LightningModule: loss, metrics and optimizer for a draft head (DESIGN.md §4).
+"""The LightningModule: loss, metrics and optimizer for a draft head (docs/design.md §4).
 
 It owns no data loading and no target model: the head arrives built, with the target's frozen
 embedding / final norm / lm_head attached as non-persistent buffers, and batches arrive from the

@@ -1,4 +1,4 @@
-"""Training progress as log lines (data/progress.py): optimizer steps done/total, the loss, loss tokens
+"""Training progress as log lines (core/progress.py): optimizer steps done/total, the loss, loss tokens
 per second and the ETA every `every_s` seconds on global rank 0 — what a run whose output goes to a file
 shows while Lightning's bar (a terminal's) is off or unseen."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from data.progress import Progress
+from core.progress import Progress
 
 
 class ProgressLog(L.Callback):

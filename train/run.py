@@ -12,11 +12,12 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
-from data.checks import check_before_work
-from data.progress import log_interval
+from core.progress import log_interval
 from data.sources import resolve_target_dir
-from data.store import atomic_write_bytes, target_fingerprint
-from heads.checkpoint import build_head, save_native
+from core.files import atomic_write_bytes
+from inference_eval.model import target_fingerprint
+from heads.registry import build_head
+from artifacts.checkpoint import save_native
 from heads.base import DraftHead
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
@@ -43,7 +44,7 @@ def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None) -
             head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
     head.reset_parameters(int(cfg.seed), parts.first_input_norm)
     if head.kind == "draft_lm" and head.cfg.init == "target":  # the target's first N layers (heads/draft_lm.py)
-        from heads.draft_lm import read_target_layers
+        from artifacts.draft_hf import read_target_layers
 
         head.copy_target_layers(read_target_layers(target_dir, head.cfg.num_layers))
     return head
@@ -86,7 +87,6 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     Only global rank 0 writes files. With `ddp` (and DeepSpeed) every rank runs this function; with
     `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
     into the parent's module after fit — so `head` below is the trained head in every case."""
-    check_before_work(cfg, "train")
     L.seed_everything(int(cfg.seed), workers=True)
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,

@@ -1,4 +1,4 @@
-"""Validation through the engine (DESIGN.md §5, §7): the numbers a run reports are the numbers the
+"""Validation through the engine (docs/design.md §5, §7): the numbers a run reports are the numbers the
 engine that serves the head gets.
 
 `EngineValidation` is a Lightning callback that, every `every_n_steps` optimizer steps and when
@@ -45,7 +45,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from data.progress import Progress
+from core.progress import Progress
 from heads.unroll import unroll
 from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
@@ -204,7 +204,7 @@ class EngineValidation(L.Callback):
                  plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto",
                  wait_timeout_s: float = 86400.0, progress_log_s: float | None = None) -> None:
-        self.progress_log_s = progress_log_s  # seconds between progress lines (data/progress.py); None: none
+        self.progress_log_s = progress_log_s  # seconds between progress lines (core/progress.py); None: none
         self.target_dir, self.target_dtype = Path(target_dir), target_dtype
         self.device = device  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
         # strict: an engine-vs-training gap above tolerance fails the run; None: on for a float32 target
@@ -249,7 +249,7 @@ class EngineValidation(L.Callback):
             from transformers import AutoTokenizer
 
             from data.store import DTYPES
-            from inference_eval.evaluate import stop_token_ids
+            from data.prompts import stop_token_ids
             from inference_eval.model import LlamaForCausalLM, resolve_device
 
             self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype],

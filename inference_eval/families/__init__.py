@@ -11,11 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from heads.layers import LLAMA_FAMILY
+
 FAMILIES: dict[str, str] = {
-    "llama": "inference_eval.model:LlamaForCausalLM",
-    "mistral": "inference_eval.model:LlamaForCausalLM",
-    "qwen2": "inference_eval.model:LlamaForCausalLM",
-    "qwen3": "inference_eval.model:LlamaForCausalLM",
+    **{model_type: "inference_eval.model:LlamaForCausalLM" for model_type in LLAMA_FAMILY},
     "gemma3_text": "inference_eval.families.gemma3:Gemma3ForCausalLM",
     "deepseek_v2": "inference_eval.families.deepseek_v2:DeepseekV2ForCausalLM",
 }

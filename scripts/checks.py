@@ -1,6 +1,7 @@
 """Configuration checks that run before any model or data work (docs/pipeline.md "Checks before work").
 
-Each stage calls `check_before_work(cfg, stage)` first: what the config and a few bytes on disk can
+Each entry point runs `check_before_work(cfg, stage)` before its stage (scripts/runtime.py `stage_main`;
+`run_pipeline` for the demo): what the config and a few bytes on disk can
 tell is refused at once — an unknown data source, a missing file, a source/path mismatch, a target
 directory without config.json, a target family the engine cannot run (training, validation, evaluation
 and export all run the target or its embedding and lm_head through spechead's engine, so a store
@@ -17,6 +18,8 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from core.jsonio import Record, jsonl_records
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +155,9 @@ def _template_needs(stage: str, cfg: Any) -> tuple[str, str] | None:
         return f"the prompts of evaluate.dataset={ecfg.get('dataset')}", fix
     path = Path(str(ecfg.get("prompts_path") or ""))
     if ecfg.get("dataset") == "jsonl" and path.is_file():
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # reported when the prompts are read
-                if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)):
-                    return f"the record at {path}:{n} (no `prompt` string: a conversation)", fix
+        for r in jsonl_records(path):
+            if isinstance(r, Record) and not (isinstance(r.value, dict) and isinstance(r.value.get("prompt"), str)):
+                return f"the record at {r.where} (no `prompt` string: a conversation)", fix  # bad lines: when read
     return None
 
 
@@ -191,7 +187,7 @@ def check_context(cfg: Any, target_dir: Path) -> None:
 
 
 def check_head(head_cfg: Any) -> None:
-    from heads.checkpoint import HEAD_TYPES
+    from heads.registry import HEAD_TYPES
 
     kind = head_cfg.get("type", "mtp")
     if kind not in HEAD_TYPES:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from core.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = r"""
@@ -176,9 +178,7 @@ def load() -> ctypes.CDLL | None:
             cc = os.environ.get("CC", "cc")
             if shutil.which(cc) is None:
                 raise RuntimeError(f"no C compiler {cc!r} on PATH")
-            # the root of data.assets.cache_dir (heads/ imports nothing from data/)
-            root = Path(os.environ.get("SPECHEAD_CACHE") or Path.home() / ".cache" / "spechead")
-            lib = ctypes.CDLL(str(_build(cc, root / "native")))
+            lib = ctypes.CDLL(str(_build(cc, cache_dir() / "native")))
             fn = lib.skinny_linear
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
             fn.restype = None

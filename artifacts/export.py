@@ -1,5 +1,5 @@
 """Export of a trained head: the native checkpoint and the engine formats of
-../shared/reference/export_formats.md (DESIGN.md §8).
+docs/reference/export_formats.md (docs/design.md §8).
 
 | format           | head   | layout                                                                      |
 | ---------------- | ------ | --------------------------------------------------------------------------- |
@@ -13,9 +13,9 @@
 | `draft-hf`       | draft_lm | a plain HF checkpoint of the target's class (`LlamaForCausalLM`): the draft LM's layers + the target's embedding; a vLLM / SGLang draft model |
 | `mtp-vllm`       | mtp    | spechead's vLLM plugin (inference_eval/vllm_plugin.py) via `method: "eagle3"`: arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, aux id L |
 
-Every export is validated (heads/validate.py), read back into a head by `load_export` and compared with
+Every export is validated (artifacts/validate.py), read back into a head by `load_export` and compared with
 the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. Each directory is
-written by `heads.checkpoint.atomic_artifact_dir` (marker `.spechead-artifact.json`, kind `export:<format>`,
+written by `artifacts.checkpoint.atomic_artifact_dir` (marker `.spechead-artifact.json`, kind `export:<format>`,
 with the head's target fingerprint); an existing directory that is not an export of the same format is
 never replaced. docs/export.md says which engine loads what.
 """
@@ -25,27 +25,28 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads.checkpoint import (ARTIFACT_MARKER, NATIVE_KIND, artifact_info, atomic_artifact_dir, check_replaceable,
-                              check_target_fingerprint, export_kind, load_native, recover_interrupted_save,
-                              save_native)
-from heads.draft_lm import EXPORT_FORMAT as DRAFT_HF, DraftLMHead, read_draft_hf, write_draft_hf
+from artifacts.checkpoint import (NATIVE_KIND, artifact_info, atomic_artifact_dir,
+                                  check_replaceable, check_target_fingerprint, copy_target_files, export_kind, load_native,
+                                  save_native)
+from core.files import recover_interrupted_save
+from artifacts.draft_hf import EXPORT_FORMAT as DRAFT_HF, read_draft_hf, write_draft_hf
+from heads.draft_lm import DraftLMHead
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.layers import LlamaArgs
+from heads.layers import LLAMA_FAMILY, LlamaArgs
 from heads.base import TiedTarget
 from heads.medusa import MedusaConfig, MedusaHead
 from heads.mtp import MTPConfig, MTPHead
-from heads.validate import (EAGLE1_ARCH, EAGLE3_ARCH, INDEX_FILE, MTP_VLLM_ARCH, MTP_VLLM_MAX_MODULES, check_export,
-                            read_json, scan_tensors, target_embed_and_head)
+from artifacts.validate import (EAGLE1_ARCH, EAGLE3_ARCH, MTP_VLLM_ARCH, MTP_VLLM_MAX_MODULES, check_export,
+                                read_json, target_embed_and_head)
+from core.safetensors_io import INDEX_FILE, load_safetensors_dir, load_tensor, scan_tensors
 
 log = logging.getLogger(__name__)
 Head = MTPHead | Eagle1Head | Eagle3Head | MedusaHead
@@ -93,7 +94,6 @@ def export_native(head: Head, out_dir: str | Path, fingerprint: dict[str, Any] |
 # NextN layer (docs/export.md). They are written on request (`export.formats`) only.
 UNSERVED_FORMATS = ("mtp-stitched", "mtp-standalone")
 # the target families whose heads' engine formats the validators and the real-vLLM tests cover
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def engine_format_blocker(head: Head) -> str | None:
@@ -145,7 +145,7 @@ def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | P
     `expected_fingerprint`: the configured target's (`data.store.target_fingerprint`); a head trained for
     another target or compute dtype is refused before anything is written (`source`, the checkpoint it came
     from, is named in the error). Every directory must be absent, empty or an export of the same format
-    (`heads.checkpoint.check_replaceable`), checked for all of them before the first is written."""
+    (`artifacts.checkpoint.check_replaceable`), checked for all of them before the first is written."""
     target_dir = Path(target_dir)
     for fmt in out_dirs:
         if fmt != "native" and fmt not in ENGINE_FORMATS.get(head.kind, ()):
@@ -225,7 +225,7 @@ def write_eagle1(head: Eagle1Head, out: Path, target_dir: Path, fmt: str) -> Non
             b = head.fc.bias.detach()
             raise ValueError(f"eagle1-vllm export refused: the head has a trained non-zero fc.bias (max |b| = "
                              f"{float(b.abs().max()):.3g}). vLLM's EAGLE-1 has no fc.bias and silently drops it "
-                             "(export_formats.md §14), so it would serve a different function. Train with "
+                             "(docs/reference/export_formats.md §14), so it would serve a different function. Train with "
                              "head.bias=false for vLLM, or export eagle1-sglang.")
         state.pop("fc.bias", None)
     elif "fc.bias" not in state:  # SGLang's fc always has a bias: ship zeros, or it stays random (§4.1)
@@ -254,32 +254,15 @@ def deepseek_to_mtp(name: str, base: int, n: int) -> str | None:
     return f"layers.{k}.{rest if own else 'layer.' + rest}"
 
 
-def _target_tensors(target_dir: Path, names: set[str]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, info in scan_tensors(target_dir).items():
-        if name in names:
-            with safe_open(info.file, framework="pt") as fh:
-                out[name] = fh.get_tensor(name)
-    return out
-
-
-def _copy_aux_files(target_dir: Path, out: Path, skip_weights: bool) -> None:
-    """Tokenizer, generation config, ... (and the weight files unless skipped); never config.json."""
-    for f in target_dir.iterdir():
-        weights = f.suffix == ".safetensors" or f.name == INDEX_FILE
-        if f.is_file() and f.name not in ("config.json", ARTIFACT_MARKER) and not (skip_weights and weights):
-            shutil.copy2(f, out / f.name)
-
-
 def write_mtp_stitched(head: MTPHead, out: Path, target_dir: Path) -> None:
     """§9.5: a copy of the target checkpoint plus `model.layers.{N+k}.*` in an extra shard
     (`model-mtp.safetensors`), with embed_tokens and shared_head.head copied bit for bit from the target,
     an index over all shards, and the target config with `num_nextn_predict_layers`."""
     tcfg = read_json(target_dir / "config.json")
     n_layers, n = tcfg["num_hidden_layers"], len(head.layers)
-    _copy_aux_files(target_dir, out, skip_weights=False)
+    copy_target_files(target_dir, out, skip_weights=False)
     tied = tcfg.get("tie_word_embeddings", False)
-    frozen = _target_tensors(target_dir, {"model.embed_tokens.weight", "lm_head.weight"})
+    frozen = load_safetensors_dir(target_dir, {"model.embed_tokens.weight", "lm_head.weight"})
     embed = frozen["model.embed_tokens.weight"]
     lm_head = embed if tied or "lm_head.weight" not in frozen else frozen["lm_head.weight"]
     state = {mtp_to_deepseek(k, n_layers): v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
@@ -301,7 +284,7 @@ def write_mtp_standalone(head: MTPHead, out: Path, target_dir: Path) -> None:
         raise ValueError(f"mtp-standalone holds one NextN layer (SGLang requires num_nextn_predict_layers == 1); "
                          f"this head has {len(head.layers)} modules: export mtp-stitched instead")
     tcfg = read_json(target_dir / "config.json")
-    _copy_aux_files(target_dir, out, skip_weights=True)
+    copy_target_files(target_dir, out, skip_weights=True)
     state = {mtp_to_deepseek(k, 0): v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     archs = [f"{a}NextN" for a in tcfg.get("architectures") or ["LlamaForCausalLM"]]
@@ -376,7 +359,7 @@ def write_eagle3(head: Eagle3Head, out: Path, target_dir: Path) -> None:
     ids = list(head.cfg.aux_layers)
     if ids[0] == 1:
         raise ValueError(f"eagle3 export refused: aux layer ids {ids} start at 1, which SGLang reads in its older "
-                         "'output of layer' convention and shifts by one (export_formats.md §1.2, PR #25454): "
+                         "'output of layer' convention and shifts by one (docs/reference/export_formats.md §1.2, PR #25454): "
                          "train with aux_layers that start at 2 or later")
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     if head.draft_ids is None:  # V_d = V: the engines need no mapping (§1.3)
@@ -441,7 +424,7 @@ def detect_format(path: str | Path) -> str:
     if archs == [EAGLE1_ARCH["eagle1-vllm"]] and cfg.get("num_hidden_layers") == 1 and "fc.weight" in scan_tensors(path):
         return "eagle1-vllm"
     raise ValueError(f"{path}: cannot tell which head format this is (architectures {archs}); "
-                     "pass a native spechead checkpoint or an export made by heads/export.py")
+                     "pass a native spechead checkpoint or an export made by artifacts/export.py")
 
 
 def load_any(path: str | Path, tied: TiedTarget, args: LlamaArgs,
@@ -456,7 +439,7 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
 
     `expected_fingerprint` (the configured target's, `data.store.target_fingerprint`): the fingerprint the
     export records (native: config.json; engine formats: the artifact marker) must agree with it
-    (`heads.checkpoint.check_target_fingerprint`); an export without one loads with a warning. None: no check."""
+    (`artifacts.checkpoint.check_target_fingerprint`); an export without one loads with a warning. None: no check."""
     path = Path(path)
     if fmt == "native":
         return load_native(path, tied, args, expected_fingerprint)
@@ -468,7 +451,7 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
     if fmt.startswith("eagle1"):
         names = {k for k in infos if k != "embed_tokens.weight"}  # equal to the target's: validated
         head: Head = Eagle1Head(args, Eagle1Config(bias="fc.bias" in names), tied)
-        state = {k: _read(infos[k].file, k) for k in names}
+        state = {k: load_tensor(infos[k], k) for k in names}
     elif fmt in ("mtp-stitched", "mtp-standalone"):
         base = cfg["num_hidden_layers"] if fmt == "mtp-stitched" else 0
         n = cfg["num_nextn_predict_layers"]
@@ -477,14 +460,14 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
         for k, info in infos.items():
             name = deepseek_to_mtp(k, base, n)
             if name is not None:
-                state[name] = _read(info.file, k)
+                state[name] = load_tensor(info, k)
     elif fmt == "mtp-vllm":
         head = MTPHead(args, MTPConfig(num_modules=cfg["num_hidden_layers"]), tied)
-        state = {k: _read(info.file, k) for k, info in infos.items()}
+        state = {k: load_tensor(info, k) for k, info in infos.items()}
     elif fmt == "eagle3":
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         head = Eagle3Head(args, Eagle3Config(aux_layers=ids, draft_vocab_size=cfg["draft_vocab_size"]), tied)
-        state = {k: _read(info.file, k) for k, info in infos.items() if k != "embed_tokens.weight"}
+        state = {k: load_tensor(info, k) for k, info in infos.items() if k != "embed_tokens.weight"}
         if "d2t" not in state:  # V_d = V (validated): the identity mapping
             state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()
         elif "t2d" not in state:
@@ -496,13 +479,8 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
     elif fmt == "medusa-vllm":
         head = MedusaHead(args, MedusaConfig(num_heads=cfg["num_heads"], num_layers=cfg["num_hidden_layers"],
                                              bias=bool(cfg["medusa_fc_bias"])), tied)
-        state = {k: _read(info.file, k) for k, info in infos.items() if k.startswith("blocks.")}
+        state = {k: load_tensor(info, k) for k, info in infos.items() if k.startswith("blocks.")}
     else:
         raise ValueError(f"unknown export format {fmt!r}")
     head.load_state_dict(state, strict=True)
     return head.to(tied.embed.dtype)
-
-
-def _read(file: Path, name: str) -> torch.Tensor:
-    with safe_open(file, framework="pt") as fh:
-        return fh.get_tensor(name)

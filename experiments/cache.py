@@ -1,4 +1,4 @@
-"""Result caches for the study scripts (scripts/ablation.py, scripts/fp8_study.py): a result on disk
+"""Result caches for the study scripts (experiments/ablation.py, experiments/fp8_study.py, experiments/study.py): a result on disk
 (a trained head's directory, an evaluation report) is reused only when it was made from exactly the
 same inputs.
 
@@ -28,7 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from data.store import atomic_write_bytes, sha256_file
+from core.files import atomic_write_bytes, sha256_file
 
 log = logging.getLogger(__name__)
 

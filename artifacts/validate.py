@@ -1,10 +1,10 @@
-"""Structural validators for exported heads — export_formats.md §11 step 1.
+"""Structural validators for exported heads — docs/reference/export_formats.md §11 step 1.
 
 Engines are poor validators: SGLang skips unknown names, vLLM silently drops an EAGLE-1 `fc.bias` and
 leaves missing tensors at random init (§10, §14). So every export directory is checked here, without
 running an engine, against the key set, shapes, dtypes and config rules of its format:
 
-- `native`         spechead's own checkpoint (heads/checkpoint.py);
+- `native`         spechead's own checkpoint (artifacts/checkpoint.py);
 - `eagle1-vllm`    EAGLE-1 for vLLM `method="eagle"` (§3.1, §9.1): arch `LlamaForCausalLM`, no `fc.bias`;
 - `eagle1-sglang`  EAGLE-1 for SGLang `--speculative-algorithm EAGLE` (§4.1, §9.2): arch
                    `LlamaForCausalLMEagle`, `fc.bias` shipped;
@@ -16,14 +16,14 @@ running an engine, against the key set, shapes, dtypes and config rules of its f
 - `mtp-vllm`       the `mtp` head for spechead's vLLM plugin (inference_eval/vllm_plugin.py, `method="eagle3"`):
                    arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, the single aux id L;
 - `draft-hf`       the `draft_lm` head as a plain HF checkpoint of the target's class (`LlamaForCausalLM` for a
-                   Llama target; heads/draft_lm.py), a separate draft model;
+                   Llama target; heads/draft_lm.py, artifacts/draft_hf.py), a separate draft model;
 - `medusa-vllm`    vLLM's `MedusaModel` (§3.4, §9.6): `blocks.{h}.layers.{l}.*`, `medusa_fc_bias`
                    matching the biases, the target's lm_head as `lm_heads.0.weight`.
 
 Every violation is collected, then one error lists them all. The target, when given, is read from its
-`config.json` and safetensors directly (heads/ imports nothing from data/, train/ or inference_eval/).
+`config.json` and safetensors directly (artifacts/ imports nothing from data/ or train/).
 
-CLI: `python -m heads.validate <dir> --format <fmt> [--target <target_dir>]`.
+CLI: `python -m artifacts.validate <dir> --format <fmt> [--target <target_dir>]`.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from heads.checkpoint import FORMAT_VERSION, HEAD_TYPES, build_head
-from heads.layers import LlamaArgs
+from artifacts.checkpoint import FORMAT_VERSION
+from core.safetensors_io import TensorInfo, load_tensor, scan_tensors
 from heads.base import TiedTarget
+from heads.layers import LlamaArgs
+from heads.registry import HEAD_TYPES, build_head
+from inference_eval.families import args_from_hf_config
 
 FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "mtp-vllm", "eagle3",
            "medusa-vllm", "draft-hf")
@@ -48,13 +49,6 @@ MTP_VLLM_ARCH = "Eagle3SpecheadMTPForCausalLM"  # = inference_eval/vllm_plugin.p
 MTP_VLLM_MAX_MODULES = 2  # the plugin reproduces spechead's per-module KV caches exactly up to 2 (its docstring)
 EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-INDEX_FILE = "model.safetensors.index.json"
-# safetensors dtype codes → torch names, for messages and the config's torch_dtype
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
 class ExportValidationError(ValueError):
     """One error that lists every violation found in an export directory."""
 
@@ -65,47 +59,8 @@ class ExportValidationError(ValueError):
 
 
 # ---- reading HF-style directories ----------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str  # torch name, e.g. "float32"
-
-
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
-
-
-def scan_tensors(path: Path, problems: list[str] | None = None) -> dict[str, TensorInfo]:
-    """Names, shapes and dtypes of every tensor in a checkpoint directory (headers only, no data).
-    With an index file, the index must name exactly the tensors its files hold."""
-    problems = problems if problems is not None else []
-    files = sorted(path.glob("*.safetensors"))
-    index = read_json(path / INDEX_FILE)["weight_map"] if (path / INDEX_FILE).exists() else None
-    infos: dict[str, TensorInfo] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as fh:
-            for key in fh.keys():
-                sl = fh.get_slice(key)
-                if key in infos:
-                    problems.append(f"tensor {key!r} is stored twice ({infos[key].file.name} and {f.name})")
-                infos[key] = TensorInfo(f, tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype(), sl.get_dtype()))
-    if not files:
-        problems.append(f"no *.safetensors file in {path}")
-    if index is not None:
-        for key, fname in index.items():
-            if key not in infos:
-                problems.append(f"{INDEX_FILE} names {key!r} in {fname}, which holds no such tensor")
-            elif infos[key].file.name != fname:
-                problems.append(f"{INDEX_FILE} puts {key!r} in {fname}, but it is in {infos[key].file.name}")
-        for key in sorted(set(infos) - set(index)):
-            problems.append(f"tensor {key!r} ({infos[key].file.name}) is missing from {INDEX_FILE}")
-    return infos
-
-
-def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
-    with safe_open(info.file, framework="pt") as fh:
-        return fh.get_tensor(name)
 
 
 def target_embed_and_head(target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +140,6 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
     elif fmt == "mtp-vllm":
         _check_mtp_vllm(cfg, infos, target, tcfg, problems)
     elif fmt == "draft-hf":  # the draft_lm head as a plain HF checkpoint (heads/draft_lm.py)
-        from heads.draft_lm import validate_draft_hf
-
         problems.extend(validate_draft_hf(cfg, path, target, tcfg))
     else:
         _check_mtp(fmt, cfg, infos, target, tcfg, problems)
@@ -297,8 +250,6 @@ def _check_native(cfg: dict[str, Any], infos: dict[str, TensorInfo], tcfg: dict[
     _check_uniform_dtype(infos, floats, None, problems)
     _check_finite(infos, floats, problems)
     if tcfg is not None:
-        from inference_eval.families import args_from_hf_config
-
         ta = args_from_hf_config(tcfg).layer_args()  # a head's layer is a Llama layer sized from any family's target
         for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(args, field) != getattr(ta, field):
@@ -625,7 +576,7 @@ def _check_medusa(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
 
 # ---- CLI -------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m heads.validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m artifacts.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("dir", type=Path, help="the export directory")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--target", type=Path, default=None, help="the target's HF checkpoint directory")
@@ -641,3 +592,47 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def validate_draft_hf(cfg: dict[str, Any], path: Path, target: Path | None, tcfg: dict[str, Any] | None) -> list[str]:
+    """Violations of the `draft-hf` layout: a config of the target's class sized like the target, exactly
+    the tensors of a num_hidden_layers-layer model of it, and an embedding (lm_head) equal to the target's."""
+    problems: list[str] = []
+    archs = cfg.get("architectures")
+    if not (isinstance(archs, list) and len(archs) == 1 and str(archs[0]).endswith("ForCausalLM")):
+        problems.append(f"architectures must name one causal LM class, got {archs}")
+    if tcfg is not None and (archs, cfg.get("model_type")) != (tcfg.get("architectures") or ["LlamaForCausalLM"],
+                                                               tcfg.get("model_type")):
+        problems.append(f"architectures/model_type {archs}/{cfg.get('model_type')!r} are not the target's "
+                        f"{tcfg.get('architectures')}/{tcfg.get('model_type')!r}")
+    if problems:
+        return problems
+    try:
+        a = LlamaArgs.from_hf_config(cfg)
+    except (KeyError, ValueError, TypeError) as e:
+        return [f"config.json is not a Llama-family config: {e!r}"]
+    infos = scan_tensors(path, problems)
+    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+                                            "model.norm.weight": (a.hidden_size,)}
+    for i in range(a.num_hidden_layers):
+        expected |= {f"model.layers.{i}.{k}": s for k, s in llama_layer_shapes(a).items()}
+    if not a.tie_word_embeddings:
+        expected["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+    _check_keys(infos, expected, problems)
+    _check_finite(infos, [k for k in expected if k.startswith("model.layers.") or k == "model.norm.weight"], problems)
+    if tcfg is not None:
+        ta = LlamaArgs.from_hf_config(tcfg)
+        for field in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "tie_word_embeddings"):
+            if getattr(a, field) != getattr(ta, field):
+                problems.append(f"{field} {getattr(a, field)} differs from the target's {getattr(ta, field)}")
+        _check_positions(cfg, tcfg, problems)
+    if target is not None and not problems:
+        embed, lm_head = target_embed_and_head(target)
+        for name, ref in (("model.embed_tokens.weight", embed), ("lm_head.weight", lm_head)):
+            if name in infos:
+                got = load_tensor(infos[name], name)
+                if not torch.equal(got, ref.to(got.dtype)):
+                    problems.append(f"tensor {name!r} is not the target's (cast to {got.dtype}): a stale or "
+                                    "random copy destroys acceptance")
+    return problems

@@ -1,0 +1,212 @@
+"""Save / load the native head checkpoint (docs/design.md §8) and the artifact directories every save uses.
+
+Native format: `config.json` (head type, head hyper-parameters, target shapes and fingerprint,
+spechead version) + `model.safetensors` with the head's own weights only — the frozen target
+embedding, final norm and lm_head are excluded and re-attached from the target at load.
+
+Every directory spechead writes (native heads here, engine exports in artifacts/export.py) goes through
+`atomic_artifact_dir`: written in a temp dir next to the destination, marked with
+`.spechead-artifact.json` (`{"kind": "native-head" | "export:<format>", ...}`), fsynced, then swapped
+in atomically. An existing destination is replaced only if it is empty or a spechead artifact of the
+same kind; leftovers of an interrupted save are recovered or removed by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from core.safetensors_io import INDEX_FILE
+from core.files import atomic_dir, leftover_hint, recover_interrupted_save
+from core.fingerprint import FINGERPRINT_IGNORED, compare_fingerprints
+from heads.base import DraftHead, TiedTarget
+from heads.layers import LlamaArgs
+from heads.registry import build_head
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+ARTIFACT_MARKER = ".spechead-artifact.json"
+NATIVE_KIND = "native-head"
+class ArtifactError(RuntimeError):
+    """A save would replace something that is not a spechead artifact of the same kind."""
+
+
+class TargetMismatchError(ValueError):
+    """A head (or export) was trained for another target, tokenizer or compute dtype than the configured one."""
+
+
+def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
+    """Write config.json + model.safetensors atomically (`atomic_artifact_dir`): refuses to replace a
+    directory that is not a native head, and a kill at any point leaves the old or the new checkpoint."""
+    out_dir = Path(out_dir)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    config = {
+        "spechead_format": FORMAT_VERSION,
+        "spechead_version": _version(),
+        "head": head.cfg.to_dict(),
+        "target_args": asdict(head.args),
+        "target_fingerprint": fingerprint or {},
+    }
+    with atomic_artifact_dir(out_dir, NATIVE_KIND) as tmp:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "spechead-native"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out_dir
+
+
+def load_native(path: str | Path, tied: TiedTarget, args: LlamaArgs | None = None,
+                expected_fingerprint: dict[str, Any] | None = None) -> DraftHead:
+    """Rebuild a head from a native checkpoint and attach the target's frozen tensors.
+
+    `expected_fingerprint` (`data.store.target_fingerprint(target_dir, name, dtype)` of the configured
+    target): the checkpoint's stored fingerprint must agree with it (`check_target_fingerprint`);
+    None skips the check."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path}: not a spechead head checkpoint (no config.json){leftover_hint(path)}")
+    config = json.loads(cfg_file.read_text())
+    if "head" not in config or "target_args" not in config:
+        raise ValueError(f"{cfg_file}: missing 'head' or 'target_args' — not a native spechead checkpoint")
+    check_target_fingerprint(config.get("target_fingerprint") or {}, expected_fingerprint, path)
+    saved_args = LlamaArgs(**config["target_args"])
+    if args is not None and (args.hidden_size, args.vocab_size) != (saved_args.hidden_size, saved_args.vocab_size):
+        raise ValueError(f"{path}: head was trained for hidden={saved_args.hidden_size}, vocab={saved_args.vocab_size}; "
+                         f"the target has hidden={args.hidden_size}, vocab={args.vocab_size}")
+    head = build_head(config["head"], saved_args, tied)
+    state = load_file(path / "model.safetensors")
+    head.load_state_dict(state, strict=True)
+    return head.to(tied.embed.dtype)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+# ---- target fingerprints ---------------------------------------------------------------------------
+def check_target_fingerprint(stored: dict[str, Any], expected: dict[str, Any] | None, where: str | Path) -> None:
+    """Refuse (TargetMismatchError) a head whose stored target fingerprint differs from the configured
+    target's (`expected`, `data.store.target_fingerprint`), naming `where` (the checkpoint) and each
+    differing key with both values. `expected=None`: no check. An empty stored fingerprint (a legacy
+    checkpoint, or an export not made by spechead) loads with a warning, as do keys only one side has."""
+    if expected is None:
+        return
+    if not stored:
+        log.warning("%s: records no target fingerprint (a checkpoint written without one, or not by spechead): "
+                    "cannot check that it was trained for the configured target %r (compute dtype %s); loading "
+                    "it anyway", where, expected.get("name"), expected.get("compute_dtype"))
+        return
+    diffs, uncompared = compare_fingerprints(stored, expected)
+    if diffs:
+        detail = "; ".join(f"{k}: stored {s!r}, configured {e!r}" for k, (s, e) in diffs.items())
+        raise TargetMismatchError(
+            f"{where}: this head was trained for another target than the configured one (stored target "
+            f"{stored.get('name')!r}, configured {expected.get('name')!r}; differing: {detail}). Load it with the "
+            "target, tokenizer and target.dtype it was trained with, or train a head for this target.")
+    compared = (set(stored) & set(expected)) - FINGERPRINT_IGNORED
+    if not compared:
+        log.warning("%s: its target fingerprint shares no identity key with the configured one (stored keys %s, "
+                    "configured %s): nothing could be checked; loading it anyway", where, sorted(stored),
+                    sorted(expected))
+    elif uncompared:
+        log.warning("%s: target fingerprint %s recorded on one side only or not comparable, not compared "
+                    "(the rest agrees)", where, uncompared)
+
+
+# ---- artifact directories --------------------------------------------------------------------------
+def export_kind(fmt: str) -> str:
+    """The marker kind of an engine export."""
+    return f"export:{fmt}"
+
+
+def artifact_info(path: str | Path) -> dict[str, Any] | None:
+    """The marker of a spechead artifact directory (`{"kind": ..., ...}`), None if it is not one. A native
+    checkpoint written before markers existed (config.json with `spechead_format`) counts as a native head."""
+    path = Path(path)
+    try:
+        marker = json.loads((path / ARTIFACT_MARKER).read_text())
+    except FileNotFoundError:
+        marker = None
+    except (OSError, ValueError):
+        return None
+    if marker is not None:
+        return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(cfg, dict) and "spechead_format" in cfg:
+        return {"kind": NATIVE_KIND, "legacy": True}
+    return None
+
+
+def check_replaceable(out_dir: str | Path, kind: str) -> None:
+    """Raise ArtifactError unless `out_dir` is absent, an empty directory, or a spechead artifact of `kind`."""
+    out_dir = Path(out_dir)
+    if out_dir.is_symlink():
+        raise ArtifactError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); refusing to replace it with "
+                            f"a {kind} artifact: write to the real directory, or remove the link yourself")
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ArtifactError(f"{out_dir}: exists and is not a directory ({out_dir.stat().st_size} bytes); refusing to "
+                            f"replace it with a {kind} artifact")
+    entries = sorted(os.listdir(out_dir))
+    if not entries:
+        return
+    info = artifact_info(out_dir)
+    if info is not None and info["kind"] == kind:
+        return
+    what = (f"is not a spechead artifact (no {ARTIFACT_MARKER})" if info is None
+            else f"is a spechead {info['kind']!r} artifact, not {kind!r}")
+    shown = ", ".join(entries[:10]) + (f", ... ({len(entries)} entries)" if len(entries) > 10 else "")
+    raise ArtifactError(f"{out_dir}: refusing to replace this directory with a {kind} artifact: it {what}; it "
+                        f"contains: {shown}. Choose another output directory, or move or delete it yourself (an "
+                        "export written before spechead marked its artifacts has to be deleted by hand).")
+
+
+@contextmanager
+def atomic_artifact_dir(out_dir: str | Path, kind: str, marker: dict[str, Any] | None = None) -> Iterator[Path]:
+    """Yield a temp dir next to `out_dir` to write an artifact into; on success add the marker
+    (`{"kind": kind, "spechead_version": ..., **marker}`), fsync, and swap it in for `out_dir`
+    (`core.files.atomic_dir`: one `renameat2(RENAME_EXCHANGE)` where the kernel has it).
+
+    Before writing, and again before the swap, an existing `out_dir` must be empty or an artifact of the
+    same kind (`check_replaceable`), else ArtifactError; leftovers of an interrupted save are recovered."""
+    def finish(tmp: Path) -> None:
+        info = {"kind": kind, "spechead_version": _version(), **(marker or {})}
+        (tmp / ARTIFACT_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True))
+
+    with atomic_dir(out_dir, check=lambda d: check_replaceable(d, kind), finish=finish) as tmp:
+        yield tmp
+
+
+def copy_target_files(target_dir: Path, out: Path, skip_weights: bool) -> None:
+    """The target's tokenizer, generation config, ... (and its weight files unless skipped) into an export;
+    never config.json nor an artifact marker."""
+    for f in target_dir.iterdir():
+        weights = f.suffix == ".safetensors" or f.name == INDEX_FILE
+        if f.is_file() and f.name not in ("config.json", ARTIFACT_MARKER) and not (skip_weights and weights):
+            shutil.copy2(f, out / f.name)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("spechead")
+    except Exception:  # running from a source tree without installing
+        return "0+unknown"
+
+
+__all__ = ["save_native", "load_native", "read_config", "ARTIFACT_MARKER", "NATIVE_KIND", "ArtifactError",
+           "TargetMismatchError", "atomic_artifact_dir", "artifact_info", "check_replaceable",
+           "check_target_fingerprint", "export_kind", "recover_interrupted_save"]

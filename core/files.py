@@ -1,0 +1,200 @@
+"""Writing files and directories so that a kill never leaves a half-written one, and hashing them.
+
+`atomic_write(path, write)`: write to a temp name beside `path`, fsync, rename over it, fsync the directory —
+a reader sees the old file or the new one, never a prefix. `atomic_dir(out_dir)`: build a directory in a
+temp dir beside it and swap it in with one `renameat2(RENAME_EXCHANGE)` where the kernel has it (elsewhere
+the old one is parked at `.<name>.old` for an instant, which the next save moves back after a kill).
+These primitives import nothing of spechead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
+    directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
+    prefix. The temp name carries the process and thread ids: concurrent writers never share one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no temp file behind
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def save_leftovers(out_dir: Path) -> tuple[Path, list[Path]]:
+    """`.<name>.old` (where a swap without RENAME_EXCHANGE parks the old artifact) and the temp dirs
+    `.<name>.XXXXXXXX[.tmp]` that `tempfile.mkdtemp` made for a save into `out_dir`."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.[a-z0-9_]{{8}}(\.tmp)?")
+    temps = []
+    if out_dir.parent.is_dir():
+        temps = sorted(p for p in out_dir.parent.iterdir()
+                       if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    return old, temps
+
+
+def leftover_hint(path: Path) -> str:
+    old, _ = save_leftovers(path)
+    if not path.exists() and old.is_dir():
+        return f" — an interrupted save left the previous version in {old}; the next save to {path} restores it"
+    return ""
+
+
+def recover_interrupted_save(out_dir: str | Path) -> None:
+    """Undo or clean what a killed save left next to `out_dir`: `.<name>.old` is moved back when
+    `out_dir` is missing (the previous artifact) and removed otherwise (the new one is in place); temp
+    dirs of unfinished saves are removed."""
+    out_dir = Path(out_dir)
+    old, temps = save_leftovers(out_dir)
+    if old.is_dir() and not old.is_symlink():
+        if not out_dir.exists() and not out_dir.is_symlink():
+            log.warning("%s: missing after an interrupted save; restoring the previous version from %s", out_dir, old)
+            os.replace(old, out_dir)
+            fsync_dir(out_dir.parent)
+        else:
+            log.warning("%s: removing %s, left by an interrupted save", out_dir, old)
+            remove_tree(old)
+    for tmp in temps:
+        log.warning("%s: removing %s, the temp dir of an interrupted save", out_dir, tmp)
+        remove_tree(tmp)
+
+
+def swap_in_dir(tmp: Path, out_dir: Path) -> None:
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        os.replace(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+        return
+    try:
+        _rename_exchange(tmp, out_dir)
+    except OSError as e:
+        if e.errno not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        old = out_dir.with_name(f".{out_dir.name}.old")  # absent: recover_interrupted_save ran
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+        remove_tree(old)
+        return
+    fsync_dir(out_dir.parent)
+    remove_tree(tmp)  # now the old artifact
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _rename_exchange(a: Path, b: Path) -> None:
+    """Atomically exchange two paths (Linux renameat2 RENAME_EXCHANGE); OSError(ENOSYS) elsewhere."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_tree(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True)
+    if p.exists():
+        log.warning("%s: could not be removed entirely (the next save retries)", p)
+
+
+@contextmanager
+def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
+               finish: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Yield a temp dir next to `out_dir` to build a directory in; on success call `finish(tmp)` (e.g. a
+    marker file), fsync the tree and swap it in for `out_dir` (`swap_in_dir`). Leftovers of an interrupted
+    save are recovered first (`recover_interrupted_save`); `check(out_dir)`, when given, runs before the
+    write and again just before the swap (a directory may not be replaced: it raises)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(out_dir)
+    if check is not None:
+        check(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        yield tmp
+        if finish is not None:
+            finish(tmp)
+        fsync_tree(tmp)
+        if check is not None:
+            check(out_dir)  # in case something appeared there while we wrote
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    swap_in_dir(tmp, out_dir)

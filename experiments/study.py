@@ -1,0 +1,332 @@
+"""The recipe study (issue #16, docs/RESULTS.md §7): which training recipe buys the most τ per
+CPU-hour, and does τ keep rising with the token budget.
+
+    python -m scripts.study experiment=study                 # the RESULTS.md run
+    python -m scripts.study experiment=study study.budgets=[20000,60000] 'study.variants={default:{}}'
+
+Each *variant* is a recipe: a head type (`head`: a conf/head name, default mtp), a data kind (`data`:
+`sharegpt` — the configured conversations as they are — or `regen` — the same conversations with every
+assistant turn replaced by the target's own reply, data/regenerate.py, cached per machine by its
+inputs), config overrides (`overrides`: dotted paths, e.g. `train.module.depth: 3`; `data.*`,
+`regenerate.*` and `precompute.*` ones shape the variant's store, e.g. a smaller pool) and optionally
+its own `budgets`. Each variant is trained at each token *budget* (`study.budgets` unless it has its
+own): the training tokens it sees (optimizer steps × the store's mean tokens per batch, the number of
+steps rounded), drawn fresh from the variant's store (`trainer.max_steps`, no epoch limit) — a variant
+that limits `train.data.train_samples` instead repeats epochs over fewer conversations at the same
+steps. Every point is scored on
+  * MT-Bench τ and α_d through the engine (greedy, `evaluate.num_prompts` first turns) for each k of
+    `study.ks`, and of `study.ks_largest` at the variant's largest budget and at the *common* budget
+    (the largest one every variant has, where variants are ranked);
+  * held-out top-1 agreement per draft depth 1..`study.eval_depth` (teacher-forced, the TTT unroll)
+    on the held-out split of the ShareGPT store of the variant's pool (the same rows for variants of
+    one pool, whatever their data kind).
+`study.repeat_seeds` retrains the `study.repeat` variants (a name, or `best`: the variant of the highest
+τ at the common budget) at the common budget with each seed, to show which differences in the ranking
+are noise.
+
+Stores, regenerations, trained heads, evaluation reports and held-out scores are cached under keys of their full
+config and inputs (experiments/cache.py; a store directory is named by the hash of what it holds), so an
+interrupted study resumes and a changed setting recomputes — never a stale result. Writes
+`<run_dir>/study.json`, `study.md` and `study.png` (τ and held-out top-1 against training tokens),
+rewritten after every point (`complete: false` until the last).
+Last line: `study best=<variant> tau_k<k>=<τ> … runtime_s=<s>`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from core.paths import CONF
+from experiments.runner import run_point
+
+log = logging.getLogger(__name__)
+
+DATA_KINDS = ("sharegpt", "regen")
+
+
+def flatten(overrides: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted path: value} from a nested or dotted mapping (hydra's CLI nests dotted keys)."""
+    if not isinstance(overrides, dict):
+        return {prefix: overrides}
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        out |= flatten(v, path) if isinstance(v, dict) else {path: v}
+    return out
+
+
+def parse_variant(name: str, spec: Any) -> dict[str, Any]:
+    spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else dict(spec or {})
+    unknown = set(spec) - {"head", "data", "overrides", "budgets"}
+    if unknown:
+        raise ValueError(f"study.variants.{name}: unknown keys {sorted(unknown)} (expected head, data, overrides, budgets)")
+    data = spec.get("data", "sharegpt")
+    if data not in DATA_KINDS:
+        raise ValueError(f"study.variants.{name}.data={data!r}: expected one of {DATA_KINDS}")
+    head = spec.get("head", "mtp")
+    if not (CONF / "head" / f"{head}.yaml").exists():
+        raise ValueError(f"study.variants.{name}.head={head!r}: no conf/head/{head}.yaml")
+    budgets = spec.get("budgets")
+    return {"head": head, "data": data, "overrides": flatten(spec.get("overrides") or {}),
+            "budgets": None if budgets is None else sorted(int(b) for b in budgets)}
+
+
+DATA_SECTIONS = ("data.", "regenerate.", "precompute.")  # overrides that change the store, not the training
+
+
+def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], where: str) -> None:
+    for path, value in overrides.items():
+        if OmegaConf.select(cfg, path, default="__missing__") == "__missing__":
+            raise ValueError(f"{where}: override {path!r} names no setting of the config")
+        OmegaConf.update(cfg, path, value, merge=False)
+
+
+def split_overrides(variant: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(store-side overrides, training-side overrides) of a variant."""
+    o = variant["overrides"]
+    return ({k: v for k, v in o.items() if k.startswith(DATA_SECTIONS)},
+            {k: v for k, v in o.items() if not k.startswith(DATA_SECTIONS)})
+
+
+def data_config(cfg: DictConfig, variant: dict[str, Any], where: str) -> DictConfig:
+    """The config whose data section is the variant's store's: the configured conversations, or their
+    regeneration (run here unless cached, data/regenerate.py) as a JSONL source."""
+    out = cfg.copy()
+    with open_dict(out):
+        apply_overrides(out, split_overrides(variant)[0], where)
+    if variant["data"] == "regen":
+        from data.regenerate import use_regenerated
+
+        path, stats = use_regenerated(out)
+        log.info("study: regenerated data %s (%d conversations, %d new tokens%s)", path,
+                 stats.conversations + stats.skipped_done, stats.tokens, ", cached" if stats.cached else "")
+    return out
+
+
+def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
+    """A feature store for this data and head (EAGLE-3 reads aux layers): `<run_dir>/stores/<hash>` of
+    what it holds, precomputed (or resumed / reused) here."""
+    from data.precompute import run_precompute
+    from heads.eagle3 import default_aux_layers
+    from inference_eval.model import target_args
+
+    from data.sources import resolve_target_dir
+    from experiments.cache import config_sections, digest
+
+    sc = cfg.copy()
+    with open_dict(sc):
+        sc.head = head_cfg
+        aux: list[int] = []
+        if head_cfg.get("type") == "eagle3":
+            aux = list(head_cfg.get("aux_layers") or
+                       default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers))
+        sc.precompute.aux_layers = aux
+        sc.store_dir = str(Path(cfg.run_dir) / "stores" / digest(config_sections(sc, ("target", "data", "precompute")))[:16])
+    store, _ = run_precompute(sc)
+    return Path(store)
+
+
+def mean_batch_tokens(cfg: DictConfig, store: Path, fp: dict[str, Any]) -> tuple[float, int]:
+    """(tokens per training batch, training tokens of one epoch) of this store under cfg.train.data;
+    `fp`: the target's fingerprint, which the store must carry."""
+    from train.data import FeatureDataModule
+
+    dm = FeatureDataModule(str(store), fp, **OmegaConf.to_container(cfg.train.data, resolve=True))
+    dm.setup("fit")
+    epoch_tokens = sum(dm.lengths[i] for i in dm.train_idx)
+    batches = len(dm._loader(dm.train_idx, shuffle=True).batch_sampler)
+    return epoch_tokens / max(batches, 1), epoch_tokens
+
+
+def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: int, seed: int) -> DictConfig:
+    """The run config of one (variant, budget, seed) point, its outputs under <run_dir>/points/<label>."""
+    out = cfg.copy()
+    label = f"{name}-b{budget}-s{seed}"
+    with open_dict(out):
+        out.seed = seed
+        out.regenerate.seed = int(cfg.seed)  # a repeat retrains on the same data
+        out.head = OmegaConf.load(CONF / "head" / f"{variant['head']}.yaml")
+        apply_overrides(out, split_overrides(variant)[1], f"study.variants.{name}")
+        if out.head.get("type") == "medusa":
+            out.train.module.depth = int(out.head.get("num_heads", 4))
+        out.head_dir = f"{cfg.run_dir}/points/{label}/head"
+        out.train.checkpoint_dir = f"{cfg.run_dir}/points/{label}/checkpoints"
+        out.train.untrained_dir = None
+        out.train.resume = None
+        if out.get("logger") and "name" in out.logger:
+            out.logger.name = f"{cfg.run_name}-{label}"
+    return out
+
+
+
+def run_study(cfg: DictConfig) -> dict[str, Any]:
+    from data.sources import resolve_target_dir
+    from data.store import FeatureStore
+    from core.files import atomic_write_bytes
+    from inference_eval.model import target_fingerprint
+
+    t0 = time.perf_counter()
+    scfg = cfg.study
+    variants = {name: parse_variant(name, spec) for name, spec in scfg.variants.items()}
+    budgets = sorted({int(b) for b in scfg.budgets} | {b for v in variants.values() for b in v["budgets"] or ()})
+    if not variants or not budgets:
+        raise ValueError("study: set at least one variant (study.variants) and one budget (study.budgets)")
+    own = {name: v["budgets"] or sorted(int(b) for b in scfg.budgets) for name, v in variants.items()}
+    common = max(set.intersection(*(set(b) for b in own.values())), default=None)  # where variants are ranked
+    if common is None:
+        raise ValueError(f"study: the variants share no budget to be compared at ({own})")
+    ks, ks_largest = [int(k) for k in scfg.ks], [int(k) for k in (scfg.get("ks_largest") or scfg.ks)]
+    target_dir = resolve_target_dir(cfg.target)
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+
+    data_cfgs: dict[str, DictConfig] = {}
+    stores: dict[tuple[str, bool], Path] = {}
+
+    def store(name: str, variant: dict[str, Any], head_cfg: DictConfig) -> tuple[DictConfig, Path]:
+        """The variant's data config and its store (made once per data and aux layers)."""
+        key = json.dumps([variant["data"], split_overrides(variant)[0]], sort_keys=True, default=str)
+        if key not in data_cfgs:
+            data_cfgs[key] = data_config(cfg, variant, f"study.variants.{name}")
+        aux = head_cfg.get("type") == "eagle3"
+        if (key, aux) not in stores:
+            stores[(key, aux)] = store_for(data_cfgs[key], head_cfg)
+        return data_cfgs[key], stores[(key, aux)]
+
+    points: list[dict[str, Any]] = []
+
+    def study_point(name: str, budget: int, seed: int) -> dict[str, Any]:
+        variant = variants[name]
+        pc = point_config(cfg, name, variant, budget, seed)
+        dc, st = store(name, variant, pc.head)
+        # the held-out rows: the ShareGPT conversations of the variant's pool (the same for its data kinds)
+        _, base = store(name, {"data": "sharegpt", "overrides": split_overrides(variant)[0]}, pc.head)
+        with open_dict(pc):
+            for section in ("data", "regenerate", "precompute"):
+                pc[section] = dc[section]
+            pc.precompute.aux_layers = FeatureStore(st).aux_layers
+            pc.store_dir = str(st)
+        per_batch, epoch_tokens = mean_batch_tokens(pc, st, fingerprint)
+        steps = max(1, round(budget / per_batch))
+        with open_dict(pc):
+            pc.trainer.max_steps, pc.trainer.max_epochs = steps, -1
+        label = f"{name}-b{budget}-s{seed}"
+        ran = run_point(pc, st, label, ks_largest if budget in (common, own[name][-1]) else ks, fingerprint,
+                        heldout_store=base, depth=int(scfg.eval_depth), heldout_limit=scfg.get("heldout_conversations"))
+        held, train_s = ran["heldout"], ran["train_seconds"]
+        point = {"variant": name, "budget": budget, "seed": seed, "steps": steps,
+                 "train_tokens": round(steps * per_batch), "epochs": steps * per_batch / max(epoch_tokens, 1),
+                 "head": variant["head"], "data": variant["data"], "overrides": variant["overrides"],
+                 "store": str(st), "train_seconds": train_s, "cached": ran["cached"],
+                 "final_metrics": ran["final_metrics"], "heldout": held, "tau": ran["tau"]}
+        taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for k, v in point["tau"].items())
+        print(f"study {label}: tokens={point['train_tokens']} epochs={point['epochs']:.2f} "
+              f"acc_d1={held['acc'][0]:.3f} {taus} train_s={train_s:.0f}", flush=True)
+        points.append(point)
+        return point
+
+    out = Path(cfg.run_dir) / scfg.get("out", "study.json")
+
+    def report(best: str | None) -> dict[str, Any]:
+        """The report so far (rewritten after every point: an interrupted study shows what it has)."""
+        summary = {"run_name": cfg.run_name, "target": cfg.target.name, "budgets": budgets, "common_budget": common, "ks": ks,
+                   "ks_largest": ks_largest, "k_rank": k_rank, "best": best, "points": points, "variants": variants,
+                   "evaluate": {"dataset": cfg.evaluate.dataset, "num_prompts": cfg.evaluate.num_prompts,
+                                "max_new_tokens": cfg.evaluate.max_new_tokens},
+                   "complete": best is not None, "runtime_s": time.perf_counter() - t0}
+        atomic_write_bytes(out, json.dumps(summary, indent=2, default=str).encode())
+        atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
+        plot(summary, out.with_suffix(".png"))
+        return summary
+
+    k_rank = 3 if 3 in ks_largest else ks_largest[-1]
+    for name in variants:
+        for budget in own[name]:
+            study_point(name, budget, int(cfg.seed))
+            report(None)
+    at_common = {p["variant"]: p["tau"][k_rank]["tau"] for p in points if p["budget"] == common}
+    best = max(at_common, key=at_common.get)
+    for seed in scfg.get("repeat_seeds") or []:
+        for name in dict.fromkeys(best if v == "best" else v for v in scfg.get("repeat") or []):
+            if int(seed) != int(cfg.seed):
+                study_point(name, common, int(seed))
+
+    summary = report(best)
+    print(f"study report={out} md={out.with_suffix('.md')} png={out.with_suffix('.png')}")
+    best_taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for p in points
+                         if p["variant"] == best and p["budget"] == common and p["seed"] == int(cfg.seed)
+                         for k, v in p["tau"].items())
+    print(f"study best={best} {best_taus} runtime_s={summary['runtime_s']:.0f}")
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    points = summary["points"]
+    depth = max(len(p["heldout"]["acc"]) for p in points)
+    ks = sorted({int(k) for p in points for k in p["tau"]})
+    best = (f"Best at the largest budget every variant has, {summary['common_budget']:,} tokens "
+            f"(τ at k={summary['k_rank']}): **{summary['best']}**." if summary["best"]
+            else "Incomplete: the points finished so far.")
+    lines = [f"Target {summary['target']}; MT-Bench {summary['evaluate']['num_prompts']} first turns, greedy, "
+             f"{summary['evaluate']['max_new_tokens']} new tokens. {best}", "",
+             "| variant | seed | tokens | epochs | steps | train s | "
+             + " | ".join(f"acc d{d}" for d in range(1, depth + 1)) + " | " + " | ".join(f"τ k={k}" for k in ks) + " |",
+             "| --- " * (6 + depth + len(ks)) + "|"]
+    for p in points:
+        acc = p["heldout"]["acc"] + [math.nan] * (depth - len(p["heldout"]["acc"]))
+        lines.append(f"| {p['variant']} | {p['seed']} | {p['train_tokens']:,} | {p['epochs']:.2f} | {p['steps']} | "
+                     f"{p['train_seconds'] or 0:.0f} | " + " | ".join("–" if math.isnan(a) else f"{a:.3f}" for a in acc)
+                     + " | " + " | ".join(f"{p['tau'][k]['tau']:.3f}" if k in p["tau"] else "–" for k in ks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """τ at k_rank and held-out top-1 (depth 1) against training tokens, one line per variant (seed of
+    the run; repeats as separate markers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from core.files import atomic_write_bytes
+
+    k = int(summary["k_rank"])
+    fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # taus keyed by int k (a report read back from JSON has string keys)
+    summary = {**summary, "points": [{**p, "tau": {int(kk): v for kk, v in p["tau"].items()}} for p in summary["points"]]}
+    seed0 = min(p["seed"] for p in summary["points"])
+    colors = plt.get_cmap("tab10" if len(summary["variants"]) <= 10 else "tab20")  # a colour per variant
+    for i, name in enumerate(summary["variants"]):
+        pts = sorted((p for p in summary["points"] if p["variant"] == name and p["seed"] == seed0),
+                     key=lambda p: p["train_tokens"])
+        pts = [p for p in pts if k in p["tau"]]
+        if not pts:
+            continue
+        x = [p["train_tokens"] for p in pts]
+        line = ax_tau.plot(x, [p["tau"][k]["tau"] for p in pts], marker="o", label=name, color=colors(i))[0]
+        ax_acc.plot(x, [p["heldout"]["acc"][0] for p in pts], marker="o", color=line.get_color(), label=name)
+        for p in summary["points"]:
+            if p["variant"] == name and p["seed"] != seed0 and k in p["tau"]:
+                ax_tau.plot([p["train_tokens"]], [p["tau"][k]["tau"]], marker="x", color=line.get_color())
+                ax_acc.plot([p["train_tokens"]], [p["heldout"]["acc"][0]], marker="x", color=line.get_color())
+    for ax, title in ((ax_tau, f"MT-Bench τ at k={k} (greedy)"), (ax_acc, "held-out top-1, depth 1")):
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_tau.legend(fontsize=8)
+    fig.suptitle(f"recipe study on {summary['target']} (x: repeats with another seed)")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+

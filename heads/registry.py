@@ -1,0 +1,44 @@
+"""The head types by name and `build_head`, which makes one from its config (docs/design.md §3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from heads.base import DraftHead, TiedTarget
+from heads.draft_lm import DraftLMConfig, DraftLMHead
+from heads.eagle1 import Eagle1Config, Eagle1Head
+from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
+from heads.layers import LlamaArgs
+from heads.medusa import MedusaConfig, MedusaHead
+from heads.mtp import MTPConfig, MTPHead
+
+HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head),
+              "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead),
+              "draft_lm": (DraftLMConfig, DraftLMHead)}
+
+
+def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> DraftHead:
+    cfg = dict(head_cfg)
+    kind = cfg.pop("type", "mtp")
+    cfg.pop("_target_", None)
+    if kind not in HEAD_TYPES:
+        raise ValueError(f"unknown head type {kind!r}; known: {sorted(HEAD_TYPES)}")
+    config_cls, head_cls = HEAD_TYPES[kind]
+    return head_cls(args, config_cls(**cfg), tied)
+
+
+def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
+    """`precompute.aux_layers`: a list of target layer ids (inputs of those layers), `none`, or `auto`
+    (the default): what the configured head reads — EAGLE-3's aux layers, nothing for other heads."""
+    spec = cfg.precompute.get("aux_layers", "auto")
+    if spec in (None, "none", False):
+        return ()
+    if spec == "auto":
+        head = cfg.get("head") or {}
+        if head.get("type") != "eagle3":
+            return ()
+        spec = head.get("aux_layers") or default_aux_layers(num_layers)
+    ids = tuple(int(i) for i in spec)
+    if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
+        raise ValueError(f"precompute.aux_layers {list(ids)} must be ascending, distinct and within 1..{num_layers - 1}")
+    return ids

@@ -1,0 +1,100 @@
+"""Stage plumbing around the target: which backend a stage runs it with (`resolve_backend`), HF
+transformers behind the engine model's forward signature for families the engine lacks (`HFTarget`), and
+`load_target`, the target a stage runs as its config places it (the engine's model, HF, or a vLLM worker).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from inference_eval.model import LlamaForCausalLM, TargetOutput, resolve_device, target_args
+
+
+def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
+    """`auto` → `engine` for a checkpoint of a family the engine implements (inference_eval/families),
+    else `hf`; precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
+    backend = backend or "auto"
+    choices = ("auto", "engine", "hf", "vllm") if stage == "precompute" else ("auto", "engine", "hf")
+    if backend not in choices:
+        raise ValueError(f"{stage}.backend={backend!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    if backend != "auto":
+        return backend
+    try:
+        target_args(target_dir)
+    except ValueError:
+        return "hf"
+    return "engine"
+
+
+class HFTarget:
+    """An HF transformers causal LM behind the engine model's forward signature, for the families
+    the engine does not implement (precompute's `hf` backend): the last decoder layer's output before
+    the final norm (a forward hook) and the inputs of requested layers (`hidden_states[i]`); the base
+    model runs without its lm_head, so no logits are computed."""
+
+    def __init__(self, model) -> None:
+        self.hf = model.eval().requires_grad_(False)
+        base = model.base_model
+        self.layers = getattr(base, "layers", None) or getattr(base, "h", None)
+        if self.layers is None:
+            raise ValueError(f"{type(model).__name__}: no decoder layer list (base_model.layers or .h) to hook")
+        # one hook for the model's lifetime, writing to thread-local storage: precompute runs batches
+        # on several threads at once, and a hook sees every thread's forward
+        self._local = threading.local()
+        self.layers[-1].register_forward_hook(self._capture)
+        cfg = model.config
+        self.args = SimpleNamespace(num_hidden_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                                    max_position_embeddings=getattr(cfg, "max_position_embeddings", 1 << 30))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                        device_map: str | dict | None = None) -> "HFTarget":
+        """`device_map` (e.g. `auto`) shards the layers over the visible GPUs through accelerate, for a
+        target too large for one; the weights then load straight onto their devices."""
+        from transformers import AutoModelForCausalLM
+
+        if device_map is not None:
+            return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                            device_map=device_map))
+        device = torch.device(device)
+        return cls(AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                        device_map=None if device.type == "cpu" else str(device)))
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the embedding's device (the first shard's under a device_map)."""
+        return self.hf.get_input_embeddings().weight.device
+
+    def __call__(self, input_ids: torch.Tensor, logits: str = "none", capture_layers: tuple[int, ...] = ()
+                 ) -> TargetOutput:
+        if logits != "none":
+            raise ValueError("HFTarget computes hidden states only (logits='none')")
+        out = self.hf.base_model(input_ids=input_ids, output_hidden_states=bool(capture_layers), use_cache=False)
+        hidden, self._local.hidden = self._local.hidden, None
+        aux = [out.hidden_states[i] for i in capture_layers]
+        return TargetOutput(hidden=hidden, logits=None, aux=aux)
+
+    def _capture(self, module, args, output) -> None:
+        self._local.hidden = output[0] if isinstance(output, tuple) else output
+
+
+
+def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
+    """The target a stage runs, placed by `target.device` (`resolve_device`): the engine's model, or for
+    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set, or
+    for `vllm` (precompute only) a vLLM worker process placed by vLLM (`precompute.vllm.*`)."""
+    if backend == "vllm":
+        from inference_eval.vllm_backend import VLLMBackend
+
+        return VLLMBackend.from_config(cfg, target_dir, dtype)
+    device = resolve_device(cfg.target.get("device", "auto"))
+    if backend == "engine":
+        return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
+    return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
+                                    trust_remote_code=bool(cfg.target.get("trust_remote_code", False)),
+                                    device_map=cfg.target.get("device_map"))

@@ -1,0 +1,148 @@
+"""The code's rooms and the direction of its imports (docs/design.md §11): every product file's imports,
+function-level ones included, go downward only —
+
+    core ← heads ← engine ← artifacts ← targets and vLLM pieces ← data ← train, evaluate ← experiments ← scripts, bench
+
+— no module imports one above it, nor one of another package on its own level, and no two modules import
+each other through any chain. heads/ holds networks only and opens no file; core/ imports nothing of
+spechead."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "experiments", "scripts", "bench")
+ENGINE = ("inference_eval.engine", "inference_eval.paged", "inference_eval.model", "inference_eval.families",
+          "inference_eval.scoring", "inference_eval.speculative", "inference_eval")
+TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker",
+                    "inference_eval.vllm_serve_worker", "inference_eval.vllm_plugin")
+# (layer, room): a module may import its own room at its own layer, and any room below
+LAYERS = [(("core",), 0, "core"), (("heads",), 1, "heads"), (ENGINE, 2, "engine"), (("artifacts",), 3, "artifacts"),
+          (TARGETS_AND_VLLM, 4, "targets"), (("data",), 5, "data"), (("train",), 6, "train"),
+          (("inference_eval.evaluate",), 6, "evaluate"), (("experiments",), 7, "experiments"),
+          (("scripts",), 8, "scripts"), (("bench",), 8, "bench")]
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    best = None
+    for prefixes, layer, room in LAYERS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[0]):
+                best = (len(p), layer, room)
+    assert best is not None, f"{module}: in no room of tests/test_layout.py LAYERS"
+    return best[1], best[2]
+
+
+def product_modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = f
+    return out
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(project module imported, line) for every import statement in the file, at any depth."""
+    def resolve(name: str) -> str | None:
+        while name:
+            if name in modules:
+                return name
+            name = name.rpartition(".")[0]
+        return None
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(m, node.lineno) for a in node.names if (m := resolve(a.name))]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:  # `from pkg import module` imports the module
+                m = resolve(f"{node.module}.{a.name}") if f"{node.module}.{a.name}" in modules else resolve(node.module)
+                if m:
+                    found.append((m, node.lineno))
+    return found
+
+
+def import_graph() -> dict[str, list[tuple[str, int]]]:
+    modules = product_modules()
+    return {m: [(d, line) for d, line in imports_of(f, modules) if d != m] for m, f in modules.items()}
+
+
+def direction_violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    bad = []
+    for m, deps in graph.items():
+        layer, room = layer_of(m)
+        for d, line in deps:
+            dlayer, droom = layer_of(d)
+            if dlayer > layer or (dlayer == layer and droom != room):
+                bad.append(f"{m.replace('.', '/')}.py:{line} imports {d} ({droom}, layer {dlayer}) from {room} "
+                           f"(layer {layer})")
+    return bad
+
+
+def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w, _ in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                comp.append(w)
+            on.discard(v)
+            if comp:
+                out.append(sorted([v, *comp]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_go_downward_only_and_form_no_circle():
+    graph = import_graph()
+    assert len(graph) > 60 and sum(map(len, graph.values())) > 200  # the parser sees the code
+    assert direction_violations(graph) == []
+    assert cycles(graph) == []
+
+
+def test_the_checks_catch_an_upward_import_and_a_circle():
+    """The two checks on a planted graph: heads importing the engine, and a circle inside data/."""
+    graph = {"heads.mtp": [("inference_eval.engine", 3)], "inference_eval.engine": [("heads.layers", 1)],
+             "data.store": [("data.sources", 5)], "data.sources": [("data.store", 9)], "heads.layers": []}
+    assert direction_violations(graph) == ["heads/mtp.py:3 imports inference_eval.engine (engine, layer 2) from heads "
+                                           "(layer 1)"]
+    assert cycles(graph) == [["data.sources", "data.store"]]
+    # a same-layer import across rooms (train and evaluate share a layer) is refused too
+    assert direction_violations({"train.validation": [("inference_eval.evaluate", 4)]})
+
+
+@pytest.mark.parametrize("pkg", ["heads"])
+def test_heads_hold_networks_and_open_no_file(pkg):
+    file_io = re.compile(r"\b(open|safe_open|save_file|load_file|read_text|write_text|read_bytes|write_bytes|"
+                         r"mkdir|torch\.save|torch\.load|json\.load|json\.dump)\(")
+    hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in sorted((ROOT / pkg).rglob("*.py"))
+            for n, line in enumerate(f.read_text().splitlines(), 1) if file_io.search(line.split("#")[0])]
+    assert hits == []
+
+
+def test_core_imports_nothing_of_spechead():
+    graph = import_graph()
+    outside = {m: [d for d, _ in deps if not d.startswith("core")] for m, deps in graph.items() if m.startswith("core")}
+    assert outside and not any(outside.values()), outside
