@@ -80,3 +80,17 @@ def assert_matches_hf(got: torch.Tensor, want: torch.Tensor, args, seq_len: int,
     LlamaArgs-like config): within `float32_bound` over the whole decoder's chain of reductions."""
     terms = max(args.hidden_size, args.intermediate_size, seq_len)
     assert_close_float32(got, want, terms=terms, layers=decoder_chain(args.num_hidden_layers), msg=msg)
+
+
+def assert_same_states(got: torch.Tensor, want: torch.Tensor, model_dir, msg: str | None = None) -> None:
+    """Hidden states of the checkpoint at `model_dir` computed in two float32 ways (another batch, another
+    backend, transformers): within `float32_bound` over its decoder (read from its config.json); the
+    sequence is `want`'s first dimension."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    args = SimpleNamespace(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                           num_hidden_layers=cfg["num_hidden_layers"])
+    assert_matches_hf(got, want, args, seq_len=want.shape[0] if want.dim() > 1 else 1, msg=msg)
