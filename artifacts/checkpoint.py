@@ -25,9 +25,9 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from core.safetensors_io import INDEX_FILE
 from core.files import atomic_dir, leftover_hint, recover_interrupted_save
 from core.fingerprint import FINGERPRINT_IGNORED, compare_fingerprints
+from core.safetensors_io import INDEX_FILE
 from heads.base import DraftHead, TiedTarget
 from heads.layers import LlamaArgs
 from heads.registry import build_head

@@ -32,21 +32,37 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from artifacts.checkpoint import (NATIVE_KIND, artifact_info, atomic_artifact_dir,
-                                  check_replaceable, check_target_fingerprint, copy_target_files, export_kind, load_native,
-                                  save_native)
+from artifacts.checkpoint import (
+    NATIVE_KIND,
+    artifact_info,
+    atomic_artifact_dir,
+    check_replaceable,
+    check_target_fingerprint,
+    copy_target_files,
+    export_kind,
+    load_native,
+    save_native,
+)
+from artifacts.draft_hf import EXPORT_FORMAT as DRAFT_HF
+from artifacts.draft_hf import read_draft_hf, write_draft_hf
+from artifacts.validate import (
+    EAGLE1_ARCH,
+    EAGLE3_ARCH,
+    MTP_VLLM_ARCH,
+    MTP_VLLM_MAX_MODULES,
+    check_export,
+    read_json,
+    target_embed_and_head,
+)
 from core.files import recover_interrupted_save
-from artifacts.draft_hf import EXPORT_FORMAT as DRAFT_HF, read_draft_hf, write_draft_hf
+from core.safetensors_io import INDEX_FILE, load_safetensors_dir, load_tensor, scan_tensors
+from heads.base import TiedTarget
 from heads.draft_lm import DraftLMHead
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.layers import LLAMA_FAMILY, LlamaArgs
-from heads.base import TiedTarget
+from heads.layers import LLAMA_FAMILY, LlamaArgs, TiedConventions
 from heads.medusa import MedusaConfig, MedusaHead
 from heads.mtp import MTPConfig, MTPHead
-from artifacts.validate import (EAGLE1_ARCH, EAGLE3_ARCH, MTP_VLLM_ARCH, MTP_VLLM_MAX_MODULES, check_export,
-                                read_json, target_embed_and_head)
-from core.safetensors_io import INDEX_FILE, load_safetensors_dir, load_tensor, scan_tensors
 
 log = logging.getLogger(__name__)
 Head = MTPHead | Eagle1Head | Eagle3Head | MedusaHead
@@ -99,8 +115,6 @@ UNSERVED_FORMATS = ("mtp-stitched", "mtp-standalone")
 def engine_format_blocker(head: Head) -> str | None:
     """Why no engine format can hold this head, or None: the engines' draft classes (and `draft-hf`'s
     target class with Llama layers) apply Llama's conventions to a Llama-family target."""
-    from heads.layers import TiedConventions
-
     conventions = getattr(head.tied, "conventions", TiedConventions())
     if conventions != TiedConventions():
         return (f"the head follows its target's conventions {conventions} (embedding scale, (1 + w) final norm, "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 CONF = Path(__file__).resolve().parents[1] / "conf"  # the hydra configs (absolute: a stage may be defined anywhere)
 
 

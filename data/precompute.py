@@ -36,9 +36,21 @@ from typing import Any
 import torch
 
 from core.progress import Progress, log_interval
-from data.store import Sample, StoreWriter
-from inference_eval.paged import PackedRows
+from data.conversations import chat_template_sha256, load_tokenizer, tokenize_sample
+from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, record_rejection, resolve_target_dir
+from data.store import (
+    DTYPES,
+    IncompleteRanksError,
+    Sample,
+    StoreWriter,
+    check_rank_layout,
+    merge_rank_manifests,
+    rank_dir,
+)
 from heads.registry import resolve_aux_layers
+from inference_eval.model import target_fingerprint
+from inference_eval.paged import PackedRows
+from inference_eval.targets import load_target, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +79,6 @@ def tokenize_all(tokenizer, conversations: list[tuple[str, list[dict]]], max_len
     `special_token`; `no_loss_tokens`) and, while under the caps, added to `examples` with its
     `<file>:<line>` from `where` (sample id -> location, `Conversations.where`); the others go on.
     A plain text (data.source=text) is tokenized with a loss on every token but the first."""
-    from data.conversations import tokenize_sample
-    from data.sources import record_rejection
-
     where = where or {}
     out = []
     for sid, messages in conversations:
@@ -293,12 +302,6 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     into `<store_dir>/ranks/rank-<rank>/`, a store of its own, resumable like any; the rank that finds
     every rank complete when it finishes writes the merged `<store_dir>/manifest.json`
     (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
-    from data.conversations import chat_template_sha256, load_tokenizer
-    from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, resolve_target_dir
-    from data.store import DTYPES, IncompleteRanksError, check_rank_layout, merge_rank_manifests, rank_dir
-    from inference_eval.model import target_fingerprint
-    from inference_eval.targets import load_target, resolve_backend
-
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from core.jsonio import read_jsonl
+from data.assets import load_mtbench
+from data.conversations import normalize_record, tokenize_prompt
+from data.sources import load_conversations
 
 
 def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[dict[str, Any]]:
     """Held-out ShareGPT prompts: the conversations right after the training data's range
     [skip, skip + max_samples), each up to its first assistant turn."""
-    from data.conversations import tokenize_prompt
-    from data.sources import load_conversations
-
     if data_cfg.get("max_samples") is None:
         raise ValueError("evaluate.dataset=sharegpt takes the conversations after the training range "
                          "[data.skip, data.skip + data.max_samples); data.max_samples is null (the whole source "
@@ -36,8 +36,6 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
     `messages` / `conversations` (the prompt is everything before the first assistant turn);
     optional `category` and `id`. A tokenizer without a chat template (a base model) takes `prompt`
     records as the raw text it continues (with its BOS, as data.source=text tokenizes), nothing else."""
-    from data.conversations import normalize_record, tokenize_prompt
-
     raw = not getattr(tokenizer, "chat_template", None)
     out = []
     path = Path(path)
@@ -75,9 +73,6 @@ def mtbench_prompts(tokenizer, num_prompts: int | None, turn: int = 1, target=No
                     stop_ids: set[int] = frozenset()) -> list[dict[str, Any]]:
     """MT-Bench prompts, taken round-robin over the 8 categories so a subset stays balanced.
     Turn 2 follows MT-Bench: the model's own (greedy) turn-1 answer, then the second question."""
-    from data.assets import load_mtbench
-    from data.conversations import tokenize_prompt
-
     cats: dict[str, list[dict]] = {}
     for q in load_mtbench():
         cats.setdefault(q["category"], []).append(q)

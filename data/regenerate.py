@@ -71,7 +71,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from core.files import atomic_write_bytes
+from core.paths import cache_dir
 from core.progress import Progress, log_interval
+from data.conversations import chat_template_sha256, load_tokenizer, tokenize_prompt
+from data.prompts import stop_token_ids
+from data.sources import load_conversations, resolve_target_dir
+from data.store import DTYPES
+from inference_eval.engine import engine_generate
+from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint
+from inference_eval.speculative import GREEDY, Sampling
+from inference_eval.targets import resolve_backend
 
 if TYPE_CHECKING:
     from data.sources import Conversations
@@ -128,8 +138,6 @@ def generate_replies(model, prompts: list[list[int]], settings: GenerationSettin
     target (each prompt sampling from its own generator, seeded from `seed` and its row), else one HF
     `generate`, left-padded with an attention mask, drawing from torch's RNG seeded with `seed` inside
     a forked RNG state (the caller's global RNG is left as it was)."""
-    from inference_eval.model import LlamaForCausalLM
-
     if isinstance(model, LlamaForCausalLM):
         return _engine_replies(model, prompts, settings, stop_ids, seed)
     device = next(model.parameters()).device
@@ -153,9 +161,6 @@ def generate_replies(model, prompts: list[list[int]], settings: GenerationSettin
 
 def _engine_replies(model, prompts: list[list[int]], settings: GenerationSettings, stop_ids: set[int],
                     seed: int | None) -> list[Reply]:
-    from inference_eval.engine import engine_generate
-    from inference_eval.speculative import GREEDY, Sampling
-
     device = model.model.embed_tokens.weight.device
     samplings = [GREEDY if settings.greedy else
                  Sampling(settings.temperature, settings.top_p, settings.top_k,
@@ -187,8 +192,6 @@ def regenerate_group(model, tokenizer, group: list[tuple[str, list[dict]]], grou
                      meta: dict[str, Any], on_generate=None) -> list[dict[str, Any]]:
     """The regenerated records of one group of conversations, in the group's order."""
     from jinja2 import TemplateError
-
-    from data.conversations import tokenize_prompt
 
     rebuilt: list[list[dict]] = [[] for _ in group]
     cursor = [0] * len(group)  # next source message of each conversation
@@ -243,8 +246,6 @@ def finished_ids(path: Path, meta: dict[str, Any], repair: bool = True) -> set[s
     without it, the line may be another process's write in progress, and is just not counted. A record
     written with other settings, or a complete line that is not a JSON record, is an error naming the
     file and line."""
-    from core.files import atomic_write_bytes
-
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -291,8 +292,6 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
                              progress_log_s: float | None = None) -> RegenerateStats:
     """Regenerate `conversations` (sample id, normalised messages) into the JSONL file `out`,
     resuming from the records it already holds (read under the writer's lock)."""
-    from data.prompts import stop_token_ids
-
     stop_ids = stop_token_ids(tokenizer)
     if not stop_ids:
         raise ValueError("the tokenizer has no EOS / end-of-turn token: replies could only stop at max_new_tokens")
@@ -355,8 +354,6 @@ def settings_key(meta: dict[str, Any]) -> str:
 def cache_path(meta: dict[str, Any]) -> Path:
     """The cache's file for these settings: `<cache_dir()>/regenerated/<target name>-<key[:16]>.jsonl`,
     the name made of letters, digits, `.`, `_` and `-` only (target names hold spaces, `/`, parentheses)."""
-    from core.paths import cache_dir
-
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(meta["target"])).strip("._")[:64] or "target"
     return cache_dir() / "regenerated" / f"{name}-{settings_key(meta)[:16]}.jsonl"
 
@@ -382,11 +379,6 @@ class Plan:
 
 def plan_regeneration(cfg: Any) -> Plan:
     """The settings, the conversations (loading them is cheap) and the output file of a regeneration."""
-    from data.conversations import chat_template_sha256
-    from data.sources import load_conversations, resolve_target_dir
-    from inference_eval.model import target_fingerprint
-    from inference_eval.targets import resolve_backend
-
     rcfg = cfg.regenerate
     settings = settings_from_config(rcfg)
     batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
@@ -423,11 +415,6 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     `regenerate.out` (`auto`: the cache's file for these settings). A file that already holds every
     conversation is returned as it is, before the target is loaded."""
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from data.conversations import load_tokenizer
-    from data.store import DTYPES
-    from core.files import atomic_write_bytes
-    from inference_eval.model import resolve_device
 
     plan = plan_regeneration(cfg)
     convs, meta, out = plan.conversations, plan.meta, plan.out

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from core.jsonio import UTF8_BOM, Rejected, json_array_records, jsonl_records
-from data.conversations import Drop, check_text, json_type
+from data.assets import TARGET_SOURCES
+from data.conversations import Drop, check_text, explain_record, json_type
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ def resolve_target_dir(target_cfg: Any) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
         return path
-    from data.assets import TARGET_SOURCES
 
     if target_cfg.get("source") in TARGET_SOURCES:
         return TARGET_SOURCES[target_cfg["source"]]()
@@ -200,8 +200,6 @@ def load_conversations(data_cfg: Any) -> Conversations:
     """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by
     reason (see the module docstring); SourceError when the file cannot be read at all. For
     `data.source=text` the items are the texts."""
-    from data.conversations import explain_record
-
     explain = explain_text if data_cfg.get("source") == "text" else explain_record
     out = Conversations(items=[])
     skip, limit = int(data_cfg.get("skip", 0)), data_cfg.get("max_samples")

@@ -24,7 +24,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from core.files import atomic_write_bytes
 from core.paths import CONF
+from data.precompute import run_precompute
+from data.sources import resolve_target_dir
+from data.store import FeatureStore
+from experiments.runner import run_point
+from heads.eagle3 import default_aux_layers
+from inference_eval.model import target_args, target_fingerprint
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:
@@ -45,10 +52,6 @@ def head_config(cfg: DictConfig, name: str) -> DictConfig:
 
 def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
     """The aux layers the compared heads read (EAGLE-3's); the heads must agree on them."""
-    from data.sources import resolve_target_dir
-    from heads.eagle3 import default_aux_layers
-    from inference_eval.model import target_args
-
     wanted = set()
     for name in heads:
         h = OmegaConf.load(CONF / "head" / f"{name}.yaml")
@@ -62,13 +65,6 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
 
 
 def run_ablation(cfg: DictConfig) -> dict:
-    from data.precompute import run_precompute
-    from data.sources import resolve_target_dir
-    from data.store import FeatureStore
-    from core.files import atomic_write_bytes
-    from inference_eval.model import target_fingerprint
-    from experiments.runner import run_point
-
     t0 = time.perf_counter()
     acfg = cfg.ablation
     aux = store_aux_layers(cfg, list(acfg.heads))

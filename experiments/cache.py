@@ -29,6 +29,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.files import atomic_write_bytes, sha256_file
+from inference_eval.evaluate import run_evaluation
+from train.run import run_training
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,6 @@ def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[
     (final metrics, training seconds, reused) — on reuse, the figures of the run that made it."""
     import time
 
-    from train.run import run_training
-
     head_dir, key = Path(cfg.head_dir), training_key(cfg, store_dir)
     trained = lookup(head_dir, key, what)
     if trained is not None:
@@ -160,8 +160,6 @@ def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[
 def cached_evaluation(cfg: DictConfig, what: str, target_fingerprint: dict[str, Any] | None) -> tuple[dict, bool]:
     """The evaluation report of `cfg` (inference_eval/evaluate.py) at `cfg.evaluate.report`, computed
     unless the one there was made from the same key; (report, reused)."""
-    from inference_eval.evaluate import run_evaluation
-
     path, key = Path(cfg.evaluate.report), evaluation_key(cfg, target_fingerprint)
     if lookup(path, key, what) is not None:
         return json.loads(path.read_text()), True

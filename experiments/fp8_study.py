@@ -22,17 +22,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
 
-
+from core.files import atomic_write_bytes
+from data.precompute import run_precompute
+from data.sources import resolve_target_dir
+from data.store import FeatureStore
+from experiments.runner import run_point
+from inference_eval.model import target_fingerprint
 
 
 def run_fp8_study(cfg: DictConfig) -> dict:
-    from data.precompute import run_precompute
-    from data.sources import resolve_target_dir
-    from data.store import FeatureStore
-    from core.files import atomic_write_bytes
-    from inference_eval.model import target_fingerprint
-    from experiments.runner import run_point
-
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
                                      cfg.target.get("fingerprint", "header"))

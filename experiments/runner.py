@@ -15,8 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from artifacts.checkpoint import load_native
 from core.files import atomic_write_bytes
 from data.sources import resolve_target_dir
-from experiments.cache import (cached_evaluation, cached_training, dir_fingerprint, lookup, record,
-                               store_fingerprint)
+from experiments.cache import cached_evaluation, cached_training, dir_fingerprint, lookup, record, store_fingerprint
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import heldout_agreement

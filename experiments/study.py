@@ -43,8 +43,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from core.files import atomic_write_bytes
 from core.paths import CONF
+from data.precompute import run_precompute
+from data.sources import resolve_target_dir
+from data.store import FeatureStore
+from experiments.cache import config_sections, digest
 from experiments.runner import run_point
+from heads.eagle3 import default_aux_layers
+from inference_eval.model import target_args, target_fingerprint
+from train.data import FeatureDataModule
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +121,6 @@ def data_config(cfg: DictConfig, variant: dict[str, Any], where: str) -> DictCon
 def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     """A feature store for this data and head (EAGLE-3 reads aux layers): `<run_dir>/stores/<hash>` of
     what it holds, precomputed (or resumed / reused) here."""
-    from data.precompute import run_precompute
-    from heads.eagle3 import default_aux_layers
-    from inference_eval.model import target_args
-
-    from data.sources import resolve_target_dir
-    from experiments.cache import config_sections, digest
-
     sc = cfg.copy()
     with open_dict(sc):
         sc.head = head_cfg
@@ -136,8 +137,6 @@ def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
 def mean_batch_tokens(cfg: DictConfig, store: Path, fp: dict[str, Any]) -> tuple[float, int]:
     """(tokens per training batch, training tokens of one epoch) of this store under cfg.train.data;
     `fp`: the target's fingerprint, which the store must carry."""
-    from train.data import FeatureDataModule
-
     dm = FeatureDataModule(str(store), fp, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")
     epoch_tokens = sum(dm.lengths[i] for i in dm.train_idx)
@@ -167,11 +166,6 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
 
 
 def run_study(cfg: DictConfig) -> dict[str, Any]:
-    from data.sources import resolve_target_dir
-    from data.store import FeatureStore
-    from core.files import atomic_write_bytes
-    from inference_eval.model import target_fingerprint
-
     t0 = time.perf_counter()
     scfg = cfg.study
     variants = {name: parse_variant(name, spec) for name, spec in scfg.variants.items()}
@@ -293,8 +287,6 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from core.files import atomic_write_bytes
 
     k = int(summary["k_rank"])
     fig, (ax_tau, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))

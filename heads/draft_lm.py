@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from heads.base import DraftHead, TiedTarget, init_random
 from heads.layers import LLAMA_FAMILY, DecoderLayer, LlamaArgs, RMSNorm, linear
-
+from heads.unroll import packed_mask
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,6 @@ class DraftLMHead(DraftHead):
         """[ĥ^1, …, ĥ^D], each [B, T-1, H]: row i of ĥ^d is the draft's state at position i+d (zero rows
         past the end, which the loss masks). `hidden` (the target's states) is not read: the draft sees
         tokens only. Packed rows attend within their own sample (`segments`, `positions`)."""
-        from heads.unroll import packed_mask
-
         mask = packed_mask(segments)[:, None] if segments is not None else None
         h = self(input_ids, positions, logits="none", attn_mask=mask).hidden  # [B, T, H]
         return [F.pad(h[:, d:], (0, 0, 0, d - 1)) for d in range(1, depth + 1)]

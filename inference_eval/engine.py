@@ -44,8 +44,16 @@ import torch
 
 from heads.layers import linear
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
-from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, accept_greedy,
-                                        accept_rejection, full_vocab_logits)
+from inference_eval.speculative import (
+    GREEDY,
+    DraftModelProposer,
+    Sampling,
+    SpecStats,
+    _finish,
+    accept_greedy,
+    accept_rejection,
+    full_vocab_logits,
+)
 
 
 @dataclass

@@ -12,9 +12,16 @@ from typing import Any
 
 import torch
 
+from artifacts.export import load_any
+from core.files import atomic_write_bytes
 from core.progress import Progress, log_interval
-from inference_eval.speculative import GREEDY, Sampling, SpecStats
+from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
+from data.sources import resolve_target_dir
+from data.store import DTYPES, FeatureStore
+from inference_eval.engine import Engine, PagedHeadProposer, PagedTreeProposer, engine_proposer, frequent_ids
+from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
+from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +79,6 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
 
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
                batch_size: int, sampling: Sampling, max_len: int, on_finish=None):
-    from inference_eval.engine import Engine, engine_proposer
-
     proposer = engine_proposer(proposer) if proposer is not None else None
     room = proposer.lookahead(k) if proposer is not None else 1  # positions a round writes ahead
     eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + 2 * room)
@@ -148,8 +153,6 @@ def draft_vocab_options(cfg: Any, head, vocab_size: int) -> dict[int | None, tor
         log.info("evaluate: k=auto tries the whole vocabulary only: no training store at %s to take token "
                  "frequencies from", store_dir)
         return options or {None: None}
-    from data.store import FeatureStore
-    from inference_eval.engine import frequent_ids
 
     counts = FeatureStore(store_dir).token_counts(vocab_size)
     for n in smaller:
@@ -189,13 +192,6 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
 def run_evaluation(cfg: Any) -> dict[str, Any]:
     """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
     on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
-    from data.conversations import load_tokenizer
-    from data.sources import resolve_target_dir
-    from data.store import DTYPES
-    from artifacts.export import load_any
-    from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
-    from inference_eval.speculative import DraftModelProposer
-
     ecfg = cfg.evaluate
     temperature = float(ecfg.get("temperature", 0.0))
     sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
@@ -274,7 +270,6 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     for label in order:
         prop = proposers[label]
         outputs: list[list[int]] = []
-        from inference_eval.engine import PagedHeadProposer, PagedTreeProposer, engine_proposer
 
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
@@ -407,8 +402,6 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from core.files import atomic_write_bytes
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(json_path, json.dumps(report, indent=2).encode())

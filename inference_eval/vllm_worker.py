@@ -214,9 +214,9 @@ def main() -> None:
 
     reply.write(json.dumps({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__,
                             "layer_ids": worker.layer_ids}) + "\n")
-    from safetensors.torch import save_file
-
     import shutil
+
+    from safetensors.torch import save_file
 
     try:
         for line in sys.stdin:

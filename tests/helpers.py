@@ -162,3 +162,36 @@ def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set
     outs, _ = engine_generate(target, [prompt], max_new_tokens, None, 1, stop_ids, sampling,
                               **{"max_batch": 1, **engine_kw})
     return outs[0]
+
+
+def load_product_modules() -> None:
+    """Import every product module that imports in this environment (the vLLM workers need vLLM's)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for pkg in ("core", "heads", "inference_eval", "artifacts", "data", "train", "experiments", "scripts"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            if name.split(".")[-1] in ("vllm_worker", "vllm_serve_worker"):
+                continue
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+
+
+def patch_everywhere(monkeypatch, fn, replacement) -> int:
+    """Replace the function (or class) `fn` in its own module and in every loaded module that imported it
+    by name (`from m import fn` binds it at import): a stand-in that only its home module saw would let
+    the code under test call the real one. Returns how many modules were patched."""
+    import sys
+
+    load_product_modules()  # a module first imported while patched would keep the stand-in after the test
+    name, patched = fn.__name__, 0
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, name, None) is fn:
+            monkeypatch.setattr(module, name, replacement)
+            patched += 1
+    assert patched, f"{fn!r} is bound in no loaded module"
+    return patched

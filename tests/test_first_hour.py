@@ -13,6 +13,7 @@ import pytest
 from scripts.checks import ConfigError, check_before_work
 from core.progress import Progress, duration, log_interval
 from tests.conftest import ROOT, compose_config
+from tests.helpers import patch_everywhere
 
 
 # ---- progress lines ------------------------------------------------------------------------------
@@ -69,17 +70,18 @@ def no_work(monkeypatch):
     import transformers
 
     import data.sources
-    import train.run  # imported before patching: it binds tied_target at import
+    import inference_eval.model
+    import train.run  # noqa: F401 — the stages' modules, loaded before patching: they bind names at import
     from inference_eval.model import LlamaForCausalLM
+    from scripts import export  # noqa: F401
 
     def never(*a, **k):
         raise AssertionError("work started before the configuration was checked")
 
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
-    monkeypatch.setattr(data.sources, "load_conversations", never)
-    monkeypatch.setattr("inference_eval.model.tied_target", never)
-    monkeypatch.setattr(train.run, "tied_target", never)
+    patch_everywhere(monkeypatch, data.sources.load_conversations, never)
+    patch_everywhere(monkeypatch, inference_eval.model.tied_target, never)
 
 
 def run_stage(stage, cfg):
@@ -259,7 +261,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
             wrapped.append((head, None if draft_vocab is None else len(draft_vocab)))
             super().__init__(head, draft_vocab)
 
-    monkeypatch.setattr(engine, "PagedHeadProposer", Spy)
+    patch_everywhere(monkeypatch, engine.PagedHeadProposer, Spy)
     report = run_evaluation(cfg)
     trained, untrained = report["results"]["trained"], report["results"]["untrained"]
     assert list(report["results"]) == ["trained", "untrained"]

@@ -10,6 +10,7 @@ import torch
 
 from data.regenerate import GenerationSettings, generate_replies, regenerate, regenerated_path
 from tests.conftest import CONVERSATIONS, compose_config, make_hf_model
+from tests.helpers import patch_everywhere
 
 MAX_NEW = 12
 
@@ -237,9 +238,9 @@ def _forbid_target(monkeypatch):
 
     monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
-    monkeypatch.setattr(data.conversations, "load_tokenizer", never)
-    monkeypatch.setattr(data.regenerate, "regenerate_conversations", never)
-    monkeypatch.setattr(data.regenerate, "generate_replies", never)
+    patch_everywhere(monkeypatch, data.conversations.load_tokenizer, never)
+    patch_everywhere(monkeypatch, data.regenerate.regenerate_conversations, never)
+    patch_everywhere(monkeypatch, data.regenerate.generate_replies, never)
 
 
 def test_the_same_settings_reuse_the_cached_file_without_loading_the_target(tiny_overrides, text_target, cache,

@@ -13,6 +13,7 @@ import torch
 
 from experiments import cache
 from tests.conftest import compose_config
+from tests.helpers import patch_everywhere
 
 
 # ---- the helper ----------------------------------------------------------------------------------------
@@ -103,8 +104,8 @@ def fakes(monkeypatch, tiny_target):
     def heldout_agreement(head, loader, depth):
         return {"acc": [0.5] * depth, "tokens": [1] * depth, "sim_tau": 1.5}
 
-    monkeypatch.setattr(train.run, "run_training", run_training)
-    monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
+    patch_everywhere(monkeypatch, train.run.run_training, run_training)  # experiments/ bind them at import
+    patch_everywhere(monkeypatch, inference_eval.evaluate.run_evaluation, run_evaluation)
     monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)  # the runner's scoring
     return calls
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose_config
+from tests.helpers import patch_everywhere
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def spies(monkeypatch):
         calls["heldout"] += 1
         return real_heldout(*a, **kw)
 
-    monkeypatch.setattr(train.run, "run_training", run_training)
+    patch_everywhere(monkeypatch, train.run.run_training, run_training)  # experiments/ bind it at import
     monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)
-    monkeypatch.setattr(inference_eval.evaluate, "run_evaluation", run_evaluation)
+    patch_everywhere(monkeypatch, inference_eval.evaluate.run_evaluation, run_evaluation)
     return calls
 
 

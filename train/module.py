@@ -19,6 +19,7 @@ import lightning as L
 import torch
 
 from heads.unroll import unroll
+from train.data import TokenBudgetBatches
 from train.losses import fused_linear_kl, hidden_regression
 
 
@@ -143,8 +144,6 @@ def sync_epoch_length(trainer) -> int | None:
     validation (the final val metrics were an epoch old), a longer one validated before its last
     batches. This sets the current epoch's own count (its sampler's epoch is set by now); returns it
     (None: not a TokenBudgetBatches loader, or limit_train_batches / an int val_check_interval in use)."""
-    from train.data import TokenBudgetBatches
-
     loader = trainer.train_dataloader
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, TokenBudgetBatches) or trainer.limit_train_batches != 1.0:

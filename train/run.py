@@ -12,14 +12,13 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
 
+from artifacts.checkpoint import save_native
+from core.files import atomic_write_bytes
 from core.progress import log_interval
 from data.sources import resolve_target_dir
-from core.files import atomic_write_bytes
-from inference_eval.model import target_fingerprint
-from heads.registry import build_head
-from artifacts.checkpoint import save_native
 from heads.base import DraftHead
-from inference_eval.model import tied_target
+from heads.registry import build_head
+from inference_eval.model import target_fingerprint, tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.progress import ProgressLog

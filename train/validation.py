@@ -47,6 +47,7 @@ import torch
 
 from core.progress import Progress
 from heads.unroll import unroll
+from inference_eval.engine import engine_generate
 from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
 from train.losses import fused_linear_kl, hidden_regression
@@ -156,8 +157,6 @@ def engine_decode(target, head, prompts: list[list[int]], k: int, max_new_tokens
                   sampling: Sampling | list[Sampling] = GREEDY):
     """The prompts through the paged engine (inference_eval/engine.py) together, as serving runs them:
     (outputs in prompt order, the engine's stats). `head` None: plain decoding."""
-    from inference_eval.engine import engine_generate
-
     return engine_generate(target, prompts, max_new_tokens, proposer=head, k=k, stop_ids=stop_ids,
                            sampling=sampling, max_batch=len(prompts))
 
@@ -248,8 +247,8 @@ class EngineValidation(L.Callback):
         if self._target is None:
             from transformers import AutoTokenizer
 
-            from data.store import DTYPES
             from data.prompts import stop_token_ids
+            from data.store import DTYPES
             from inference_eval.model import LlamaForCausalLM, resolve_device
 
             self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype],
