@@ -590,10 +590,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def validate_draft_hf(cfg: dict[str, Any], path: Path, target: Path | None, tcfg: dict[str, Any] | None) -> list[str]:
     """Violations of the `draft-hf` layout: a config of the target's class sized like the target, exactly
     the tensors of a num_hidden_layers-layer model of it, and an embedding (lm_head) equal to the target's."""
@@ -636,3 +632,7 @@ def validate_draft_hf(cfg: dict[str, Any], path: Path, target: Path | None, tcfg
                     problems.append(f"tensor {name!r} is not the target's (cast to {got.dtype}): a stale or "
                                     "random copy destroys acceptance")
     return problems
+
+
+if __name__ == "__main__":
+    sys.exit(main())
