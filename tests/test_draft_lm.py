@@ -220,6 +220,15 @@ def test_export_reloads_with_identical_logits(setup, tmp_path):
     save_file(state, hf_dir / "model.safetensors")
     problems = validate_export(hf_dir, "draft-hf", path)
     assert any("model.embed_tokens.weight" in p for p in problems), problems
+    # ... and so does the validator's command line
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    cli = subprocess.run([sys.executable, "-m", "artifacts.validate", str(hf_dir), "--format", "draft-hf",
+                          "--target", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert cli.returncode == 1 and "model.embed_tokens.weight" in cli.stderr, cli.stderr[-2000:]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
