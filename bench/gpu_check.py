@@ -132,7 +132,7 @@ def main() -> None:
 
     from data.assets import ensure_smollm2_checkpoint
     from data.precompute import run_precompute
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from inference_eval.model import LlamaForCausalLM, resolve_device
     from train.run import run_training
 

@@ -3,7 +3,7 @@ files (headers and sizes; the bytes too with `full`), tokenizer and chat templat
 the one comparison that stores, heads and result caches use to ask "the same target?".
 
 Creation (`fingerprint_checkpoint`) reads the safetensors headers only: milliseconds for a 140 GB
-target. Comparison (`fingerprint_differences`) compares every identity key both sides hold
+target. Comparison (`compare_fingerprints`) compares every identity key both sides hold
 (`FINGERPRINT_IGNORED` never: the display name, library versions, the hashing method), and reports
 what could not be compared (a key one side lacks; a legacy fingerprint whose `weights_sha256` hashed
 the tensor bytes against a header-hashed one). Callers decide what an uncomparable key means: a store
@@ -40,15 +40,10 @@ def same_target_but_method(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
             and (not both_full or a["weights_content_sha256"] == b["weights_content_sha256"]))
 
 
-def fingerprint_differences(stored: dict[str, Any], expected: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """`{key: (stored, configured)}` for every identity key present in both fingerprints whose values differ
-    (all keys but `FINGERPRINT_IGNORED`; `compute_dtype` is the dtype check). Generic on purpose: keys
-    a fingerprint gains are compared as soon as both sides have them."""
-    return compare_fingerprints(stored, expected)[0]
-
-
 def compare_fingerprints(stored: dict[str, Any], expected: dict[str, Any]) -> tuple[dict[str, tuple[Any, Any]], list[str]]:
-    """(differences, what could not be compared). A fingerprint without `weights_hash` predates header
+    """({key: (stored, configured)} for every identity key both hold whose values differ — every key but
+    `FINGERPRINT_IGNORED`, so keys a fingerprint gains are compared as soon as both sides have them —,
+    what could not be compared). A fingerprint without `weights_hash` predates header
     hashing: its `weights_sha256` hashes the tensor bytes, so against a newer one it is compared with
     that one's `weights_content_sha256` (present with target.fingerprint=full), or not at all."""
     skip = set(FINGERPRINT_IGNORED)

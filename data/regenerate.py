@@ -5,7 +5,7 @@ inference time, not the one of whoever wrote the dataset's answers. For each con
 configured data source, the turns are rebuilt in order: system and user turns are kept, and each
 assistant turn is replaced by what the target generates from the conversation so far (rendered with
 its chat template, `data/conversations.py` `tokenize_prompt`), until a stop token (EOS / end of turn,
-`inference_eval/evaluate.py` `stop_token_ids`) or `max_new_tokens`.
+`evaluation/evaluate.py` `stop_token_ids`) or `max_new_tokens`.
 
 Backend (`regenerate.backend`): `engine` — the project's engine (inference_eval/engine.py: paged KV
 cache, continuous batching, each request its own sampler), the default (`auto`) for Llama-family

@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.files import atomic_write_bytes, sha256_file
-from inference_eval.evaluate import run_evaluation
+from evaluation.evaluate import run_evaluation
 from train.run import run_training
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[
 
 
 def cached_evaluation(cfg: DictConfig, what: str, target_fingerprint: dict[str, Any] | None) -> tuple[dict, bool]:
-    """The evaluation report of `cfg` (inference_eval/evaluate.py) at `cfg.evaluate.report`, computed
+    """The evaluation report of `cfg` (evaluation/evaluate.py) at `cfg.evaluate.report`, computed
     unless the one there was made from the same key; (report, reused)."""
     path, key = Path(cfg.evaluate.report), evaluation_key(cfg, target_fingerprint)
     if lookup(path, key, what) is not None:

@@ -63,7 +63,7 @@ def check_before_work(cfg: Any, stage: str) -> None:
     if "head" in needs and cfg.get("head") is not None:
         check_head(cfg.head)
     if "evaluate" in needs or "evaluate_settings" in needs:
-        from inference_eval.evaluate import check_evaluation_config
+        from evaluation.evaluate import check_evaluation_config
 
         check_evaluation_config(cfg, heads_must_exist="evaluate" in needs)
 

@@ -69,7 +69,7 @@ def run_pipeline(cfg: DictConfig) -> dict:
     """The demo's stages in order (main's body); returns the evaluation report."""
     from scripts.checks import check_before_work
     from data.precompute import run_precompute
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from scripts.export import run_export
     from train.run import run_training
 

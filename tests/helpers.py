@@ -170,7 +170,8 @@ def load_product_modules() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    for pkg in ("core", "heads", "inference_eval", "artifacts", "data", "train", "experiments", "scripts"):
+    for pkg in ("core", "heads", "inference_eval", "artifacts", "data", "train", "evaluation", "experiments",
+                "scripts"):
         for f in sorted((root / pkg).rglob("*.py")):
             name = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
             if name.split(".")[-1] in ("vllm_worker", "vllm_serve_worker"):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from inference_eval.evaluate import EvalResult
+from evaluation.evaluate import EvalResult
 from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, _target_state,
                                         accept_greedy, accept_rejection, draft_chain, full_vocab_logits, refresh)
 

@@ -459,7 +459,7 @@ def test_export_refuses_another_target_before_writing(tiny_target, other_target,
 
 
 def test_scripts_export_and_evaluate_refuse_another_target(tiny_overrides, tiny_target, other_target, fp, tmp_path):
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from scripts.export import run_export
     from tests.conftest import compose_config
 

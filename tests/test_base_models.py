@@ -98,7 +98,7 @@ def test_plain_text_end_to_end_on_a_base_model(tiny_target, tiny_overrides, tmp_
     """data.source=text on a target without a template: precompute (loss on every token but the first, bad
     records counted with file:line), training with engine validation, and evaluation on raw `prompt` records."""
     from artifacts.checkpoint import load_native
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from artifacts.export import probe_logits
     from train.run import run_training

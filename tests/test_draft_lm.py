@@ -298,7 +298,7 @@ def test_evaluation_native_export_and_draft_model_path(tiny_overrides, tiny_targ
     as `evaluate.heads`, the export as `evaluate.draft_models.<label>.path`. Untrained with init: target
     it is the layer-skip draft `{layers: 1}`, so all four rows have the same τ and α."""
     from artifacts.export import export_head
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
 
     head = _draft(tiny_target, num_layers=1)
     written = export_head(head, {"native": tmp_path / "native", "draft-hf": tmp_path / "draft-hf"}, tiny_target)

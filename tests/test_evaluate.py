@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from inference_eval.evaluate import run_evaluation, write_report
+from evaluation.evaluate import run_evaluation, write_report
 from inference_eval.model import LlamaForCausalLM
 from tests.conftest import compose_config
 from tests.helpers import StubHead
@@ -96,7 +96,7 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     from heads.registry import build_head
     from artifacts.checkpoint import save_native
     from artifacts.export import detect_format, export_head
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from tests.conftest import compose_config
 
@@ -197,7 +197,7 @@ def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_pat
 
 
 def test_report_goes_to_wandb_offline(tiny_overrides, tiny_target, tmp_path, monkeypatch):
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from tests.conftest import compose_config
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -243,7 +243,7 @@ def test_config_errors_come_before_the_target_loads(override, error, words, tiny
 def test_k_auto_picks_the_fastest_measured_setting():
     """A proposer whose costs are known: each draft token costs 0.1 of a plain step and is accepted with
     probability 0.6, so tokens per unit time are (1 + Σ_{j≤k} 0.6^j) / (1 + 0.1 k): k = 3 is best."""
-    from inference_eval.evaluate import choose_k
+    from evaluation.evaluate import choose_k
 
     speed = {k: (1 + sum(0.6 ** j for j in range(1, k + 1))) / (1 + 0.1 * k) for k in range(1, 6)}
     k, auto = choose_k(range(1, 6), speed.__getitem__, plain_tokens_per_s=1.0)

@@ -28,7 +28,7 @@ def test_family_goes_precompute_train_evaluate_export(kind, tiny_overrides, tmp_
     from data.precompute import run_precompute
     from data.store import FeatureStore
     from artifacts.export import load_export
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from scripts.export import run_export
     from train.run import run_training

@@ -95,7 +95,7 @@ def run_stage(stage, cfg):
         from train.run import run_training
         return run_checked(stage, run_training, cfg)
     if stage == "evaluate":
-        from inference_eval.evaluate import run_evaluation
+        from evaluation.evaluate import run_evaluation
         return run_checked(stage, run_evaluation, cfg)
     if stage == "export":
         from scripts.export import run_export
@@ -200,7 +200,7 @@ def test_a_failed_stage_is_marked_with_its_partial_artifacts(tiny_overrides, tmp
 # ---- k=auto over k and draft vocabularies --------------------------------------------------------
 def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
     from data.precompute import run_precompute
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from train.run import run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
@@ -245,7 +245,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     configured order. auto_probe=all probes both; a label list naming no configured proposer probes all."""
     import inference_eval.engine as engine
     from data.precompute import run_precompute
-    from inference_eval.evaluate import check_evaluation_config, run_evaluation
+    from evaluation.evaluate import check_evaluation_config, run_evaluation
     from train.run import run_training
 
     base = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false", "evaluate.k=auto",

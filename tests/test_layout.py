@@ -1,7 +1,7 @@
 """The code's rooms and the direction of its imports (docs/design.md §11): every product file's imports,
 function-level ones included, go downward only —
 
-    core ← heads ← engine ← artifacts ← targets and vLLM pieces ← data ← train, evaluate ← experiments ← scripts, bench
+    core ← heads ← engine ← artifacts ← targets and vLLM pieces ← data ← train, evaluation ← experiments ← scripts, bench
 
 — no module imports one above it, nor one of another package on its own level, and no two modules import
 each other through any chain. heads/ holds networks only and opens no file; core/ imports nothing of
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "experiments", "scripts", "bench")
+PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "evaluation", "experiments", "scripts",
+            "bench")
 ENGINE = ("inference_eval.engine", "inference_eval.paged", "inference_eval.model", "inference_eval.families",
           "inference_eval.scoring", "inference_eval.speculative", "inference_eval")
 TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker",
@@ -24,7 +25,7 @@ TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "in
 # (layer, room): a module may import its own room at its own layer, and any room below
 LAYERS = [(("core",), 0, "core"), (("heads",), 1, "heads"), (ENGINE, 2, "engine"), (("artifacts",), 3, "artifacts"),
           (TARGETS_AND_VLLM, 4, "targets"), (("data",), 5, "data"), (("train",), 6, "train"),
-          (("inference_eval.evaluate",), 6, "evaluate"), (("experiments",), 7, "experiments"),
+          (("evaluation",), 6, "evaluation"), (("experiments",), 7, "experiments"),
           (("scripts",), 8, "scripts"), (("bench",), 8, "bench")]
 
 
@@ -115,11 +116,21 @@ def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     return out
 
 
+def package_graph(graph: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
+    """The same imports between top-level packages (a package's rooms merged)."""
+    out: dict[str, set] = {}
+    for m, deps in graph.items():
+        out.setdefault(m.split(".")[0], set()).update((d.split(".")[0], 0) for d, _ in deps
+                                                     if d.split(".")[0] != m.split(".")[0])
+    return {p: sorted(ds) for p, ds in out.items()}
+
+
 def test_imports_go_downward_only_and_form_no_circle():
     graph = import_graph()
     assert len(graph) > 60 and sum(map(len, graph.values())) > 200  # the parser sees the code
     assert direction_violations(graph) == []
     assert cycles(graph) == []
+    assert cycles(package_graph(graph)) == []  # nor between packages: inference_eval is the engine only
 
 
 def test_the_checks_catch_an_upward_import_and_a_circle():
@@ -129,8 +140,11 @@ def test_the_checks_catch_an_upward_import_and_a_circle():
     assert direction_violations(graph) == ["heads/mtp.py:3 imports inference_eval.engine (engine, layer 2) from heads "
                                            "(layer 1)"]
     assert cycles(graph) == [["data.sources", "data.store"]]
+    # a package circle made of imports between different modules is one too
+    assert cycles(package_graph({"data.precompute": [("inference_eval.model", 1)],
+                                 "inference_eval.evaluate": [("data.prompts", 2)]})) == [["data", "inference_eval"]]
     # a same-layer import across rooms (train and evaluate share a layer) is refused too
-    assert direction_violations({"train.validation": [("inference_eval.evaluate", 4)]})
+    assert direction_violations({"train.validation": [("evaluation.evaluate", 4)]})
 
 
 @pytest.mark.parametrize("pkg", ["heads"])

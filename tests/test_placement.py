@@ -67,7 +67,7 @@ def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, r
             from data.precompute import run_precompute
             run_precompute(cfg)
         elif stage == "evaluate":
-            from inference_eval.evaluate import run_evaluation
+            from evaluation.evaluate import run_evaluation
             run_evaluation(cfg)
         elif stage == "regenerate":
             from data.regenerate import regenerate
@@ -171,7 +171,7 @@ def test_evaluation_heads_share_the_targets_tensors(tiny_target):
 
 def test_evaluation_does_not_copy_the_shared_tensors(tiny_overrides, monkeypatch):
     """With head_dtype unset (the target's dtype), evaluation never reads E / W_lm a second time."""
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from data.precompute import run_precompute
     from train.run import run_training
 

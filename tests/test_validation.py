@@ -250,10 +250,10 @@ def test_validation_and_evaluation_decode_through_the_paged_engine(store, tiny_t
     (counted), the product holds no other decoder (the batch-1 loop lives in tests/reference_decoding.py
     only), and the τ reported is the one the engine measured."""
     import inference_eval.engine as G
-    import inference_eval.evaluate as E
+    import evaluation.evaluate as E
     import inference_eval.speculative as S
     import train.validation as V
-    from inference_eval.evaluate import run_evaluation
+    from evaluation.evaluate import run_evaluation
     from train.run import run_training
 
     for module, names in ((S, ("HeadProposer", "as_proposer", "RefDraftModelProposer")), (E, ("evaluate_head",))):
