@@ -359,10 +359,12 @@ def eagle3_config(head: Eagle3Head, target_cfg: dict[str, Any]) -> dict[str, Any
         "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "torch_dtype": dtype, "dtype": dtype,
-        "norm_before_residual": False,
+        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
+        "norm_output": c.norm_output,
         "num_aux_hidden_states": len(ids),
         "eagle_aux_hidden_state_layer_ids": ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True,
+                         "norm_before_fc": c.norm_before_fc},
     }
     if "rope_parameters" in target_cfg:
         cfg["rope_parameters"] = target_cfg["rope_parameters"]
@@ -480,7 +482,9 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
         state = {k: load_tensor(info, k) for k, info in infos.items()}
     elif fmt == "eagle3":
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        head = Eagle3Head(args, Eagle3Config(aux_layers=ids, draft_vocab_size=cfg["draft_vocab_size"]), tied)
+        norms = {k: bool(cfg.get(k, False)) for k in ("norm_before_residual", "norm_output")}
+        norms["norm_before_fc"] = bool(cfg.get("norm_before_fc", (cfg.get("eagle_config") or {}).get("norm_before_fc", False)))
+        head = Eagle3Head(args, Eagle3Config(aux_layers=ids, draft_vocab_size=cfg["draft_vocab_size"], **norms), tied)
         state = {k: load_tensor(info, k) for k, info in infos.items() if k != "embed_tokens.weight"}
         if "d2t" not in state:  # V_d = V (validated): the identity mapping
             state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()

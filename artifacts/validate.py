@@ -452,8 +452,10 @@ def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: P
     _check_own_tensors(infos, expected, cfg, problems)
 
 
-def eagle3_shapes(a: LlamaArgs, num_aux: int, draft_vocab: int) -> dict[str, tuple[int, ...]]:
-    """EAGLE-3 keys of §9.3 (without d2t / t2d / embed_tokens, checked separately)."""
+def eagle3_shapes(a: LlamaArgs, num_aux: int, draft_vocab: int, norm_before_fc: bool = False
+                  ) -> dict[str, tuple[int, ...]]:
+    """EAGLE-3 keys of §9.3 (without d2t / t2d / embed_tokens, checked separately); `input_norm` with
+    EAGLE-3.1's norm_before_fc."""
     h, d, i = a.hidden_size, a.head_dim, a.intermediate_size
     mid = {
         "self_attn.q_proj.weight": (a.num_attention_heads * d, 2 * h),
@@ -464,18 +466,24 @@ def eagle3_shapes(a: LlamaArgs, num_aux: int, draft_vocab: int) -> dict[str, tup
         "input_layernorm.weight": (h,), "hidden_norm.weight": (h,), "post_attention_layernorm.weight": (h,),
     }
     return ({"fc.weight": (h, num_aux * h), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h)}
+            | ({"input_norm.weight": (num_aux * h,)} if norm_before_fc else {})
             | {f"midlayer.{k}": s for k, s in mid.items()})
 
 
 def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
                   tcfg: dict[str, Any] | None, problems: list[str]) -> None:
     _check_eagle_draft_config(cfg, EAGLE3_ARCH, "EAGLE-3", problems)
-    if cfg.get("norm_before_residual") is not False:
-        problems.append(f"norm_before_residual must be written as false (the defaults differ between engines, §10.5), "
-                        f"got {cfg.get('norm_before_residual', '<missing>')!r}")
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if cfg.get(flag) or (cfg.get("eagle_config") or {}).get(flag):
-            problems.append(f"{flag} is set: an EAGLE-3.1 flag that older engines ignore silently (§9.3)")
+    norms = {}
+    for flag in ("norm_before_residual", "norm_output"):
+        norms[flag] = cfg.get(flag, "<missing>")
+        if not isinstance(norms[flag], bool):  # the engines' defaults differ when the key is missing (§10.5)
+            problems.append(f"{flag} must be written as true or false (the defaults differ between engines, §10.5), "
+                            f"got {norms[flag]!r}")
+    nested_fc = (cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))
+    if bool(cfg.get("norm_before_fc", False)) != bool(nested_fc):
+        problems.append(f"norm_before_fc differs: top-level {cfg.get('norm_before_fc')!r}, eagle_config {nested_fc!r}")
+    if cfg.get("fc_norm") or (cfg.get("eagle_config") or {}).get("fc_norm"):
+        problems.append("fc_norm is set: per-chunk fc norms are not what spechead's eagle3 head computes")
     vd = cfg.get("draft_vocab_size")
     if not isinstance(vd, int) or isinstance(vd, bool) or vd < 1:
         problems.append(f"draft_vocab_size must be a positive integer (SGLang reads the key; null means 'use the "
@@ -510,7 +518,7 @@ def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
     _check_against_target(a, cfg, tcfg, problems)
     if vd > a.vocab_size:
         problems.append(f"draft_vocab_size {vd} exceeds vocab_size {a.vocab_size}")
-    expected = eagle3_shapes(a, len(ids), vd)
+    expected = eagle3_shapes(a, len(ids), vd, bool(cfg.get("norm_before_fc", False)))
     _check_keys(infos, expected, problems, eagle=True, optional=("d2t", "t2d", "embed_tokens.weight"))
     if vd < a.vocab_size and "d2t" not in infos:
         problems.append(f"missing tensor 'd2t': required when draft_vocab_size {vd} < vocab_size {a.vocab_size} "

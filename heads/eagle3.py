@@ -11,7 +11,14 @@ regression, and predicts over its own (smaller) draft vocabulary:
     L̂   = lm_head · norm(Ĥ)                                   ([V_d] logits, own trainable lm_head)
     target id = draft id + d2t[draft id]
 
-At depth > 1 the head's own Ĥ replaces g (no fc), as in vLLM/SGLang. The draft vocabulary holds the
+At depth > 1 the head's own Ĥ replaces g (no fc), as in vLLM/SGLang. The EAGLE-3.1 normalisations
+(speculators' defaults; vLLM reads each from the config, docs/reference/export_formats.md §3.2) are
+options, all off in the original EAGLE-3:
+
+    norm_before_fc:       g_i = fc input_norm([A^a; A^b; A^c])     (one RMSNorm over the K·H concatenation)
+    norm_before_residual: the residual is hidden_norm(g), not g
+    norm_output:          the state handed to the next step is norm(Ĥ) (what the lm_head reads), not Ĥ
+ The draft vocabulary holds the
 V_d most frequent target tokens of the training data (`set_draft_vocab`); with V_d = V it is the
 whole vocabulary. Tensor names are the engines' own (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`), so the native state dict is the export's key set.
@@ -43,6 +50,9 @@ class Eagle3Config:
     draft_vocab_size: int | None = None  # None (or ≥ V): the target's whole vocabulary
     init: Literal["copy", "random"] = "copy"  # copy: fc passes the last aux layer through at step 0
     init_std: float = 0.02
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -56,10 +66,12 @@ class Eagle3Config:
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's `midlayer`: a Llama layer whose attention reads [input_layernorm(e); hidden_norm(g)] (2H)
-    and whose residual is the pre-norm g (`norm_before_residual: false`, the original EAGLE-3)."""
+    and whose residual is the pre-norm g (`norm_before_residual: false`, the original EAGLE-3) or
+    hidden_norm(g) (true)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         h = args.hidden_size
         self.input_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, args.rms_norm_eps)
@@ -69,7 +81,8 @@ class Eagle3Layer(nn.Module):
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         e, g = x.chunk(2, dim=-1)
-        return torch.cat([self.input_layernorm(e), self.hidden_norm(g)], dim=-1), g
+        g_normed = self.hidden_norm(g)
+        return torch.cat([self.input_layernorm(e), g_normed], dim=-1), g_normed if self.norm_before_residual else g
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
@@ -101,8 +114,10 @@ class Eagle3Head(DraftHead):
         h = args.hidden_size
         # the engines' EAGLE-3 layer has neither q/k/v bias nor q/k norms (Qwen targets included)
         self.layer_args = dataclasses.replace(args, attention_bias=False, qk_norm=False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(len(aux) * h, args.rms_norm_eps)
         self.fc = Linear(len(aux) * h, h, bias=False)
-        self.midlayer = Eagle3Layer(self.layer_args)
+        self.midlayer = Eagle3Layer(self.layer_args, cfg.norm_before_residual)
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.lm_head = Linear(h, vd, bias=False)
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id = draft id + d2t
@@ -139,11 +154,22 @@ class Eagle3Head(DraftHead):
         return self.midlayer
 
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        g = self.fc(hidden) if depth == 1 else hidden
+        if depth == 1:
+            g = self.fc(self.input_norm(hidden) if self.cfg.norm_before_fc else hidden)
+        else:
+            g = hidden
         return torch.cat([embeds.to(g.dtype), g], dim=-1)
 
+    def step(self, x, positions, cache=None, start=0, depth=1):
+        h = super().step(x, positions, cache, start, depth)
+        return self.norm(h) if self.cfg.norm_output else h
+
+    def step_unrolled(self, x, positions, base, extras, depth=1, mask=None):
+        h, kv = super().step_unrolled(x, positions, base, extras, depth, mask)
+        return (self.norm(h) if self.cfg.norm_output else h), kv
+
     def features(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        return self.norm(hidden)
+        return hidden if self.cfg.norm_output else self.norm(hidden)  # norm_output: the state is normed already
 
     def regression_target(self, hidden_next: torch.Tensor) -> None:
         return None  # EAGLE-3 trains on the distribution only

@@ -26,6 +26,8 @@ def heads(deep_target):
     out = {}
     for name, cfg in {"eagle3": {"type": "eagle3", "draft_vocab_size": 300},
                       "eagle3_full": {"type": "eagle3"},
+                      "eagle3_31": {"type": "eagle3", "draft_vocab_size": 300, "norm_before_fc": True,
+                                    "norm_before_residual": True, "norm_output": True},
                       "medusa": {"type": "medusa", "num_heads": 3, "num_layers": 2}}.items():
         h = build_head(cfg, args, tied)
         if hasattr(h, "set_draft_vocab"):
@@ -39,7 +41,7 @@ def heads(deep_target):
 def exported(heads, deep_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("export3")
     dirs = {}
-    for name, fmt in (("eagle3", "eagle3"), ("eagle3_full", "eagle3"), ("medusa", "medusa-vllm")):
+    for name, fmt in (("eagle3", "eagle3"), ("eagle3_full", "eagle3"), ("eagle3_31", "eagle3"), ("medusa", "medusa-vllm")):
         assert default_formats(heads[name]) == ["native", fmt]
         written = export_head(heads[name], {"native": root / name / "native", fmt: root / name / fmt}, deep_target)
         dirs[name] = written[fmt]
@@ -58,6 +60,10 @@ def test_golden_eagle3(exported, deep_target):
     assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False
     assert cfg["max_position_embeddings"] == tcfg["max_position_embeddings"]
     assert "target_hidden_size" not in cfg and cfg["eagle_config"]["use_aux_hidden_state"] is True
+    assert (cfg["norm_before_fc"], cfg["norm_output"], cfg["eagle_config"]["norm_before_fc"]) == (False, False, False)
+    v31 = json.loads((exported["eagle3_31"] / "config.json").read_text())  # EAGLE-3.1: every flag written
+    assert (v31["norm_before_residual"], v31["norm_before_fc"], v31["norm_output"], v31["eagle_config"]["norm_before_fc"]) == (True,) * 4
+    assert _keys(exported["eagle3_31"]) == EAGLE3 | {"d2t", "t2d", "input_norm.weight"}
     full = json.loads((exported["eagle3_full"] / "config.json").read_text())
     assert full["draft_vocab_size"] == 512  # written, never null (§9.3)
     from safetensors.torch import load_file
@@ -80,7 +86,7 @@ def test_round_trip_same_logits_and_tau(exported, heads, deep_target):
     tied, args, _ = tied_target(deep_target)
     target = LlamaForCausalLM.from_pretrained(deep_target)
     prompts = [list(range(40, 60)), [5, 9, 13, 2]]
-    for name, fmt in (("eagle3", "eagle3"), ("eagle3_full", "eagle3"), ("medusa", "medusa-vllm")):
+    for name, fmt in (("eagle3", "eagle3"), ("eagle3_full", "eagle3"), ("eagle3_31", "eagle3"), ("medusa", "medusa-vllm")):
         for path, f in ((exported[name], fmt), (exported[name + "_native"], "native")):
             back = load_export(path, f, tied, args)
             assert torch.equal(probe_logits(back), probe_logits(heads[name])), (name, f)
@@ -115,7 +121,11 @@ E3_DEFECTS = [
      ["missing tensor 'midlayer.hidden_norm.weight'", "unexpected tensor 'layers.0.hidden_norm.weight'"]),
     ("null draft vocab", dict(config={"draft_vocab_size": None}), ["draft_vocab_size must be a positive integer"]),
     ("wrong arch", dict(config={"architectures": ["LlamaForCausalLM"]}), ["LlamaForCausalLMEagle3"]),
-    ("no norm_before_residual", dict(config={"norm_before_residual": True}), ["norm_before_residual"]),
+    ("no norm_before_residual", dict(config={"norm_before_residual": None}), ["norm_before_residual must be written"]),
+    ("norm_before_fc without input_norm", dict(config={"norm_before_fc": True, "eagle_config": {
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5], "use_aux_hidden_state": True, "norm_before_fc": True}}),
+     ["missing tensor 'input_norm.weight'"]),
+    ("norm_before_fc in one place", dict(config={"norm_before_fc": True}), ["norm_before_fc differs"]),
     ("fc for 2 layers", dict(add={"fc.weight": torch.zeros(64, 128)}), ["'fc.weight' has shape [64, 128], expected [64, 192]"]),
     ("tied", dict(config={"tie_word_embeddings": True}), ["tie_word_embeddings must be false"]),
 ]

@@ -18,6 +18,9 @@ HEADS = {
     "mtp3": {"type": "mtp", "num_modules": 3, "init": "random"},
     "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 200, "init": "random"},
     "eagle3_full": {"type": "eagle3", "aux_layers": [1], "init": "random"},
+    # the EAGLE-3.1 normalisations (speculators' defaults), all three
+    "eagle3_31": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 200, "init": "random",
+                  "norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
     "medusa": {"type": "medusa", "num_heads": 3, "init": "random", "init_std": 0.2},
 }
 
@@ -75,6 +78,64 @@ def test_eagle3_shapes_and_draft_vocab(tiny_target):
         head.target_input(torch.zeros(1, 2, a.hidden_size), None)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("flag", ["norm_before_fc", "norm_before_residual", "norm_output"])
+def test_each_eagle31_norm_changes_the_function(tiny_target, flag):
+    """Each EAGLE-3.1 flag alone, same weights otherwise: other logits at depth 1 or later (not a no-op),
+    and with norm_output the state handed on is already normed (features = the state)."""
+    plain = make(tiny_target, "eagle3")
+    tied, args, _ = tied_target(tiny_target)
+    flagged = build_head({**HEADS["eagle3"], flag: True}, args, tied)
+    missing, unexpected = flagged.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and missing == (["input_norm.weight"] if flag == "norm_before_fc" else [])
+    if flag == "norm_before_fc":
+        flagged.input_norm.weight.fill_(1.0)
+    hidden, aux, ids = inputs(plain, 10, seed=3)
+    a, b = unroll(plain, hidden, ids, 2, aux), unroll(flagged, hidden, ids, 2, aux)
+    logits_a = [plain.logits(x) for x in a]
+    logits_b = [flagged.logits(x) for x in b]
+    assert max((x - y).abs().max() for x, y in zip(logits_a, logits_b)) > 1e-3
+    if flag == "norm_output":
+        torch.testing.assert_close(b[0], flagged.norm(flagged.midlayer(flagged.fuse(aux[:, :-1], flagged.embed(ids[:, 1:])),
+                                   *flagged.rotary(torch.arange(9).expand(1, 9), torch.float32))))
+        torch.testing.assert_close(flagged.features(b[0]), b[0], atol=0, rtol=0)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_31"])
+def test_unroll_attention_is_speculators_ttt_definition(tiny_target, name):
+    """The peer's training-time test (speculators 0.9, models/eagle3/core.py and attention.py
+    `extend_dense_mask_for_draft_tokens`), written here independently: one key list that grows by a
+    block of T keys per step; step 1 attends its block causally, step d attends step 1's block causally
+    and, of each later block, only its own row (the diagonal); positions move +1 per step; the state
+    handed on is the layer's output (normed with norm_output). The unroll must compute the same."""
+    import torch.nn.functional as F
+
+    head = make(tiny_target, name)
+    t, depth = 9, 3
+    hidden, aux, ids = inputs(head, t, seed=4)
+    outs = unroll(head, hidden, ids, depth, aux)
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    rows = t - 1
+    state = head.target_input(hidden[:, :-1], aux[:, :-1])
+    keys, values, blocks = [], [], []
+    for d in range(1, depth + 1):
+        tokens = torch.zeros(1, rows, dtype=ids.dtype)
+        tokens[:, : t - d] = ids[:, d:]  # teacher forcing: the input ids shifted by one more per step
+        a_in, residual = layer._split(head.fuse(state, head.embed(tokens), d))
+        q, k, v = attn.project(a_in, *head.rotary(torch.arange(rows)[None] + d - 1, a_in.dtype))
+        keys.append(k)
+        values.append(v)
+        blocks.append(torch.ones(rows, rows, dtype=torch.bool).tril() if d == 1 else torch.eye(rows, dtype=torch.bool))
+        out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=torch.cat(blocks, 1),
+                                             enable_gqa=attn.n_kv != attn.n_heads)
+        h = residual + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        state = head.norm(h) if head.cfg.norm_output else h
+        assert_close_float32(outs[d - 1], state, terms=max(head.args.intermediate_size, t), layers=depth * (decoder_chain(1) + 1))
+    assert (outs[2] - outs[1]).abs().max() > 1e-3  # the depths differ: the comparison is not vacuous
+
+
 def _engine_states(head, hidden, aux, ids, i, depth):
     """The engine's draft loop with teacher-forced tokens after the target accepted up to i."""
     cache = head.new_cache(1, hidden.shape[1] + depth + 1)
@@ -85,7 +146,7 @@ def _engine_states(head, hidden, aux, ids, i, depth):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["mtp3", "eagle3", "eagle3_full"])
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "eagle3_full", "eagle3_31"])
 def test_unroll_equals_engine_draft_chain(tiny_target, name):
     head = make(tiny_target, name)
     t, depth = 12, 3

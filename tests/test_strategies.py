@@ -24,7 +24,7 @@ from artifacts.export import probe_logits
 from inference_eval.model import tied_target
 from tests.conftest import ROOT, compose_config
 from train.data import TokenBudgetBatches
-from train.run import run_training
+from train.run import resolve_precision, run_training
 
 
 class RecordBatches(L.Callback):
@@ -67,11 +67,23 @@ class RecordBatches(L.Callback):
 def test_preset_composes_and_instantiates(preset, accelerator, devices, strategy):
     cfg = compose_config([f"trainer={preset}", "progress=false"])
     assert (cfg.trainer.accelerator, cfg.trainer.devices) == (accelerator, devices)
-    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.trainer.precision == ("auto" if preset == "cpu" else "bf16-mixed")
     assert cfg.trainer.gradient_clip_val == 1.0 and cfg.trainer.max_epochs == 2  # shared, from cpu.yaml
     # this machine has no GPU: the GPU presets are instantiated with the accelerator overridden
-    trainer = instantiate(cfg.trainer, accelerator="cpu", devices=1, logger=False)
-    assert type(trainer.strategy).__name__ == strategy and trainer.precision == "bf16-mixed"
+    precision = resolve_precision(cfg.trainer.precision, cfg.trainer.accelerator)
+    trainer = instantiate(cfg.trainer, accelerator="cpu", devices=1, logger=False, precision=precision)
+    assert type(trainer.strategy).__name__ == strategy and trainer.precision == precision
+
+
+@pytest.mark.parametrize("fast_bf16,expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_cpu_precision_auto_follows_the_cpu(monkeypatch, fast_bf16, expected):
+    """`auto` on CPU: bf16 autocast only where the CPU multiplies bf16 natively; explicit values stay."""
+    import train.run as run
+
+    monkeypatch.setattr(run, "cpu_has_fast_bf16", lambda: fast_bf16)
+    assert resolve_precision("auto", "cpu") == expected
+    assert resolve_precision("bf16-mixed", "cpu") == "bf16-mixed" and resolve_precision("32-true", "gpu") == "32-true"
+    assert resolve_precision("auto", "gpu") == "bf16-mixed"
 
 
 def test_ddp_preset_strategy_is_overridable():

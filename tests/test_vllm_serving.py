@@ -46,6 +46,8 @@ HEADS = {
                 "train.module.normed_regression=false"], "eagle1-vllm", "eagle", K),
     "eagle3_full": (["head=eagle3", "head.draft_vocab_size=null", f"head.aux_layers={AUX}"], "eagle3", "eagle3", K),
     "eagle3_pruned": (["head=eagle3", "head.draft_vocab_size=8192", f"head.aux_layers={AUX}"], "eagle3", "eagle3", K),
+    "eagle3_31": (["head=eagle3", "head.draft_vocab_size=8192", f"head.aux_layers={AUX}", "head.norm_before_fc=true",
+                   "head.norm_before_residual=true", "head.norm_output=true"], "eagle3", "eagle3", K),  # EAGLE-3.1 norms
     "medusa": (["head=medusa", f"head.num_heads={K}", f"train.module.depth={K}"], "medusa-vllm", "medusa", K),
 }
 

@@ -10,7 +10,6 @@ head's own depth d-1 state, exactly as the engine's draft loop does.
 
 from __future__ import annotations
 
-import math
 import resource
 import time
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from heads.unroll import unroll
 from train.data import TokenBudgetBatches
 from train.losses import fused_linear_kl, hidden_regression
+from train.optim import build_optimizer, lr_multiplier
 
 
 class DraftHeadModule(L.LightningModule):
@@ -28,7 +28,8 @@ class DraftHeadModule(L.LightningModule):
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
+                 muon_momentum: float = 0.95, muon_weight_decay: float = 0.1) -> None:
         super().__init__()
         self.head = head
         # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
@@ -119,21 +120,13 @@ class DraftHeadModule(L.LightningModule):
     # ---- optimisation -----------------------------------------------------------------------------
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=hp.lr, betas=tuple(hp.betas))
+        opt = build_optimizer(self.head, hp.optimizer, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
+                              hp.muon_weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)
-
-        def schedule(step: int) -> float:  # linear warmup, cosine decay to min_lr_ratio
-            if step < warm:
-                return (step + 1) / warm
-            progress = min(1.0, (step - warm) / max(1, total - warm))
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        lr_multiplier(0, total, warm, hp.schedule, hp.min_lr_ratio)  # a wrong name fails here, not at step 1
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_multiplier(step, total, warm, hp.schedule, hp.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

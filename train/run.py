@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
@@ -62,6 +63,25 @@ class Checkpoints(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512-BF16 / AMX, oneDNN's check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_precision(precision: Any, accelerator: Any) -> Any:
+    """`trainer.precision: auto`: bf16-mixed on an accelerator or a CPU with bf16 instructions, else
+    32-true — without them a bf16 matrix product is ~170x slower than float32 (tests/README.md), so
+    bf16 autocast makes training slower, not faster. Any other value is Lightning's, as given."""
+    if precision != "auto":
+        return precision
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if not on_cpu or cpu_has_fast_bf16():
+        return "bf16-mixed"
+    log.info("train: trainer.precision=auto -> 32-true: this CPU has no bf16 matrix instructions "
+             "(bf16 autocast would be slower); set trainer.precision=bf16-mixed to force it")
+    return "32-true"
+
+
 def write_split(dm: FeatureDataModule, path: Path) -> None:
     """The held-out conversations of this run (ids in split order, their digest, the settings that chose
     them), so two runs' validation figures can be checked to come from the same rows."""
@@ -114,7 +134,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
-                                     use_distributed_sampler=False)
+                                     use_distributed_sampler=False,
+                                     precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")))
     if trainer.is_global_zero:
         write_split(dm, Path(cfg.run_dir) / "heldout.json")
     if trainer.is_global_zero and cfg.train.get("untrained_dir"):

@@ -1,0 +1,117 @@
+"""train/optim.py: the Muon + AdamW optimizer against torch's own, its groups, its checkpoint resume, and
+the schedules."""
+
+import copy
+
+import pytest
+import torch
+
+from heads.registry import build_head
+from inference_eval.model import tied_target
+from train.optim import MuonAdamW, build_optimizer, lr_multiplier, newton_schulz, parameter_groups
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_muon_group_equals_torch_muon(shape):
+    """With bf16 Newton–Schulz (torch's), three steps equal torch.optim.Muon(adjust_lr_fn=match_rms_adamw)."""
+    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    ref = torch.nn.Parameter(w.detach().clone())
+    ours = MuonAdamW([{"params": [w], "muon": True}], lr=2e-3, weight_decay=0.1, momentum=0.9, ns_dtype=torch.bfloat16)
+    theirs = torch.optim.Muon([ref], lr=2e-3, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    for step in range(3):
+        _grads([w], step)
+        _grads([ref], step)
+        ours.step()
+        theirs.step()
+        torch.testing.assert_close(w, ref, atol=0, rtol=0)
+    assert (w - torch.randn(shape, generator=torch.Generator().manual_seed(0))).abs().max() > 1e-3  # it moved
+
+
+def test_adamw_group_equals_torch_adamw():
+    w = torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(1)))
+    ref = torch.nn.Parameter(w.detach().clone())
+    ours = MuonAdamW([{"params": [w]}], lr=1e-2, weight_decay=0.05, betas=(0.9, 0.95))
+    theirs = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.05, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(4):
+        _grads([w], step)
+        _grads([ref], step)
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(w, ref, atol=1e-7, rtol=1e-6)
+
+
+def test_newton_schulz_orthogonalises():
+    g = torch.randn(32, 64, generator=torch.Generator().manual_seed(2))
+    s = torch.linalg.svdvals(newton_schulz(g, dtype=torch.float64))
+    assert 0.5 < s.min() and s.max() < 1.3  # singular values pushed to ≈ 1 (the quintic's band)
+    assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 3  # from a spread-out start
+
+
+def test_muon_refuses_vectors():
+    with pytest.raises(ValueError, match="matrices only"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.ones(3))], "muon": True}])
+
+
+@pytest.fixture
+def eagle3(tiny_target):
+    tied, args, parts = tied_target(tiny_target)
+    head = build_head({"type": "eagle3", "draft_vocab_size": 64}, args, tied)
+    head.reset_parameters(0, parts.first_input_norm)
+    return head
+
+
+def test_groups_keep_the_vocabulary_projection_and_vectors_on_adamw(eagle3):
+    groups = parameter_groups(eagle3, "muon", 0.01)
+    muon = {id(p) for g in groups if g.get("muon") for p in g["params"]}
+    names = {n for n, p in eagle3.named_parameters() if id(p) in muon}
+    assert "fc.weight" in names and "midlayer.self_attn.q_proj.weight" in names and "midlayer.mlp.down_proj.weight" in names
+    assert "lm_head.weight" not in names and not any("norm" in n for n in names)
+    every = [p for g in groups for p in g["params"]]
+    assert len(every) == len({id(p) for p in every}) == sum(1 for p in eagle3.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="train.module.optimizer"):
+        parameter_groups(eagle3, "sgd", 0.0)
+
+
+def test_resume_from_saved_state_equals_uninterrupted(eagle3):
+    """Muon's momentum and AdamW's moments survive state_dict → load_state_dict: 2 + 2 steps == 4 steps."""
+    def steps(head, opt, first, n):  # gradients drawn afresh each step (seeded by the step's index)
+        for step in range(first, first + n):
+            _grads([p for p in head.parameters() if p.requires_grad], step)
+            opt.step()
+
+    a = copy.deepcopy(eagle3)
+    opt_a = build_optimizer(a, "muon", 1e-3, 0.01, (0.9, 0.95))
+    steps(a, opt_a, 0, 4)
+    b = copy.deepcopy(eagle3)
+    opt_b = build_optimizer(b, "muon", 1e-3, 0.01, (0.9, 0.95))
+    steps(b, opt_b, 0, 2)
+    saved_head, saved_opt = copy.deepcopy(b.state_dict()), copy.deepcopy(opt_b.state_dict())
+    c = copy.deepcopy(eagle3)
+    c.load_state_dict(saved_head)
+    opt_c = build_optimizer(c, "muon", 1e-3, 0.01, (0.9, 0.95))
+    opt_c.load_state_dict(saved_opt)
+    steps(c, opt_c, 2, 2)
+    for (n, pa), pc in zip(a.named_parameters(), c.parameters()):
+        torch.testing.assert_close(pa, pc, atol=0, rtol=0, msg=n)
+    fresh = copy.deepcopy(eagle3)
+    fresh.load_state_dict(saved_head)
+    opt_f = build_optimizer(fresh, "muon", 1e-3, 0.01, (0.9, 0.95))  # momentum lost: a different result
+    steps(fresh, opt_f, 2, 2)
+    assert (fresh.fc.weight - a.fc.weight).abs().max() > 1e-6
+
+
+def test_schedules():
+    assert lr_multiplier(0, 100, 10, "linear", 0.0) == pytest.approx(0.1)
+    assert lr_multiplier(10, 100, 10, "linear", 0.0) == 1.0
+    assert lr_multiplier(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
+    assert lr_multiplier(100, 100, 10, "linear", 0.0) == 0.0
+    assert lr_multiplier(55, 100, 10, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_multiplier(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="train.module.schedule"):
+        lr_multiplier(0, 10, 1, "step", 0.0)

@@ -1,0 +1,146 @@
+"""Optimizers and learning-rate schedules of the training module (docs/design.md §4).
+
+`adamw` (the default): AdamW over every trainable tensor, weight decay on matrices only.
+
+`muon`: Muon (Jordan et al., 2024; the Moonlight scaling of Liu et al., 2025, "Muon is Scalable for
+LLM Training") on the head's hidden matrices, AdamW on everything else (norm weights, biases, and a
+head's own vocabulary projection — EAGLE-3's `lm_head` — which Muon's authors keep on AdamW like
+embeddings). One optimizer object holds both groups, so Lightning's automatic optimisation, the
+scheduler, checkpoints and resume treat it as any other. A Muon step on a matrix W with gradient G:
+
+    B ← μ B + (1 − μ) G;   U ← (1 − μ) G + μ B  (Nesterov)
+    O ← NewtonSchulz5(U)                        (≈ the orthogonal polar factor of U)
+    W ← (1 − lr·λ) W − lr · 0.2 · √max(rows, cols) · O
+
+the 0.2·√max(A, B) factor matching AdamW's update RMS, so one lr serves both groups. That is
+`torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`, except that the Newton–Schulz iteration runs in a
+chosen dtype (`ns_dtype`): torch's fixes bfloat16, which a CPU without bf16 instructions runs ~170×
+slower than float32 (tests/README.md). tests/test_optim.py checks both groups against torch's own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "linear")
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic of Keller Jordan's Muon (torch's default too)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """The quintic Newton–Schulz iteration of Muon: ≈ U Vᵀ for G = U S Vᵀ (singular values near 1)."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm ≤ 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups with `muon: True` (2-D tensors only), AdamW on the others (module docstring)."""
+
+    def __init__(self, groups: Iterable[dict[str, Any]], lr: float = 1e-3, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32) -> None:
+        defaults = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "momentum": momentum,
+                    "nesterov": nesterov, "ns_steps": ns_steps, "muon": False}
+        super().__init__(list(groups), defaults)
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            if group["muon"]:
+                bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
+                if bad:
+                    raise ValueError(f"Muon updates matrices only; this group holds tensors of shapes {bad}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    (self._muon if group["muon"] else self._adamw)(p, p.grad, self.state[p], group)
+        return loss
+
+    def _muon(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        mu, lr = group["momentum"], group["lr"]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if group["nesterov"] else buf
+        o = newton_schulz(update, group["ns_steps"], dtype=self.ns_dtype)
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+
+    def _adamw(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        (b1, b2), lr = group["betas"], group["lr"]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state["step"] += 1
+        t = float(state["step"])
+        p.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(grad, 1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** t)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+
+
+def parameter_groups(head: torch.nn.Module, optimizer: str, weight_decay: float,
+                     muon_weight_decay: float = 0.1) -> list[dict[str, Any]]:
+    """The head's trainable tensors in optimizer groups: AdamW decays matrices only (`weight_decay`);
+    Muon takes the matrices except vocabulary-sized ones (`lm_head`, `embed_tokens`), which stay on AdamW
+    with the vectors, and decays them by `muon_weight_decay` (speculators' 0.1)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"train.module.optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
+    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    vectors = [p for _, p in named if p.ndim < 2]
+    if optimizer == "adamw":
+        return [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+                {"params": vectors, "weight_decay": 0.0}]
+    vocab = [p for n, p in named if p.ndim >= 2 and n.split(".")[-2:-1] in (["lm_head"], ["embed_tokens"])]
+    matrices = [p for n, p in named if p.ndim == 2 and not any(p is q for q in vocab)]
+    groups = [{"params": matrices, "muon": True, "weight_decay": muon_weight_decay},
+              {"params": vocab, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(head: torch.nn.Module, optimizer: str, lr: float, weight_decay: float,
+                    betas: tuple[float, float], momentum: float = 0.95, muon_weight_decay: float = 0.1,
+                    ns_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
+    """`train.module.optimizer`: adamw | muon (module docstring). `ns_dtype` None: bfloat16 on CUDA
+    (as torch's Muon), float32 elsewhere."""
+    groups = parameter_groups(head, optimizer, weight_decay, muon_weight_decay)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+    if ns_dtype is None:
+        on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+        ns_dtype = torch.bfloat16 if on_cuda else torch.float32
+    return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas), momentum=momentum,
+                     ns_dtype=ns_dtype)
+
+
+def lr_multiplier(step: int, total: int, warmup: int, schedule: str, min_lr_ratio: float) -> float:
+    """lr / peak lr at `step` of `total`: linear warm-up over `warmup` steps, then `cosine` or `linear`
+    decay to `min_lr_ratio` at the last step (`linear` with 0: the decay-to-zero of speculators)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"train.module.schedule={schedule!r}: expected one of {SCHEDULES}")
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_lr_ratio + (1 - min_lr_ratio) * shape
