@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.spechead-installed
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-kernels install bench clean-runs vllm-env
+.PHONY: demo test test-kernels install bench clean-runs vllm-env speculators-env
 
 install: $(STAMP)
 
@@ -68,4 +68,24 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert not torch.version.cuda; print('vllm', vllm.__version__)"
 	$(VLLM_VENV)/bin/python -c "from importlib.metadata import entry_points as e; assert 'spechead_mtp' in [p.name for p in e(group='vllm.general_plugins')]"
+	touch $@
+
+# The peer trainer speculators 0.9.0 (vllm-project) in an environment of its own (it needs
+# transformers<=5.19; ours is 5.24), CPU torch first. experiments/peer_shims.py runs its `speculators train`
+# on CPU; experiments/peer_data.py (main env) exports a feature store's training split for it.
+SPEC_VENV := .venv-speculators
+SPEC_STAMP := $(SPEC_VENV)/.spechead-installed
+
+speculators-env: $(SPEC_STAMP)
+
+$(SPEC_STAMP): pyproject.toml
+	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/python -m pip install -q --upgrade "pip>=23"
+	$(SPEC_VENV)/bin/python -m pip install -q "$$(grep -E '^torch==' requirements.txt)"
+	$(SPEC_VENV)/bin/python -m pip install -q "$$(grep -E '^torch==' requirements.txt)" speculators==0.9.0 "transformers<=5.19"
+	# speculators requires torchvision/torchaudio but never imports them; the builds pip picks do not match
+	# torch 2.13 (transformers then fails to import PreTrainedModel): remove them, as vllm-env does
+	$(SPEC_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(SPEC_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(SPEC_VENV)/bin/python -c "import speculators, torch, transformers; assert not torch.version.cuda, 'a CUDA torch was installed; expected the 2.13.0 CPU wheel'; from importlib.metadata import version as v; print('speculators', v('speculators'), 'transformers', transformers.__version__)"
 	touch $@

@@ -45,6 +45,7 @@ from artifacts.checkpoint import (
 )
 from artifacts.draft_hf import EXPORT_FORMAT as DRAFT_HF
 from artifacts.draft_hf import read_draft_hf, write_draft_hf
+from artifacts.speculators import SPECULATORS_EAGLE3, is_speculators_dir, read_speculators_eagle3
 from artifacts.validate import (
     EAGLE1_ARCH,
     EAGLE3_ARCH,
@@ -425,6 +426,8 @@ def detect_format(path: str | Path) -> str:
     archs = cfg.get("architectures") or []
     if "spechead_format" in cfg:
         return "native"
+    if is_speculators_dir(path):  # a peer's checkpoint (speculators 0.9): artifacts/speculators.py reads it
+        return SPECULATORS_EAGLE3
     if (artifact_info(path) or {}).get("kind") == export_kind(DRAFT_HF):  # a plain HF model: only the marker tells
         return DRAFT_HF
     if archs == [MTP_VLLM_ARCH]:
@@ -494,6 +497,8 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
             state["t2d"] = t2d
     elif fmt == DRAFT_HF:
         return read_draft_hf(path, tied, args)
+    elif fmt == SPECULATORS_EAGLE3:
+        return read_speculators_eagle3(path, tied, args).to(tied.embed.dtype)
     elif fmt == "medusa-vllm":
         head = MedusaHead(args, MedusaConfig(num_heads=cfg["num_heads"], num_layers=cfg["num_hidden_layers"],
                                              bias=bool(cfg["medusa_fc_bias"])), tied)

@@ -158,6 +158,9 @@ def test_unroll_equals_engine_draft_chain(tiny_target, name):
         for d in range(depth):
             # float32 both ways (the tied tensors): within the reordering bound of `depth` fused layers
             assert_close_float32(outs[d][:, i], chain[d][:, 0], terms=max(head.args.intermediate_size, t), layers=depth * (decoder_chain(1) + 1))
+            # and the depth-d draft logits (what the engine takes the argmax of), one projection more
+            assert_close_float32(head.logits(outs[d][:, i], d + 1), head.logits(chain[d][:, 0], d + 1),
+                                 terms=max(head.args.intermediate_size, t), layers=depth * (decoder_chain(1) + 1) + 2)
 
 
 @torch.no_grad()

@@ -73,8 +73,8 @@ def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, r
             from data.regenerate import regenerate
             regenerate(cfg)
         else:
-            from train.validation import EngineValidation
-            EngineValidation(cfg.target.path, "float32", device=cfg.target.device)._load()
+            from train.validation import EngineValidation, EngineValidationSettings
+            EngineValidation(EngineValidationSettings(cfg.target.path, "float32", device=cfg.target.device))._load()
     assert record_placement == [torch.device("meta")]
 
 

@@ -114,12 +114,12 @@ def _stub_run(store, head, tmp_path, step=5):
 
 
 def test_strict_defaults_to_float32_and_is_configurable(tiny_overrides, tiny_target):
-    from train.validation import EngineValidation
+    from train.validation import EngineValidation, EngineValidationSettings
 
-    assert EngineValidation(tiny_target, "float32").strict is True
-    assert EngineValidation(tiny_target, "bfloat16").strict is False
-    assert EngineValidation(tiny_target, "float32", strict=False).strict is False
-    assert EngineValidation(tiny_target, "bfloat16", strict=True).strict is True
+    assert EngineValidation(EngineValidationSettings(tiny_target, "float32")).strict is True
+    assert EngineValidation(EngineValidationSettings(tiny_target, "bfloat16")).strict is False
+    assert EngineValidation(EngineValidationSettings(tiny_target, "float32", strict=False)).strict is False
+    assert EngineValidation(EngineValidationSettings(tiny_target, "bfloat16", strict=True)).strict is True
     cfg = compose_config(tiny_overrides)
     assert cfg.train.engine_validation.strict is None  # null: the dtype decides
     off = compose_config(tiny_overrides + ["train.engine_validation.strict=false"])
@@ -173,7 +173,7 @@ def test_gap_above_tolerance_raises_in_strict_mode_and_warns_otherwise(store, ti
     monkeypatch.setattr(V, "training_forward_scores", off)
     head = make(tiny_target, "mtp3").train()
     kw = dict(conversations=1, max_rows=12, depth=2, prompts=0, tolerance=0.02)
-    lenient = V.EngineValidation(tiny_target, "float32", strict=False, **kw)
+    lenient = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", strict=False, **kw))
     with caplog.at_level("WARNING", logger="train.validation"):
         m = lenient.run(*_stub_run(store, head, tmp_path))
     assert "engine_val/failed" not in m
@@ -182,7 +182,7 @@ def test_gap_above_tolerance_raises_in_strict_mode_and_warns_otherwise(store, ti
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and f"gap {gaps[0]:.4f}" in warned[0] and f"gap {gaps[1]:.4f}" in warned[0]
 
-    strict = V.EngineValidation(tiny_target, "float32", **kw)  # float32: strict by default
+    strict = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", **kw))  # float32: strict by default
     assert strict.strict
     with pytest.raises(V.EngineTrainingGap, match="beyond tolerance 0.02") as info:
         strict.run(*_stub_run(store, head, tmp_path))
@@ -202,7 +202,7 @@ def test_gap_within_tolerance_passes_strict(store, tiny_target, tmp_path):
     import train.validation as V
 
     head = make(tiny_target, "mtp3")
-    m = V.EngineValidation(tiny_target, "float32", conversations=2, max_rows=12, depth=2, prompts=0).run(
+    m = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", conversations=2, max_rows=12, depth=2, prompts=0)).run(
         *_stub_run(store, head, tmp_path))
     assert m["engine_val/gap_acc_d1"] == 0.0 and m["engine_val/gap_acc_d2"] == 0.0
     assert "engine_val/failed" not in m and m["step"] == 5
@@ -220,7 +220,7 @@ def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monke
 
     monkeypatch.setattr(V, "engine_teacher_forced", boom)
     head = make(tiny_target, "mtp3").train()
-    cb = V.EngineValidation(tiny_target, "float32", conversations=1, max_rows=4, depth=1, prompts=0)
+    cb = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", conversations=1, max_rows=4, depth=1, prompts=0))
     if isinstance(err, FileNotFoundError):  # the target's files gone: loading it fails
         monkeypatch.setattr(cb, "_load", boom)
     with caplog.at_level("ERROR", logger="train.validation"):
@@ -238,7 +238,7 @@ def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):
         raise IndexError("index 9 is out of bounds for dimension 1 with size 8")
 
     monkeypatch.setattr(V, "engine_teacher_forced", boom)
-    cb = V.EngineValidation(tiny_target, "bfloat16", conversations=1, max_rows=4, depth=1, prompts=0)
+    cb = V.EngineValidation(V.EngineValidationSettings(tiny_target, "bfloat16", conversations=1, max_rows=4, depth=1, prompts=0))
     with pytest.raises(IndexError, match="index 9"):
         cb.run(*_stub_run(store, make(tiny_target, "mtp3"), tmp_path))
     assert cb.results == []

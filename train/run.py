@@ -23,7 +23,7 @@ from inference_eval.model import target_fingerprint, tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.progress import ProgressLog
-from train.validation import EngineValidation
+from train.validation import EngineValidation, EngineValidationSettings
 
 log = logging.getLogger(__name__)
 
@@ -122,15 +122,7 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
-        mcfg = cfg.train.module
-        engine_val = EngineValidation(
-            target_dir, cfg.target.dtype, ev.get("every_n_steps"), int(ev.conversations), ev.get("max_rows"),
-            int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
-            bool(mcfg.normed_regression), float(mcfg.w_hidden), float(mcfg.w_kl), float(mcfg.depth_decay),
-            plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
-            top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
-            device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
-            wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=log_interval(cfg))
+        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, log_interval(cfg)))
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

@@ -195,32 +195,68 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
             "new_tokens": sum(len(o) for o in outs), "seconds": eng.stats.seconds, "mismatches": mismatches}
 
 
+@dataclass(frozen=True)
+class EngineValidationSettings:
+    """What `EngineValidation` does and with which target: `train.engine_validation` (conf/config.yaml)
+    plus the loss weights of `train.module`, typed and fixed for the run (`from_run_config`)."""
+
+    target_dir: Path
+    target_dtype: str = "float32"
+    every_n_steps: int | None = None  # None: only when training ends
+    conversations: int = 4  # held-out conversations scored teacher-forced
+    max_rows: int | None = 64  # rows per conversation
+    depth: int = 3
+    prompts: int = 4  # held-out prompts decoded speculatively
+    k: int = 3
+    max_new_tokens: int = 32
+    tolerance: float = 0.02  # engine-vs-training top-1 gap allowed (bf16)
+    normed_regression: bool = True
+    w_hidden: float = 1.0
+    w_kl: float = 1.0
+    depth_decay: float = 0.8
+    plot_dir: Path | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    strict: bool | None = None  # None: on for a float32 target
+    device: str | None = "auto"  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
+    wait_timeout_s: float = 86400.0
+    progress_log_s: float | None = None  # seconds between progress lines (core/progress.py); None: none
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_dir", Path(self.target_dir))
+        if self.plot_dir is not None:
+            object.__setattr__(self, "plot_dir", Path(self.plot_dir))
+
+    @property
+    def is_strict(self) -> bool:
+        return str(self.target_dtype) == "float32" if self.strict is None else bool(self.strict)
+
+    @classmethod
+    def from_run_config(cls, cfg: Any, target_dir: str | Path, progress_log_s: float | None = None
+                        ) -> "EngineValidationSettings":
+        """From a run's config: `train.engine_validation`, `train.module`'s loss weights, the target."""
+        ev, m = cfg.train.engine_validation, cfg.train.module
+        return cls(target_dir, cfg.target.dtype, ev.get("every_n_steps"), int(ev.conversations), ev.get("max_rows"),
+                   int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
+                   bool(m.normed_regression), float(m.w_hidden), float(m.w_kl), float(m.depth_decay),
+                   plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
+                   top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
+                   device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
+                   wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=progress_log_s)
+
+
 class EngineValidation(L.Callback):
-    def __init__(self, target_dir: str | Path, target_dtype: str = "float32", every_n_steps: int | None = None,
-                 conversations: int = 4, max_rows: int | None = 64, depth: int = 3, prompts: int = 4, k: int = 3,
-                 max_new_tokens: int = 32, tolerance: float = 0.02, normed_regression: bool = True,
-                 w_hidden: float = 1.0, w_kl: float = 1.0, depth_decay: float = 0.8,
-                 plot_dir: str | Path | None = None, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, strict: bool | None = None, device: str | None = "auto",
-                 wait_timeout_s: float = 86400.0, progress_log_s: float | None = None) -> None:
-        self.progress_log_s = progress_log_s  # seconds between progress lines (core/progress.py); None: none
-        self.target_dir, self.target_dtype = Path(target_dir), target_dtype
-        self.device = device  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
-        # strict: an engine-vs-training gap above tolerance fails the run; None: on for a float32 target
-        self.strict = str(target_dtype) == "float32" if strict is None else bool(strict)
-        self.every, self.conversations, self.max_rows = every_n_steps, conversations, max_rows
-        self.depth, self.prompts, self.k, self.max_new_tokens = depth, prompts, k, max_new_tokens
-        self.tolerance, self.normed = tolerance, normed_regression
-        self.w_hidden, self.w_kl, self.depth_decay = w_hidden, w_kl, depth_decay
-        self.plot_dir = Path(plot_dir) if plot_dir is not None else None
-        self.temperature, self.top_p, self.top_k, self.seed = temperature, top_p, top_k, seed
+    def __init__(self, settings: EngineValidationSettings) -> None:
+        self.s = settings
+        self.strict = settings.is_strict  # an engine-vs-training gap above tolerance fails the run
         self._target = self._stops = None
         self._last_step = -1
         self.results: list[dict[str, float]] = []
         # Validation runs on global rank 0 only. The other ranks must not wait for it inside the next
         # training collective (NCCL's timeout, 30 min by default, would end the job while rank 0 decodes):
         # they wait on a barrier of a gloo group of their own whose timeout is `wait_timeout_s`.
-        self.wait_timeout_s = wait_timeout_s
         self._wait_group = None
 
     # ---- hooks --------------------------------------------------------------------------------------
@@ -231,11 +267,11 @@ class EngineValidation(L.Callback):
             from datetime import timedelta
 
             # collective: every rank creates the group here, at the same point of the fit
-            self._wait_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.wait_timeout_s))
+            self._wait_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.s.wait_timeout_s))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if self.every and step > 0 and step % self.every == 0 and step != self._last_step:
+        if self.s.every_n_steps and step > 0 and step % self.s.every_n_steps == 0 and step != self._last_step:
             self.run(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -251,9 +287,9 @@ class EngineValidation(L.Callback):
             from data.store import DTYPES
             from inference_eval.model import LlamaForCausalLM, resolve_device
 
-            self._target = LlamaForCausalLM.from_pretrained(self.target_dir, dtype=DTYPES[self.target_dtype],
-                                                            device=resolve_device(self.device))
-            self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.target_dir))
+            self._target = LlamaForCausalLM.from_pretrained(self.s.target_dir, dtype=DTYPES[self.s.target_dtype],
+                                                            device=resolve_device(self.s.device))
+            self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.s.target_dir))
         return self._target
 
     def run(self, trainer, pl_module) -> dict[str, float] | None:
@@ -272,8 +308,8 @@ class EngineValidation(L.Callback):
         was_training = head.training
         try:  # loading the target can fail transiently too (a missing file, out of memory)
             log.info("engine validation at step %d: %d held-out conversations teacher-forced, %d prompts decoded "
-                     "(k=%d, %d new tokens)", trainer.global_step, self.conversations, self.prompts, self.k,
-                     self.max_new_tokens)
+                     "(k=%d, %d new tokens)", trainer.global_step, self.s.conversations, self.s.prompts, self.s.k,
+                     self.s.max_new_tokens)
             device = self._load().device
             if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
                 head = copy.deepcopy(head).to(device, torch.float32)
@@ -298,27 +334,27 @@ class EngineValidation(L.Callback):
 
     def evaluate(self, head, store, val_idx: list[int]) -> dict[str, float]:
         target = self._load()
-        depth = min(self.depth, head.max_depth or self.depth)
-        k = min(self.k, head.max_depth or self.k)
+        depth = min(self.s.depth, head.max_depth or self.s.depth)
+        k = min(self.s.k, head.max_depth or self.s.k)
         eng = [DepthScores() for _ in range(depth)]
         ref = [DepthScores() for _ in range(depth)]
         prompts = []
-        n_conv = len(val_idx[: self.conversations])
-        bar = Progress(n_conv + min(self.prompts, len(val_idx)), "engine validation", "item", bar=False,
-                       every_s=self.progress_log_s)
-        for i in val_idx[: max(self.conversations, self.prompts)]:
+        n_conv = len(val_idx[: self.s.conversations])
+        bar = Progress(n_conv + min(self.s.prompts, len(val_idx)), "engine validation", "item", bar=False,
+                       every_s=self.s.progress_log_s)
+        for i in val_idx[: max(self.s.conversations, self.s.prompts)]:
             sample = store[i]
-            if len(prompts) < self.prompts:
+            if len(prompts) < self.s.prompts:
                 p = first_reply_prompt(sample["input_ids"], sample["loss_mask"])
                 if p is not None:
                     prompts.append(p)
-            if i not in val_idx[: self.conversations]:
+            if i not in val_idx[: self.s.conversations]:
                 continue
-            rows = select_rows(sample["loss_mask"], self.max_rows)
+            rows = select_rows(sample["loss_mask"], self.s.max_rows)
             for d, s in enumerate(engine_teacher_forced(target, head, sample["input_ids"], sample["loss_mask"],
-                                                        depth, rows, self.normed)):
+                                                        depth, rows, self.s.normed_regression)):
                 eng[d].add(s)
-            for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.normed)):
+            for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.s.normed_regression)):
                 ref[d].add(s)
             bar.update(1, stage="teacher-forced")
         m: dict[str, float] = {}
@@ -333,8 +369,8 @@ class EngineValidation(L.Callback):
             m[f"engine_val/train_acc_d{d + 1}"] = r.acc
             m[f"engine_val/train_kl_d{d + 1}"] = r.kl / max(r.n, 1)
             m[f"engine_val/gap_acc_d{d + 1}"] = abs(e.acc - r.acc)
-            total += self.depth_decay ** d * (self.w_hidden * e.reg + self.w_kl * e.kl) / n
-            if abs(e.acc - r.acc) > self.tolerance:
+            total += self.s.depth_decay ** d * (self.s.w_hidden * e.reg + self.s.w_kl * e.kl) / n
+            if abs(e.acc - r.acc) > self.s.tolerance:
                 gaps.append({"depth": d + 1, "engine_acc": e.acc, "train_acc": r.acc, "gap": abs(e.acc - r.acc),
                              "engine_rows": e.n, "train_rows": r.n, "engine_kl": e.kl / n,
                              "train_kl": r.kl / max(r.n, 1)})
@@ -344,14 +380,14 @@ class EngineValidation(L.Callback):
                                f"{g['engine_rows']}/{g['train_rows']} rows; KL {g['engine_kl']:.4g} vs "
                                f"{g['train_kl']:.4g})" for g in gaps)
             msg = (f"engine validation: engine and training forward disagree on the same rows beyond tolerance "
-                   f"{self.tolerance:.3g} ({self.target_dtype} target): {detail}: a numerics bug "
+                   f"{self.s.tolerance:.3g} ({self.s.target_dtype} target): {detail}: a numerics bug "
                    f"(store, engine or unroll)")
             if self.strict:
-                raise EngineTrainingGap(msg, tolerance=self.tolerance, dtype=str(self.target_dtype), gaps=gaps)
+                raise EngineTrainingGap(msg, tolerance=self.s.tolerance, dtype=str(self.s.target_dtype), gaps=gaps)
             log.warning("%s", msg)
         m["engine_val/loss"] = total
         if prompts:
-            spec = speculative_scores(target, head, prompts, k, self.max_new_tokens, self._stops, self.normed,
+            spec = speculative_scores(target, head, prompts, k, self.s.max_new_tokens, self._stops, self.s.normed_regression,
                                       strict=target.dtype == torch.float32)
             m["engine_val/tau"] = spec["tau"]
             m["engine_val/lossless_mismatch"] = spec["mismatches"]
@@ -359,9 +395,9 @@ class EngineValidation(L.Callback):
             m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
             m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
             bar.update(len(prompts), stage="decoded", tau=round(spec["tau"], 3))
-            if self.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
-                sampling = Sampling(self.temperature, self.top_p, self.top_k, torch.Generator().manual_seed(self.seed))
-                total = engine_decode(target, head, prompts, k, self.max_new_tokens, self._stops, sampling)[1].stats
+            if self.s.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
+                sampling = Sampling(self.s.temperature, self.s.top_p, self.s.top_k, torch.Generator().manual_seed(self.s.seed))
+                total = engine_decode(target, head, prompts, k, self.s.max_new_tokens, self._stops, sampling)[1].stats
                 m["engine_val/tau_sampled"] = total.tau
                 m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
         bar.close()
@@ -369,7 +405,7 @@ class EngineValidation(L.Callback):
         return m
 
     def _plot(self, trainer, metrics: dict[str, float]) -> None:
-        alphas = [metrics[f"engine_val/alpha_{d}"] for d in range(1, self.k + 1) if f"engine_val/alpha_{d}" in metrics]
+        alphas = [metrics[f"engine_val/alpha_{d}"] for d in range(1, self.s.k + 1) if f"engine_val/alpha_{d}" in metrics]
         if not alphas:
             return
         import matplotlib
@@ -386,7 +422,7 @@ class EngineValidation(L.Callback):
         if type(logger).__name__ == "WandbLogger":
             import wandb
             logger.experiment.log({"engine_val/alpha_plot": wandb.Image(fig)}, step=trainer.global_step)
-        out = self.plot_dir or Path(trainer.default_root_dir)
+        out = self.s.plot_dir or Path(trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
         fig.savefig(out / f"engine_val_alpha_step{metrics['step']}.png", dpi=80)
         plt.close(fig)

@@ -1,0 +1,307 @@
+"""The peer trainer's EAGLE-3 checkpoints (speculators 0.9.0 format, artifacts/speculators.py) read into our
+Eagle3Head: a checkpoint written here in that format gives our head's logits; one written by speculators' own
+classes (in .venv-speculators, a subprocess) gives speculators' own forward's logits at every TTT step;
+planted mismatches are clear errors. Also the export of a store for the peer (experiments/peer_data.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from artifacts.export import detect_format, load_any
+from artifacts.speculators import read_speculators_eagle3
+from heads.registry import build_head
+from heads.unroll import unroll
+from inference_eval.model import tied_target
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_PY = ROOT / ".venv-speculators" / "bin" / "python"
+VD = 200
+FLAGS = {"plain": {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False},
+         "eagle31": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}}
+
+
+def our_head(tiny_target, flags, seed=0):
+    tied, args, parts = tied_target(tiny_target)
+    head = build_head({"type": "eagle3", "aux_layers": [1], "draft_vocab_size": VD, "init": "random", **flags},
+                      args, tied)
+    counts = torch.zeros(args.vocab_size, dtype=torch.long)
+    counts[torch.arange(0, args.vocab_size, 2)] = 5
+    head.set_draft_vocab(counts)
+    head.reset_parameters(seed, parts.first_input_norm)
+    with torch.no_grad():  # norms away from 1 so a misplaced norm shows
+        for n, p in head.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return head, tied, args
+
+
+def write_speculators_format(head, tiny_target, out: Path) -> Path:
+    """Our head's weights as speculators 0.9 saves an EAGLE-3 draft (docs/reference/export_formats.md §5)."""
+    target_cfg = json.loads((Path(tiny_target) / "config.json").read_text())
+    a, c = head.args, head.cfg
+    layer = {"model_type": "llama", "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
+             "intermediate_size": a.intermediate_size, "num_hidden_layers": 1,
+             "num_attention_heads": a.num_attention_heads, "num_key_value_heads": a.num_key_value_heads,
+             "head_dim": a.head_dim, "hidden_act": "silu", "rms_norm_eps": a.rms_norm_eps,
+             "max_position_embeddings": a.max_position_embeddings,
+             "rope_parameters": {"rope_theta": a.rope_theta, "rope_type": "default"},
+             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+             "layer_types": ["full_attention"], "sliding_window": 2048, "use_sliding_window": False}
+    cfg = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
+           "draft_vocab_size": c.draft_vocab_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
+           "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc, "fc_norm": False,
+           "norm_output": c.norm_output, "embed_requires_grad": False, "target_hidden_size": None,
+           "tie_word_embeddings": False, "transformer_layer_config": layer,
+           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                        "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                  "verifier": {"name_or_path": str(tiny_target),
+                                               "architectures": target_cfg["architectures"]}}}
+    state = {}
+    for k, v in head.state_dict().items():
+        name = k.replace("midlayer.", "layers.0.")
+        state[name] = v.detach().clone().contiguous()
+    state["embed_tokens.weight"] = head.tied.embed.detach().clone().to(torch.bfloat16)  # as speculators ships it
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def probe(head, t=10, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, t, head.args.hidden_size, generator=g)
+    aux = torch.randn(1, t, head.state_size, generator=g)
+    ids = torch.randint(0, head.args.vocab_size, (1, t), generator=g)
+    return hidden, aux, ids
+
+
+def depth_logits(head, hidden, aux, ids, depth=3):
+    with torch.no_grad():
+        return [head.logits(s) for s in unroll(head, hidden, ids, depth, aux)]
+
+
+@pytest.mark.parametrize("flags", list(FLAGS))
+def test_reads_a_speculators_checkpoint_as_the_same_head(tiny_target, tmp_path, flags):
+    head, tied, args = our_head(tiny_target, FLAGS[flags])
+    path = write_speculators_format(head, tiny_target, tmp_path / "spec")
+    read = read_speculators_eagle3(path, tied, args)
+    assert read.cfg == head.cfg
+    assert torch.equal(read.d2t, head.d2t) and torch.equal(read.t2d, head.t2d)
+    hidden, aux, ids = probe(head)
+    for got, want in zip(depth_logits(read, hidden, aux, ids), depth_logits(head, hidden, aux, ids), strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # the evaluator's loader (artifacts/export.py load_any) detects the format and reads it the same way
+    assert detect_format(path) == "speculators-eagle3"
+    for got, want in zip(depth_logits(load_any(path, tied, args), hidden, aux, ids), depth_logits(head, hidden, aux, ids)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _mutate(path: Path, config=None, tensors=None) -> Path:
+    cfg = json.loads((path / "config.json").read_text())
+    state = load_file(str(path / "model.safetensors"))
+    if config:
+        config(cfg)
+    if tensors:
+        tensors(state)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+def _set(d, key, value):
+    d[key] = value
+
+
+PLANTED = {
+    "wrong shape": (None, lambda s: _set(s, "fc.weight", torch.zeros(64, 128)), r"model\.safetensors: fc\.weight: shape"),
+    "missing tensor": (None, lambda s: s.pop("layers.0.mlp.up_proj.weight"), r"layers\.0\.mlp\.up_proj\.weight: missing"),
+    "second layer": (None, lambda s: _set(s, "layers.1.mlp.up_proj.weight", torch.zeros(128, 64)), r"second draft layer"),
+    "unknown tensor": (None, lambda s: _set(s, "fc_norm.0.weight", torch.ones(64)), r"fc_norm\.0\.weight: not understood"),
+    "missing d2t": (None, lambda s: s.pop("d2t"), r"d2t: missing"),
+    "bad t2d": (None, lambda s: _set(s, "t2d", torch.ones(512, dtype=torch.bool)), r"t2d: does not mark"),
+    "trained embeddings": (None, lambda s: _set(s, "embed_tokens.weight", torch.randn(512, 64)),
+                           r"embed_tokens\.weight: differs"),
+    "unknown field": (lambda c: _set(c, "mystery_option", True), None, r"config\.json: mystery_option: not understood"),
+    "fc_norm": (lambda c: _set(c, "fc_norm", True), None, r"config\.json: fc_norm"),
+    "model type": (lambda c: _set(c, "speculators_model_type", "dflash"), None, r"speculators_model_type"),
+    "qwen3 layer": (lambda c: _set(c["transformer_layer_config"], "model_type", "qwen3"), None,
+                    r"transformer_layer_config\.model_type"),
+    "two layers": (lambda c: _set(c["transformer_layer_config"], "num_hidden_layers", 2), None,
+                   r"transformer_layer_config\.num_hidden_layers"),
+    "sliding window": (lambda c: _set(c["transformer_layer_config"], "layer_types", ["sliding_attention"]), None,
+                       r"transformer_layer_config\.layer_types"),
+    "rope": (lambda c: _set(c["transformer_layer_config"], "rope_parameters", {"rope_theta": 5.0, "rope_type": "default"}),
+             None, r"rope_theta"),
+    "last-layer id": (lambda c: _set(c, "eagle_aux_hidden_state_layer_ids", [1, 2]), None,
+                      r"eagle_aux_hidden_state_layer_ids"),
+    "draft vocab": (lambda c: _set(c, "draft_vocab_size", 100), None, r"config\.json: draft_vocab_size"),
+    "ambiguous residual norm": (lambda c: c.pop("norm_before_residual"), None, r"norm_before_residual: missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(PLANTED))
+def test_planted_mismatches_are_clear_errors(tiny_target, tmp_path, case):
+    head, tied, args = our_head(tiny_target, FLAGS["eagle31"])
+    path = write_speculators_format(head, tiny_target, tmp_path / "spec")
+    config, tensors, match = PLANTED[case]
+    _mutate(path, config, tensors)
+    with pytest.raises(ValueError, match=match):
+        read_speculators_eagle3(path, tied, args)
+
+
+def test_sliding_window_accepted_when_asked(tiny_target, tmp_path):
+    head, tied, args = our_head(tiny_target, FLAGS["plain"])
+    path = _mutate(write_speculators_format(head, tiny_target, tmp_path / "spec"),
+                   lambda c: _set(c["transformer_layer_config"], "layer_types", ["sliding_attention"]))
+    read = read_speculators_eagle3(path, tied, args, allow_sliding_window=True)
+    hidden, aux, ids = probe(head)
+    torch.testing.assert_close(depth_logits(read, hidden, aux, ids, 1)[0], depth_logits(head, hidden, aux, ids, 1)[0])
+
+
+# ---- speculators' own classes (the stronger test) -------------------------------------------------------
+SPECULATORS_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.train.cli import create_transformer_layer_config
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+from transformers import AutoConfig
+
+verifier, out, flags, vd = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+vocab = AutoConfig.from_pretrained(verifier).vocab_size
+d2t, t2d = build_vocab_mappings_from_distribution({t: 5 for t in range(0, vocab, 2)}, vd, vocab)
+layer = create_transformer_layer_config(verifier, num_layers=1, draft_arch="llama", hidden_act=None,
+                                        sliding_window=2048, full_attention_indices=[0])
+model = Eagle3DraftModel.from_training_args(
+    verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier, draft_vocab_size=vd,
+    ttt_steps=3, target_layer_ids=[1], draft_attn_impl="sdpa", **flags)
+with torch.no_grad():  # a trained-looking draft: every trainable tensor random, norms away from 1
+    for name, p in model.named_parameters():
+        if name.startswith(("embed_tokens", "verifier_")):
+            continue
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+        else:
+            p.normal_(0, 0.05)
+model.eval()
+model.save_pretrained(out / "ckpt")
+g = torch.Generator().manual_seed(1)
+t, h = 10, layer.hidden_size
+aux = torch.randn(1, t, h, generator=g)
+ids = torch.randint(0, vocab, (1, t), generator=g)
+logits = []
+hook = model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach().clone()))
+with torch.no_grad():  # the training-time layout: g_i paired with t_{i+1} (speculators' shift_batch)
+    model(hidden_states=aux[:, :-1], input_ids=ids[:, 1:], document_ids=torch.zeros(1, t - 1, dtype=torch.long),
+          ttt_steps=3)
+save_file({"aux": aux, "ids": ids, **{f"logits_{s}": l[0] for s, l in enumerate(logits)}}, str(out / "probe.safetensors"))
+print(json.dumps({"steps": len(logits)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def speculators_env():
+    if not SPEC_PY.exists():
+        pytest.skip(f"{SPEC_PY} is absent: `make speculators-env` builds the speculators 0.9.0 environment")
+    return SPEC_PY
+
+
+@pytest.mark.parametrize("flags", list(FLAGS))
+def test_checkpoint_written_by_speculators_matches_its_forward(tiny_target, tmp_path, speculators_env, flags):
+    run = subprocess.run([str(speculators_env), "-c", SPECULATORS_SCRIPT, str(tiny_target), str(tmp_path),
+                          json.dumps(FLAGS[flags]), str(VD)], capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-4000:]
+    tied, args, _ = tied_target(tiny_target)
+    head = read_speculators_eagle3(tmp_path / "ckpt", tied, args)
+    assert head.cfg.aux_layers == (1,) and head.cfg.draft_vocab_size == VD
+    assert (head.cfg.norm_before_fc, head.cfg.norm_before_residual, head.cfg.norm_output) == tuple(
+        FLAGS[flags][k] for k in ("norm_before_fc", "norm_before_residual", "norm_output"))
+    assert head.draft_ids.tolist() == list(range(0, 2 * VD, 2))
+    p = load_file(str(tmp_path / "probe.safetensors"))
+    aux, ids = p["aux"], p["ids"]
+    hidden = torch.zeros(1, aux.shape[1], args.hidden_size)  # EAGLE-3 reads the aux states only
+    ours = depth_logits(head, hidden, aux, ids, 3)
+    for step, got in enumerate(ours):  # TTT step s = our depth s + 1 (same rows, same zero padding)
+        torch.testing.assert_close(got[0], p[f"logits_{step}"], atol=2e-5, rtol=1e-4,
+                                   msg=lambda m, s=step: f"TTT step {s}: {m}")
+
+
+# ---- the store export for the peer, and the shimmed peer training on it --------------------------------------
+def tiny_store(root: Path, n=9, h=64, k=1, vocab=512):
+    from data.store import Sample, StoreWriter
+
+    writer = StoreWriter(root, {"name": "tiny"}, h, dtype="float32",
+                         captured={"hidden": "last_layer_pre_norm", "aux_layers": [1]})
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        t = 5 + i
+        writer.add(Sample(sample_id=f"s{i}", input_ids=torch.randint(0, vocab, (t,), generator=g),
+                          loss_mask=(torch.arange(t) >= 2).to(torch.uint8), hidden=torch.randn(t, h, generator=g),
+                          aux_hidden=torch.randn(t, k * h, generator=g)))
+    writer.close()
+    return root
+
+
+def test_peer_data_export_keeps_our_split(tiny_target, tmp_path):
+    from datasets import load_from_disk
+
+    from data.store import FeatureStore
+    from experiments.peer_data import export, split_indices
+
+    k = 1
+    store = FeatureStore(tiny_store(tmp_path / "store"))
+    info = export(tmp_path / "store", tmp_path / "peer", split_seed=0, val_fraction=0.25, verifier=str(tiny_target))
+    train_idx, val_idx = split_indices(store, 0, 0.25)
+    assert info["train_ids"] == [store.sample_ids()[i] for i in train_idx] and len(val_idx) == 2
+    rows = train_idx + val_idx
+    assert int(info["rows"] * info["train_data_ratio"]) == len(train_idx)
+    ds = load_from_disk(str(tmp_path / "peer"))
+    assert len(ds) == len(rows)
+    for row, i in enumerate(rows):
+        s = store[i]
+        hs = load_file(str(tmp_path / "peer" / "hidden_states" / f"hs_{row}.safetensors"))
+        assert torch.equal(hs["token_ids"], s["input_ids"]) and torch.equal(ds[row]["input_ids"], s["input_ids"])
+        assert torch.equal(ds[row]["loss_mask"].bool(), s["loss_mask"]) and ds[row]["seq_len"] == len(s["input_ids"])
+        assert torch.equal(hs["hidden_states"][:, :k].flatten(1), s["aux_hidden"])
+        assert torch.equal(hs["hidden_states"][:, -1], s["hidden"])
+    freq = torch.load(tmp_path / "peer" / "token_freq.pt")
+    assert sum(freq.values()) == int(sum(store[i]["loss_mask"].sum() for i in train_idx))
+    assert info["target_layer_ids"] == [1]
+    with pytest.raises(FileExistsError):
+        export(tmp_path / "store", tmp_path / "peer", verifier=str(tiny_target))
+
+
+def test_shimmed_peer_training_writes_a_checkpoint_we_read(tiny_target, tmp_path, speculators_env):
+    """experiments/peer_shims.py: speculators' own `train` on CPU, two steps on an exported tiny store."""
+    from experiments.peer_data import export
+
+    info = export(tiny_store(tmp_path / "store"), tmp_path / "peer", val_fraction=0.25, verifier=str(tiny_target))
+    cmd = [str(speculators_env), "-m", "experiments.peer_shims", "--speculator-type", "eagle3",
+           "--verifier-name-or-path", str(tiny_target), "--data-path", str(tmp_path / "peer"),
+           "--save-path", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"), "--target-layer-ids", "1",
+           "--train-data-ratio", repr(info["train_data_ratio"]), "--draft-vocab-size", str(VD), "--epochs", "1",
+           "--max-steps", "2", "--total-seq-len", "64", "--full-attention-indices", "0", "--on-missing", "raise"]
+    run = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "Muon Newton-Schulz in float32" in run.stderr
+    tied, args, _ = tied_target(tiny_target)
+    head = read_speculators_eagle3(tmp_path / "ckpt" / "0", tied, args)
+    assert head.cfg.aux_layers == (1,) and head.cfg.draft_vocab_size == VD
+    assert head.cfg.norm_before_fc and head.cfg.norm_before_residual and head.cfg.norm_output  # speculators' defaults
+    freq = torch.load(tmp_path / "peer" / "token_freq.pt")
+    top = sorted(freq, key=lambda t: (-freq[t], t))[:VD]
+    assert set(head.draft_ids.tolist()) >= set(top[: min(len(top), VD)])  # the draft vocabulary of our training rows
+    hidden, aux, ids = probe(head)
+    assert all(torch.isfinite(x).all() for x in depth_logits(head, hidden, aux, ids, 2))
