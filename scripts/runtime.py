@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 # the checks each entry point runs before its stage function (scripts/checks.py STAGES); None: none
 CHECKS = {"precompute": "precompute", "regenerate": "regenerate", "train": "train", "evaluate": "evaluate",
-          "export": "export", "study": "train", "ablation": None, "fp8_study": None,
+          "export": "export", "study": "train", "ablation": None, "fp8_study": None, "peer_compare": "train",
           "pipeline": None}  # run_pipeline checks every stage's settings itself (it is called directly too)
 
 

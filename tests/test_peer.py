@@ -305,3 +305,34 @@ def test_shimmed_peer_training_writes_a_checkpoint_we_read(tiny_target, tmp_path
     assert set(head.draft_ids.tolist()) >= set(top[: min(len(top), VD)])  # the draft vocabulary of our training rows
     hidden, aux, ids = probe(head)
     assert all(torch.isfinite(x).all() for x in depth_logits(head, hidden, aux, ids, 2))
+
+
+def test_peer_compare_scores_both_heads_with_one_harness(tiny_overrides, tiny_target, speculators_env, capsys):
+    """experiments/peer_compare.py end to end on the tiny target: one store with the aux layers, our mtp head
+    and the peer's EAGLE-3 (its own trainer, 2 steps) trained on its training split, both scored on the
+    same held-out rows and prompts; a rerun reuses the peer's training."""
+    from experiments.peer_compare import run_peer_compare
+    from tests.conftest import compose_config
+
+    cfg = compose_config(tiny_overrides + [
+        "experiment=peer_compare", "data.max_length=512",
+        "trainer.max_epochs=1", "peer_compare.epochs=1", "peer_compare.ks=[2]", "peer_compare.eval_depth=2",
+        "peer_compare.heldout_conversations=2", "peer_compare.vllm=false", f"peer_compare.draft_vocab_size={VD}",
+        "peer_compare.peer_args=[--max-steps,2]", "peer_compare.ours={mtp:{head:mtp}}", "evaluate.num_prompts=2",
+        "evaluate.max_new_tokens=8", "evaluate.plain_baseline=false"])
+    first = run_peer_compare(cfg)
+    ours, peer = first["results"]["mtp"], first["results"]["peer"]
+    assert ours["heldout"]["heldout_sha256"] == peer["heldout"]["heldout_sha256"]  # the same held-out rows
+    assert ours["heldout"]["tokens"] == peer["heldout"]["tokens"] and len(peer["heldout"]["acc"]) == 2
+    assert ours["engine"][2]["prompts"] == peer["engine"][2]["prompts"] == 2
+    assert 1.0 <= peer["engine"][2]["tau"] <= 3.0 and len(peer["engine"][2]["alpha"]) == 2
+    tied, args, _ = tied_target(tiny_target)
+    from artifacts.checkpoint import load_native
+
+    head = load_native(Path(cfg.run_dir) / "heads" / "peer", tied, args)
+    assert head.kind == "eagle3" and head.cfg.norm_output and head.cfg.draft_vocab_size == VD
+    assert "peer_compare report=" in capsys.readouterr().out
+    second = run_peer_compare(cfg)  # cached: the peer is not trained again
+    assert second["results"]["peer"]["train_seconds"] == peer["train_seconds"]
+    assert second["results"]["peer"]["engine"][2]["tau"] == peer["engine"][2]["tau"]
+    assert (Path(cfg.run_dir) / "peer_compare.md").read_text().count("| peer |") == 1

@@ -1,0 +1,217 @@
+"""The side-by-side comparison with the peer trainer, speculators 0.9 (issue 28, docs/RESULTS.md §8): the
+peer's EAGLE-3 and spechead's heads trained on the same conversations, split and token budget, and scored
+by one harness.
+
+    make vllm-env speculators-env
+    python -m scripts.peer_compare experiment=peer_compare
+
+1. **One store**: the configured conversations precomputed once with EAGLE-3's aux layers
+   (`<run_dir>/stores/<hash>`, experiments/study.py `store_for`); the peer reads its states from it, so
+   neither trainer runs the target, and both see the same token ids, loss masks and split.
+2. **Ours**: each head of `peer_compare.ours` (`{label: {head: <conf/head name>, overrides: {...}}}`)
+   trained `peer_compare.epochs` epochs over the store's training split (experiments/runner.py).
+3. **The peer**: the training split exported in its format (experiments/peer_data.py), its own
+   `speculators train` (experiments/peer_shims.py in `.venv-speculators`) for the same epochs with
+   `peer_compare.peer_args` added, its last checkpoint read by artifacts/speculators.py — the reader
+   evaluate's `load_any` uses — into a native checkpoint.
+4. **Scoring, the same for every head**: held-out top-1 per depth against the target's full argmax
+   (the TTT unroll over the held-out split), the engine's τ and α_d at each k of `peer_compare.ks`, and,
+   with `peer_compare.vllm: true`, real vLLM's own acceptance counters on the same prompts
+   (inference_eval/vllm_serve_worker.py in `.venv-vllm`): ours exported to its vLLM format, the peer's
+   checkpoint as speculators wrote it (vLLM reads that format).
+
+Every step is cached under its inputs (experiments/cache.py, the peer's checkpoint under the export's
+digest and its arguments), so an interrupted comparison resumes. Writes `<run_dir>/peer_compare.json` and
+`.md`; last line `peer_compare <label>=<τ at the largest k> … runtime_s=<s>`. It is slow (the peer trains
+≈ 6 s per 1,024-token step on this CPU): tens of minutes at the demo's budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from transformers import AutoTokenizer
+
+from artifacts.checkpoint import load_native
+from artifacts.export import default_formats, export_head
+from artifacts.speculators import to_native
+from core.files import atomic_write_bytes
+from core.paths import CONF
+from data.prompts import mtbench_prompts
+from data.sources import resolve_target_dir
+from experiments.cache import cached_training, dir_fingerprint, digest, lookup, record
+from experiments.peer_data import export as export_peer_data
+from experiments.peer_data import peer_command
+from experiments.runner import cached_heldout, evaluate_point
+from experiments.study import apply_overrides, flatten, store_for
+from inference_eval.model import target_fingerprint, tied_target
+
+log = logging.getLogger(__name__)
+
+ROOT = CONF.parent
+SPEC_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def our_config(cfg: DictConfig, label: str, spec: dict[str, Any], store: Path) -> DictConfig:
+    """The run config of one of our heads: its conf/head, its overrides, the shared store, `epochs` epochs."""
+    out = cfg.copy()
+    with open_dict(out):
+        out.head = OmegaConf.load(CONF / "head" / f"{spec.get('head', 'mtp')}.yaml")
+        apply_overrides(out, flatten(spec.get("overrides") or {}), f"peer_compare.ours.{label}")
+        out.store_dir = str(store)
+        out.head_dir = f"{cfg.run_dir}/heads/{label}"
+        out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{label}"
+        out.train.untrained_dir, out.train.resume = None, None
+        out.trainer.max_epochs, out.trainer.max_steps = int(cfg.peer_compare.epochs), -1
+    return out
+
+
+def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, float, dict[str, Any]]:
+    """The peer's head trained on `store`'s training split (cached): (its checkpoint dir, seconds, export info)."""
+    pc = cfg.peer_compare
+    if not SPEC_PYTHON.exists():
+        raise FileNotFoundError(f"{SPEC_PYTHON} is missing: `make speculators-env` builds the peer's environment")
+    data = Path(cfg.run_dir) / "peer" / "data"
+    info_file = data / "peer_data.json"
+    if info_file.exists() and json.loads(info_file.read_text()).get("store") == str(store.resolve()):
+        info = json.loads(info_file.read_text())
+    else:
+        info = export_peer_data(store, data, int(cfg.train.data.split_seed), float(cfg.train.data.val_fraction),
+                                verifier=str(target_dir), overwrite=True)
+    save = Path(cfg.run_dir) / "peer" / "ckpt"
+    command = peer_command(data, info, str(save), epochs=int(pc.epochs), draft_vocab_size=int(pc.draft_vocab_size),
+                           total_seq_len=int(cfg.data.max_length)).split() + [str(a) for a in pc.get("peer_args") or []]
+    last = save / str(int(pc.epochs) - 1)
+    key = {"command": command, "export": {k: info[k] for k in ("heldout_sha256", "train_tokens", "store")}}
+    marker = Path(cfg.run_dir) / "peer" / "train.json"
+    hit = lookup(marker, key, "the peer's head")
+    if hit is not None and last.exists():
+        return last, float(json.loads(marker.read_text())["seconds"]), info
+    log.info("peer_compare: training the peer: %s", " ".join(command))
+    t0 = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))}
+    subprocess.run([str(SPEC_PYTHON), *command[1:]], cwd=ROOT, env=env, check=True)
+    seconds = time.perf_counter() - t0
+    if not last.exists():
+        done = sorted((p for p in save.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        if not done:
+            raise FileNotFoundError(f"the peer wrote no checkpoint under {save}")
+        last = done[-1]
+    atomic_write_bytes(marker, json.dumps({"seconds": seconds, "checkpoint": str(last)}).encode())
+    record(marker, key)
+    return last, seconds, info
+
+
+def vllm_tau(cfg: DictConfig, label: str, draft: Path, fmt_method: str, k: int, target_dir: Path) -> dict[str, Any]:
+    """Greedy decoding of the evaluation prompts by real vLLM with `draft`: τ = 1 + accepted / drafts and the
+    conditional α per position, from vLLM's own counters (cached under the draft's digest)."""
+    if not VLLM_PYTHON.exists():
+        raise FileNotFoundError(f"{VLLM_PYTHON} is missing: `make vllm-env` (or peer_compare.vllm=false)")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [p["ids"] for p in mtbench_prompts(tok, int(cfg.evaluate.num_prompts))]
+    job = {"target": str(target_dir), "prompts": prompts, "max_tokens": int(cfg.evaluate.max_new_tokens),
+           "dtype": str(cfg.target.dtype), "max_model_len": int(cfg.data.max_length) + int(cfg.evaluate.max_new_tokens),
+           "speculative_config": {"method": fmt_method, "model": str(draft), "num_speculative_tokens": k}}
+    out = Path(cfg.run_dir) / "eval" / f"{label}_vllm_k{k}.json"
+    key = {"job": job, "draft": dir_fingerprint(draft)}
+    if lookup(out, key, f"the {label} vLLM k={k} run") is not None:
+        return json.loads(out.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    job_file = out.with_suffix(".job.json")
+    job_file.write_text(json.dumps(job))
+    raw = out.with_suffix(".raw.json")
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([str(VLLM_PYTHON), "-m", "inference_eval.vllm_serve_worker", str(job_file), str(raw)],
+                   cwd=ROOT, env=env, check=True)
+    spec = json.loads(raw.read_text())["spec"]
+    accepted = spec["accepted_per_pos"]
+    reached = [spec["num_drafts"], *accepted[:-1]]
+    result = {"tau": 1 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1),
+              "alpha": [a / max(r, 1) for a, r in zip(accepted, reached)], "accepted_per_pos": accepted,
+              "num_drafts": spec["num_drafts"], "prompts": len(prompts)}
+    atomic_write_bytes(out, json.dumps(result, indent=1).encode())
+    record(out, key)
+    return result
+
+
+def score(cfg: DictConfig, label: str, head_dir: Path, store: Path, fp: dict[str, Any],
+          vllm_draft: tuple[Path, str] | None, target_dir: Path) -> dict[str, Any]:
+    """The one harness: held-out top-1 per depth, the engine's τ at each k, vLLM's τ at each k."""
+    pc = cfg.copy()
+    with open_dict(pc):
+        pc.head_dir = str(head_dir)
+    ks = [int(k) for k in cfg.peer_compare.ks]
+    held = cached_heldout(pc, label, head_dir, store, int(cfg.peer_compare.eval_depth),
+                          cfg.peer_compare.get("heldout_conversations"), fp)
+    out = {"heldout": held, "engine": {k: evaluate_point(pc, label, k, fp) for k in ks}}
+    if vllm_draft is not None:
+        out["vllm"] = {k: vllm_tau(cfg, label, vllm_draft[0], vllm_draft[1], k, target_dir) for k in ks}
+    return out
+
+
+def vllm_export(cfg: DictConfig, label: str, head_dir: Path, target_dir: Path, fp: dict[str, Any]) -> tuple[Path, str]:
+    """Our head in its vLLM format (the export's own validation and read-back included)."""
+    tied, args, _ = tied_target(target_dir)
+    head = load_native(head_dir, tied, args, expected_fingerprint=fp)
+    fmt = default_formats(head)[1]
+    out = Path(cfg.run_dir) / "exports" / label / fmt
+    if not (out / "config.json").exists():
+        export_head(head, {fmt: out}, target_dir, fp)
+    return out, "eagle3"  # vLLM serves both mtp-vllm (our plugin) and eagle3 exports with method eagle3
+
+
+def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    pc = cfg.peer_compare
+    target_dir = resolve_target_dir(cfg.target)
+    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    store = store_for(cfg, OmegaConf.create({"type": "eagle3", "aux_layers": pc.get("aux_layers")}))
+    results: dict[str, Any] = {}
+    for label, spec in (pc.ours or {}).items():
+        oc = our_config(cfg, label, OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec,
+                        store)
+        metrics, seconds, _ = cached_training(oc, store, f"the {label} head")
+        draft = vllm_export(cfg, label, Path(oc.head_dir), target_dir, fp) if pc.vllm else None
+        results[label] = {"train_seconds": seconds, "final_metrics": metrics,
+                          **score(oc, label, Path(oc.head_dir), store, fp, draft, target_dir)}
+    if pc.peer:
+        ckpt, seconds, info = train_peer(cfg, store, target_dir)
+        native = to_native(ckpt, Path(cfg.run_dir) / "heads" / "peer", target_dir, fp)  # cheap: rewritten each run
+        results["peer"] = {"train_seconds": seconds, "checkpoint": str(ckpt), "train_tokens": info["train_tokens"],
+                           **score(cfg, "peer", native, store, fp, (ckpt, "eagle3") if pc.vllm else None, target_dir)}
+    summary = {"target": cfg.target.name, "store": str(store), "epochs": int(pc.epochs), "ks": list(pc.ks),
+               "evaluate": {"num_prompts": int(cfg.evaluate.num_prompts), "max_new_tokens": int(cfg.evaluate.max_new_tokens)},
+               "config_digest": digest(OmegaConf.to_container(pc, resolve=True)), "results": results,
+               "runtime_s": time.perf_counter() - t0}
+    out = Path(cfg.run_dir) / "peer_compare.json"
+    atomic_write_bytes(out, json.dumps(summary, indent=1, default=str).encode())
+    atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
+    k = max(int(x) for x in pc.ks)
+    line = " ".join(f"{label}={r['engine'][k]['tau']:.3f}" for label, r in results.items())
+    print(f"peer_compare report={out} k={k} engine_tau: {line} runtime_s={summary['runtime_s']:.0f}")
+    return summary
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    ks = [int(k) for k in summary["ks"]]
+    rows = ["| head | held-out top-1 d1 / d2 / d3 | " + " | ".join(f"engine τ k={k} (α)" for k in ks)
+            + " | " + " | ".join(f"vLLM τ k={k} (α)" for k in ks) + " | train s |",
+            "| --- | --- | " + " | ".join("---" for _ in ks * 2) + " | --- |"]
+    for label, r in summary["results"].items():
+        acc = " / ".join(f"{a:.3f}" for a in r["heldout"]["acc"])
+        eng = " | ".join(f"{r['engine'][k]['tau']:.3f} ({' / '.join(f'{a:.2f}' for a in r['engine'][k]['alpha'])})"
+                         for k in ks)
+        vl = " | ".join((f"{r['vllm'][k]['tau']:.3f} ({' / '.join(f'{a:.2f}' for a in r['vllm'][k]['alpha'])})"
+                         if "vllm" in r else "–") for k in ks)
+        rows.append(f"| {label} | {acc} | {eng} | {vl} | {r['train_seconds']:.0f} |")
+    return (f"Target {summary['target']}; {summary['epochs']} epochs of the store's training split; "
+            f"{summary['evaluate']['num_prompts']} MT-Bench first turns, greedy, "
+            f"{summary['evaluate']['max_new_tokens']} new tokens.\n\n" + "\n".join(rows) + "\n")
