@@ -20,7 +20,8 @@ from data.prompts import DATASETS, load_prompts, stop_token_ids
 from data.sources import resolve_target_dir
 from data.store import DTYPES, FeatureStore
 from inference_eval.engine import Engine, PagedHeadProposer, PagedTreeProposer, engine_proposer, frequent_ids
-from inference_eval.model import LlamaForCausalLM, resolve_device, tied_from_model, tied_target
+from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint, tied_from_model, tied_target
+from inference_eval.scoring import simulated_tau
 from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
 
 log = logging.getLogger(__name__)
@@ -189,12 +190,149 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
                 raise FileNotFoundError(f"evaluate.{key}.{label}={path}: no such directory{hint}")
 
 
-def run_evaluation(cfg: Any) -> dict[str, Any]:
-    """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
-    on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
+@dataclass
+class EvalTarget:
+    """The target as the evaluation runs it: its model, the heads' shared tensors, tokenizer and stops."""
+
+    target_dir: Path
+    model: Any  # LlamaForCausalLM
+    tied: Any  # TiedTarget
+    head_dtype: str
+    device: Any
+    tokenizer: Any
+    stops: set[int]
+
+
+def load_evaluation_target(cfg: Any) -> EvalTarget:
+    """The target in target.dtype on target.device; the heads' tied tensors (the target's own unless
+    evaluate.head_dtype asks for another dtype)."""
+    t_load = time.perf_counter()
+    target_dir = resolve_target_dir(cfg.target)
+    log.info("evaluate: loading the target %s (%s) from %s", cfg.target.name, cfg.target.dtype, target_dir)
+    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
+    device = resolve_device(cfg.target.get("device", "auto"))
+    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+    head_dtype = cfg.evaluate.get("head_dtype") or cfg.target.dtype
+    if head_dtype == cfg.target.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
+        tied = tied_from_model(target)
+    else:  # another dtype needs its own copy of the shared tensors (2 · V · H values)
+        tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
+        log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
+                 "embedding and lm_head", head_dtype, cfg.target.dtype)
+    log.info("evaluate: target loaded in %.0fs", time.perf_counter() - t_load)
+    return EvalTarget(Path(target_dir), target, tied, head_dtype, device, tokenizer, stop_token_ids(tokenizer))
+
+
+def load_proposers(cfg: Any, et: EvalTarget) -> dict[str, Any]:
+    """{label: proposer}: the configured heads (any format; a head trained for another target is refused)
+    and draft-model baselines (a checkpoint, or the target's first `layers` layers)."""
+    ecfg, target = cfg.evaluate, et.model
+    proposers: dict[str, Any] = {}
+    expected_fp = None  # the configured target's fingerprint
+    for label, path in (ecfg.get("heads") or {}).items():
+        if path:
+            if expected_fp is None:
+                expected_fp = target_fingerprint(et.target_dir, cfg.target.name, cfg.target.dtype,
+                                                 cfg.target.get("fingerprint", "header"))
+            proposers[label] = load_any(path, et.tied, target.args, expected_fingerprint=expected_fp).to(et.device).eval()
+    for label, spec in (ecfg.get("draft_models") or {}).items():
+        if not spec:
+            continue
+        if spec.get("path"):
+            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype], device=et.device)
+            if draft.args.vocab_size != target.args.vocab_size:
+                raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
+                                 f"{target.args.vocab_size} (a draft model must share the tokenizer)")
+        else:
+            draft = target.truncated(int(spec["layers"]))
+        proposers[label] = DraftModelProposer(draft, label)
+    return proposers
+
+
+@dataclass
+class RunSettings:
+    """What every proposer's run shares: the prompts, the decoding and the timing protocol."""
+
+    prompts: list[dict[str, Any]]
+    max_new: int
+    batch_size: int
+    sampling: Sampling
+    warmup: int
+    repeats: int
+    tree: dict[str, int] | None
+    show_bar: bool
+    every_s: float | None
+
+
+def probe_setting(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: Any, engine_prop: Any,
+                  drafts_by_head: bool, plain_warm: list) -> tuple[int, Any, dict[str, Any]]:
+    """evaluate.k=auto: the fastest measured (k, draft vocabulary) on a few prompts, each setting timed
+    beside a plain pass of its own. (k, the engine proposer at that setting, the probe's table)."""
+    ecfg, target = cfg.evaluate, et.model
+    probe = rs.prompts[: int(ecfg.get("auto_prompts", 4))]
+    if not plain_warm:  # warms the engine up once for every proposer
+        plain_warm.append(plain_tokens_per_s(target, probe, rs.max_new, et.stops, 1, 1, rs.sampling, rs.batch_size))
+    top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
+    # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
+    vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
+    settings = [{"k": kk, "draft_vocab": nv} for kk in range(1, top + 1) for nv in vocabs]
+    bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=rs.show_bar, every_s=rs.every_s)
+
+    def measure(setting):
+        proposer = (PagedHeadProposer(prop, vocabs[setting["draft_vocab"]])
+                    if setting["draft_vocab"] is not None else engine_prop)
+        plain = plain_tokens_per_s(target, probe, rs.max_new, et.stops, 0, 1, rs.sampling, rs.batch_size)
+        t = evaluate_batched(target, proposer, probe, setting["k"], rs.max_new, et.stops, rs.batch_size, label, 1,
+                             1, rs.sampling).tokens_per_s
+        bar.update(1, k=setting["k"], draft_vocab=setting["draft_vocab"] or "all", speedup=round(t / plain, 2))
+        return t, plain
+
+    with bar:
+        chosen, auto = choose_k(settings, measure)
+    if chosen["draft_vocab"] is not None:
+        engine_prop = PagedHeadProposer(prop, vocabs[chosen["draft_vocab"]])
+    log.info("evaluate %s: k=auto measured on %d prompts, each setting beside a plain pass (ranked "
+             "against that pass, or the median plain pass %.1f tok/s where that pass was slower):\n%s\n"
+             "→ chose k=%d, draft vocabulary %s: %.2fx plain%s", label, len(probe),
+             auto["median_plain_tokens_per_s"],
+             "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['tokens_per_s']:.1f} tok/s "
+                       f"vs plain {r['plain_tokens_per_s']:.1f} ({r['paired_speedup']:.2f}x"
+                       + (f", {r['speedup']:.2f}x against the median)" if r["speedup"] != r["paired_speedup"]
+                          else ")") for r in auto["table"]),
+             chosen["k"], chosen["draft_vocab"] or "all", auto["chosen_speedup"],
+             "" if auto["faster_than_plain"] else
+             "; NO setting is faster than plain decoding here: speculation slows this head down")
+    return chosen["k"], engine_prop, auto
+
+
+def result_entry(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: Any, res: Any,
+                 outputs: list[list[int]], auto: dict | None, follows: dict | None) -> dict[str, Any]:
+    """One proposer's report entry: its run, how its k was chosen, and (greedy heads) the simulated τ."""
     ecfg = cfg.evaluate
-    temperature = float(ecfg.get("temperature", 0.0))
-    sampling = Sampling(temperature, float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
+    entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
+    if auto is not None:
+        entry["k_auto"] = auto
+        entry["draft_vocab"] = auto["chosen_draft_vocab"]
+    if follows is not None:
+        entry["k_from"] = follows["label"]
+        entry["draft_vocab"] = follows["draft_vocab"]
+    if isinstance(prop, DraftModelProposer):
+        entry["draft_layers"] = prop.draft.args.num_hidden_layers
+    else:
+        entry["checkpoint"] = str(ecfg.heads[label])
+        if ecfg.get("simulated_tau", True) and rs.sampling.greedy and rs.tree is None:  # teacher-forced top-1: greedy
+            # along the decoded continuations: greedy speculative output is the target's greedy output
+            sim, accs = simulated_tau(et.model, prop, [p["ids"] for p in rs.prompts], outputs, res.k)
+            entry["simulated_tau"] = sim
+            entry["teacher_forced_acc"] = accs
+            entry["simulated_minus_real_tau"] = sim - res.tau
+    return entry
+
+
+def evaluation_settings(cfg: Any) -> tuple[Sampling, int, str, dict | None]:
+    """(sampling, batch size, proposer mode, tree) from cfg.evaluate, checked."""
+    ecfg = cfg.evaluate
+    sampling = Sampling(float(ecfg.get("temperature", 0.0)), float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
                         torch.Generator().manual_seed(int(cfg.seed)))
     batch_size = int(ecfg.get("batch_size", 1))
     mode = ecfg.get("proposer", "chain")
@@ -203,66 +341,42 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     tree = dict(ecfg.get("tree") or {}) if mode == "tree" else None
     if tree is not None and not sampling.greedy:
         raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")
+    if str(ecfg.k) == "auto" and tree is not None:
+        raise ValueError("evaluate.k=auto chooses a chain's k; with evaluate.proposer=tree set evaluate.tree.depth")
+    return sampling, batch_size, mode, tree
+
+
+def run_evaluation(cfg: Any) -> dict[str, Any]:
+    """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
+    on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
+    ecfg = cfg.evaluate
+    sampling, batch_size, mode, tree = evaluation_settings(cfg)
     torch.manual_seed(int(cfg.seed))
-    show_bar, every_s = bool(cfg.get("progress", True)), log_interval(cfg)
-    t_load = time.perf_counter()
-    target_dir = resolve_target_dir(cfg.target)
-    log.info("evaluate: loading the target %s (%s) from %s", cfg.target.name, cfg.target.dtype, target_dir)
-    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
-    device = resolve_device(cfg.target.get("device", "auto"))
-    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
-    head_dtype = ecfg.get("head_dtype") or cfg.target.dtype
-    if head_dtype == cfg.target.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
-        tied = tied_from_model(target)
-    else:  # another dtype needs its own copy of the shared tensors (2 · V · H values)
-        tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
-        log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
-                 "embedding and lm_head", head_dtype, cfg.target.dtype)
-    stops = stop_token_ids(tokenizer)
-    log.info("evaluate: target loaded in %.0fs; preparing %s prompts%s", time.perf_counter() - t_load, ecfg.dataset,
+    et = load_evaluation_target(cfg)
+    target, stops = et.model, et.stops
+    log.info("evaluate: preparing %s prompts%s", ecfg.dataset,
              " (turn 2: the target answers turn 1 first)" if 2 in [int(t) for t in ecfg.get("turns", [1])] else "")
-    prompts = load_prompts(cfg, tokenizer, target, stops)
+    prompts = load_prompts(cfg, et.tokenizer, target, stops)
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
     log.info("evaluate: %d prompts; heads %s; k=%s, %d new tokens, batch %d", len(prompts),
              [label for label, path in (ecfg.get("heads") or {}).items() if path], ecfg.k, int(ecfg.max_new_tokens),
              batch_size)
     auto_k = str(ecfg.k) == "auto"
-    if auto_k and tree is not None:
-        raise ValueError("evaluate.k=auto chooses a chain's k; with evaluate.proposer=tree set evaluate.tree.depth")
     k, max_new = (1 if auto_k else int(ecfg.k)), int(ecfg.max_new_tokens)
     if tree is not None:  # a tree's draft depth plays the part of k
         tree = {key: int(v) for key, v in tree.items()}
         k = tree.setdefault("depth", 4)
-    warmup, repeats = int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1))
-    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": head_dtype,
+    rs = RunSettings(prompts, max_new, batch_size, sampling, int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1)),
+                     tree, bool(cfg.get("progress", True)), log_interval(cfg))
+    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": et.head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
                               "prompts": len(prompts), "k": "auto" if auto_k else k, "max_new_tokens": max_new,
-                              "temperature": temperature,
-                              "top_p": sampling.top_p, "top_k": sampling.top_k,
-                              "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": warmup,
-                              "repeats": repeats, "results": {}}
-    proposers: dict[str, Any] = {}
-    expected_fp = None  # the configured target's fingerprint: a head trained for another one is refused
-    for label, path in (ecfg.get("heads") or {}).items():
-        if path:
-            if expected_fp is None:
-                from inference_eval.model import target_fingerprint
-                expected_fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                                 cfg.target.get("fingerprint", "header"))
-            proposers[label] = load_any(path, tied, target.args, expected_fingerprint=expected_fp).to(device).eval()
-    for label, spec in (ecfg.get("draft_models") or {}).items():
-        if not spec:
-            continue
-        if spec.get("path"):
-            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype], device=device)
-            if draft.args.vocab_size != target.args.vocab_size:
-                raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
-                                 f"{target.args.vocab_size} (a draft model must share the tokenizer)")
-        else:
-            draft = target.truncated(int(spec["layers"]))
-        proposers[label] = DraftModelProposer(draft, label)
-    plain_warm = None
+                              "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                              "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": rs.warmup,
+                              "repeats": rs.repeats, "results": {}}
+    proposers = load_proposers(cfg, et)
+    plain_warm: list = []
     probing = auto_probe_labels(ecfg.get("auto_probe", "all"), list(proposers)) if auto_k else set()
     leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
     # the probed proposers first (the others take their setting); the report keeps the configured order
@@ -270,7 +384,6 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     for label in order:
         prop = proposers[label]
         outputs: list[list[int]] = []
-
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
                        else prop if is_head else prop.draft)
@@ -287,71 +400,19 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             follows = {"label": leader["label"], "draft_vocab": vocab}
             log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
                      "vocabulary %s", label, leader["label"], k, vocab or "all")
-        elif auto_k:  # the fastest measured (k, draft vocabulary) on a few prompts, before the timed evaluation
-            probe = prompts[: int(ecfg.get("auto_prompts", 4))]
-            if plain_warm is None:  # warms the engine up; each setting is then timed beside a plain pass of its own
-                plain_warm = plain_tokens_per_s(target, probe, max_new, stops, 1, 1, sampling, batch_size)
-            top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
-            # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
-            vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
-            settings = [{"k": kk, "draft_vocab": nv} for kk in range(1, top + 1) for nv in vocabs]
-            bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=show_bar, every_s=every_s)
-
-            def measure(setting):
-                proposer = (PagedHeadProposer(prop, vocabs[setting["draft_vocab"]])
-                            if setting["draft_vocab"] is not None else engine_prop)
-                plain = plain_tokens_per_s(target, probe, max_new, stops, 0, 1, sampling, batch_size)
-                t = evaluate_batched(target, proposer, probe, setting["k"], max_new, stops, batch_size, label, 1,
-                                     1, sampling).tokens_per_s
-                bar.update(1, k=setting["k"], draft_vocab=setting["draft_vocab"] or "all", speedup=round(t / plain, 2))
-                return t, plain
-
-            with bar:
-                chosen, auto = choose_k(settings, measure)
-            k = chosen["k"]
-            if chosen["draft_vocab"] is not None:
-                engine_prop = PagedHeadProposer(prop, vocabs[chosen["draft_vocab"]])
+        elif auto_k:
+            k, engine_prop, auto = probe_setting(cfg, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
             if leader is None:
-                leader = {"label": label, "k": k, "draft_vocab": chosen["draft_vocab"]}
-            log.info("evaluate %s: k=auto measured on %d prompts, each setting beside a plain pass (ranked "
-                     "against that pass, or the median plain pass %.1f tok/s where that pass was slower):\n%s\n"
-                     "→ chose k=%d, draft vocabulary %s: %.2fx plain%s", label, len(probe),
-                     auto["median_plain_tokens_per_s"],
-                     "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['tokens_per_s']:.1f} tok/s "
-                               f"vs plain {r['plain_tokens_per_s']:.1f} ({r['paired_speedup']:.2f}x"
-                               + (f", {r['speedup']:.2f}x against the median)" if r["speedup"] != r["paired_speedup"]
-                                  else ")") for r in auto["table"]),
-                     k, chosen["draft_vocab"] or "all", auto["chosen_speedup"],
-                     "" if auto["faster_than_plain"] else
-                     "; NO setting is faster than plain decoding here: speculation slows this head down")
-        res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, warmup,
-                               repeats, sampling, outputs, progress=show_bar, progress_log_s=every_s)
+                leader = {"label": label, "k": k, "draft_vocab": auto["chosen_draft_vocab"]}
+        res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, rs.warmup,
+                               rs.repeats, sampling, outputs, progress=rs.show_bar, progress_log_s=rs.every_s)
         log.info(res.summary())
-        entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
-        if auto is not None:
-            entry["k_auto"] = auto
-            entry["draft_vocab"] = auto["chosen_draft_vocab"]
-        if follows is not None:
-            entry["k_from"] = follows["label"]
-            entry["draft_vocab"] = follows["draft_vocab"]
-        if isinstance(prop, DraftModelProposer):
-            entry["draft_layers"] = prop.draft.args.num_hidden_layers
-        else:
-            entry["checkpoint"] = str(ecfg.heads[label])
-            if ecfg.get("simulated_tau", True) and sampling.greedy and tree is None:  # teacher-forced top-1: a greedy notion
-                from inference_eval.scoring import simulated_tau
-
-                # along the decoded continuations: greedy speculative output is the target's greedy output
-                sim, accs = simulated_tau(target, prop, [p["ids"] for p in prompts], outputs, res.k)
-                entry["simulated_tau"] = sim
-                entry["teacher_forced_acc"] = accs
-                entry["simulated_minus_real_tau"] = sim - res.tau
-        report["results"][label] = entry
+        report["results"][label] = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
     report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
     if ecfg.get("plain_baseline"):
         log.info("evaluate: plain decoding of the same %d prompts (the speedup's baseline)", len(prompts))
-        plain = evaluate_batched(target, None, prompts, 1, max_new, stops, batch_size, "plain", warmup, repeats,
-                                 sampling, progress=show_bar, progress_log_s=every_s).tokens_per_s
+        plain = evaluate_batched(target, None, prompts, 1, max_new, stops, batch_size, "plain", rs.warmup, rs.repeats,
+                                 sampling, progress=rs.show_bar, progress_log_s=rs.every_s).tokens_per_s
         report["plain_tokens_per_s"] = plain
         for entry in report["results"].values():
             entry["speedup"] = entry["tokens_per_s"] / plain
