@@ -53,6 +53,7 @@ class Eagle3Config:
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    train_lm_head: bool = True  # False: lm_head stays at the target's rows of the draft vocabulary (speculators' default)
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
@@ -120,6 +121,7 @@ class Eagle3Head(DraftHead):
         self.midlayer = Eagle3Layer(self.layer_args, cfg.norm_before_residual)
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.lm_head = Linear(h, vd, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)  # frozen: no gradient, not in the optimizer
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))  # target id = draft id + d2t
         self.register_buffer("t2d", torch.zeros(args.vocab_size, dtype=torch.bool))
         self.t2d[:vd] = True

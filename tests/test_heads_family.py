@@ -136,6 +136,23 @@ def test_unroll_attention_is_speculators_ttt_definition(tiny_target, name):
     assert (outs[2] - outs[1]).abs().max() > 1e-3  # the depths differ: the comparison is not vacuous
 
 
+def test_eagle3_lm_head_can_stay_the_targets_rows(tiny_target):
+    """train_lm_head=false (speculators' default): lm_head is the target's draft-vocabulary rows, gets no
+    gradient and is in no optimizer group; the rest trains."""
+    from train.optim import parameter_groups
+
+    tied, args, parts = tied_target(tiny_target)
+    head = build_head({**HEADS["eagle3"], "train_lm_head": False}, args, tied)
+    head.set_draft_vocab(torch.arange(args.vocab_size) % 5)
+    head.reset_parameters(0, parts.first_input_norm)
+    torch.testing.assert_close(head.lm_head.weight, tied.lm_head[head.draft_ids], atol=0, rtol=0)
+    hidden, aux, ids = inputs(head, 8)
+    head.logits(unroll(head, hidden, ids, 2, aux)[1]).sum().backward()
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad is not None
+    grouped = {id(p) for g in parameter_groups(head, "muon", 0.0) + parameter_groups(head, "adamw", 0.0) for p in g["params"]}
+    assert id(head.lm_head.weight) not in grouped and id(head.fc.weight) in grouped
+
+
 def _engine_states(head, hidden, aux, ids, i, depth):
     """The engine's draft loop with teacher-forced tokens after the target accepted up to i."""
     cache = head.new_cache(1, hidden.shape[1] + depth + 1)

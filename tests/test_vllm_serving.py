@@ -7,10 +7,12 @@ engine's (`engine_generate`, the head read back from the same export, float32) �
 whose eh_proj is zeroed loads silently; only that comparison catches it, which is tested too.
 
 Cost on 2 cores (the session fixture prints its timings with `-s`): 45 ShareGPT conversations (≤ 256
-tokens) precomputed once in float32 with EAGLE-3's aux layers (≈ 40 s), six heads trained 20 steps of 512
+tokens) precomputed once in float32 with EAGLE-3's aux layers (≈ 40 s), seven heads trained 20 steps of 512
 tokens each (50-90 s per head: the 49k-token vocabulary dominates a step), one vLLM process per served config
 (load ≈ 40-50 s, 8 processes, at most one beside the training), spechead's engine on the same prompts per head.
-Measured: 14.5 min for the module (853 s in the fixture). Acceptance after 20 steps is low (13-26 of ~290
+With `make speculators-env`, also the peer's EAGLE-3 (speculators 0.9's own trainer, 20 steps of 512 tokens, ≈ 3 min),
+served as speculators wrote it. Measured: 14.5 min for the module before the EAGLE-3.1 and peer rows (853 s in the
+fixture); 40 min with them while a training study shared the 2 cores. Acceptance after 20 steps is low (13-26 of ~290
 first drafts; depth ≥ 2 rarely) but non-zero, and equal on both sides, which is the contract."""
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import ROOT, compose_config
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SPEC_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"  # `make speculators-env`: the peer trainer
+PEER_STEPS = 20
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vLLM environment (.venv-vllm): `make vllm-env`")
 
 K = 3
@@ -50,6 +54,19 @@ HEADS = {
                    "head.norm_before_residual=true", "head.norm_output=true"], "eagle3", "eagle3", K),  # EAGLE-3.1 norms
     "medusa": (["head=medusa", f"head.num_heads={K}", f"train.module.depth={K}"], "medusa-vllm", "medusa", K),
 }
+
+
+def _train_peer(root: Path, target_dir: Path) -> Path:
+    """speculators' own trainer (experiments/peer_shims.py) for PEER_STEPS steps on the fixture's store: its
+    checkpoint directory, served by vLLM as speculators wrote it and read by the engine through load_export."""
+    from experiments.peer_data import export, peer_command
+
+    info = export(root / "store", root / "peer_data", split_seed=0, val_fraction=0.1, verifier=str(target_dir))
+    cmd = peer_command(root / "peer_data", info, str(root / "peer_ckpt"), epochs=1, total_seq_len=512).split()
+    cmd = [str(SPEC_PYTHON), *cmd[1:], "--max-steps", str(PEER_STEPS), "--log-dir", str(root / "peer_logs")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return root / "peer_ckpt" / "0"
 
 
 class ServeQueue:
@@ -119,6 +136,7 @@ def served(tmp_path_factory):
     from data.assets import ensure_smollm2_checkpoint
     from data.precompute import run_precompute
     from artifacts.export import export_head, load_any, load_export
+    from artifacts.speculators import SPECULATORS_EAGLE3
     from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
     from train.run import run_training
@@ -154,6 +172,12 @@ def served(tmp_path_factory):
         out = export_head(load_any(head_dir, tied, args), {fmt: root / label / fmt}, target_dir)[fmt]
         exports[label] = (out, fmt, method, k)
         queue.submit(label, job({"method": method, "model": str(out), "num_speculative_tokens": k}), limit=1)
+    if SPEC_PYTHON.exists():  # the peer's EAGLE-3, trained by speculators 0.9 itself on the same store
+        t0 = time.perf_counter()
+        exports["peer"] = (_train_peer(root, target_dir), SPECULATORS_EAGLE3, "eagle3", K)
+        timings["train peer"] = time.perf_counter() - t0
+        queue.submit("peer", job({"method": "eagle3", "model": str(exports["peer"][0]), "num_speculative_tokens": K}),
+                     limit=1)
     # the planted defect: the 1-module MTP export with eh_proj zeroed (vLLM loads it without a word)
     zeroed = root / "mtp1_zeroed"
     shutil.copytree(exports["mtp1"][0], zeroed)
@@ -196,6 +220,15 @@ def test_vllm_serves_the_export_losslessly_with_the_engines_acceptance(served, l
     spec = got["spec"]
     assert spec is not None and sum(spec["accepted_per_pos"]) > 0, f"{label}: no draft accepted: {spec}"
     assert acceptance_matches(spec, ref), f"{label}: vLLM accepted per position {spec} vs the engine's {ref}"
+
+
+def test_vllm_serves_the_peers_checkpoint_with_the_engines_acceptance(served):
+    """The peer's EAGLE-3 (speculators 0.9, its defaults: EAGLE-3.1 norms, frozen lm_head rows) goes through
+    the same scoring on both sides: vLLM reads speculators' checkpoint as written, the engine reads it with
+    artifacts/speculators.py (load_export) — equal per-position acceptance, lossless output."""
+    if "peer" not in served["vllm"]:
+        pytest.skip(f"{SPEC_PYTHON} is absent: `make speculators-env` builds the peer trainer's environment")
+    test_vllm_serves_the_export_losslessly_with_the_engines_acceptance(served, "peer")
 
 
 def test_a_zeroed_eh_proj_loads_silently_but_fails_the_acceptance_comparison(served):
