@@ -63,6 +63,8 @@ import os
 import sys
 from typing import Any
 
+from train.optim import newton_schulz
+
 CPU_DEFAULTS: dict[str, str] = {
     "--num-workers": "0",
     "--draft-attn-impl": "sdpa",
@@ -138,21 +140,10 @@ def apply_cpu_shims() -> list[str]:
 
         dtype = getattr(torch, ns_dtype)
 
-        def _newton_schulz(grad, ns_coefficients, ns_steps, eps):
+        def _newton_schulz(grad, ns_coefficients, ns_steps, eps):  # torch's signature, our iteration
             if ns_steps >= 100:
                 raise ValueError("Number of steps must be less than 100 for computational efficiency")
-            if grad.ndim != 2 or len(ns_coefficients) != 3:
-                raise ValueError("Newton-Schulz needs a 2-D gradient and 3 coefficients")
-            a, b, c = ns_coefficients
-            x = grad.to(dtype)
-            tall = grad.size(0) > grad.size(1)
-            if tall:
-                x = x.T
-            x = x / x.norm().clamp(min=eps)
-            for _ in range(ns_steps):
-                gram = x @ x.T
-                x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-            return x.T if tall else x
+            return newton_schulz(grad, ns_steps, eps, dtype, tuple(ns_coefficients))
 
         muon._zeropower_via_newtonschulz = _newton_schulz
         applied.append(f"Muon Newton-Schulz in {ns_dtype} (torch's: bfloat16)")

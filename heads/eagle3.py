@@ -18,8 +18,8 @@ options, all off in the original EAGLE-3:
     norm_before_fc:       g_i = fc input_norm([A^a; A^b; A^c])     (one RMSNorm over the K·H concatenation)
     norm_before_residual: the residual is hidden_norm(g), not g
     norm_output:          the state handed to the next step is norm(Ĥ) (what the lm_head reads), not Ĥ
- The draft vocabulary holds the
-V_d most frequent target tokens of the training data (`set_draft_vocab`); with V_d = V it is the
+
+The draft vocabulary holds the V_d most frequent target tokens of the training data (`set_draft_vocab`); with V_d = V it is the
 whole vocabulary. Tensor names are the engines' own (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`), so the native state dict is the export's key set.
 """

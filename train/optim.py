@@ -31,10 +31,12 @@ SCHEDULES = ("cosine", "linear")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic of Keller Jordan's Muon (torch's default too)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32
-                  ) -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32,
+                  coefficients: tuple[float, float, float] = NS_COEFFICIENTS) -> torch.Tensor:
     """The quintic Newton–Schulz iteration of Muon: ≈ U Vᵀ for G = U S Vᵀ (singular values near 1)."""
-    a, b, c = NS_COEFFICIENTS
+    if g.ndim != 2 or len(coefficients) != 3:
+        raise ValueError("Newton-Schulz needs a 2-D matrix and 3 coefficients")
+    a, b, c = coefficients
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
