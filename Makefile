@@ -5,6 +5,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.spechead-installed
 
+# TORCH: which build of the pinned torch to install — cpu (the CPU wheel), cuda (PyPI's CUDA wheel of the
+# same version, for NVIDIA GPUs), or auto: cuda where `nvidia-smi -L` lists a GPU, else cpu.
+TORCH ?= auto
+ifeq ($(TORCH),auto)
+override TORCH := $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
+ifeq ($(filter $(TORCH),cpu cuda),)
+$(error TORCH=$(TORCH): expected cpu, cuda or auto)
+endif
+
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
@@ -15,12 +25,21 @@ install: $(STAMP)
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=23"
+ifeq ($(TORCH),cuda)
+	# PyPI's Linux wheel of the pinned version is the CUDA build; local CPU wheels (find-links) are skipped
+	PIP_FIND_LINKS= $(PY) -m pip install -q "$$(grep -E '^torch==' requirements.txt)"
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c "import torch; assert torch.version.cuda, 'TORCH=cuda: a CPU torch was installed; set TORCH=cpu or check the index'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs visible:', torch.cuda.device_count())"
+else
 	$(PY) -m pip install -q "$$(grep -E '^torch==' requirements.txt)"
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed; expected the 2.13.0 CPU wheel'"
-	touch $@
+	$(PY) -c "import torch; assert not torch.version.cuda, 'a CUDA torch was installed; expected the 2.13.0 CPU wheel (TORCH=cpu)'"
+endif
+	echo $(TORCH) > $@
 
 demo: $(STAMP)
 	$(PY) -m scripts.pipeline $(ARGS)

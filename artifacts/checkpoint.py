@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from core.files import atomic_dir, leftover_hint, recover_interrupted_save
@@ -45,11 +46,19 @@ class TargetMismatchError(ValueError):
     """A head (or export) was trained for another target, tokenizer or compute dtype than the configured one."""
 
 
-def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None) -> Path:
+def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None,
+                state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (`atomic_artifact_dir`): refuses to replace a
-    directory that is not a native head, and a kill at any point leaves the old or the new checkpoint."""
+    directory that is not a native head, and a kill at any point leaves the old or the new checkpoint.
+    `state`: the head's whole state dict when `head` holds shards (gathered by train/run.py
+    `whole_head_state`); its names must be the head's own."""
     out_dir = Path(out_dir)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    own = head.state_dict()
+    if state is not None:
+        if state.keys() != own.keys():
+            raise ValueError(f"save_native({out_dir}): the given state's tensors {sorted(set(state) ^ set(own))} "
+                             "differ from the head's")
+    state = {k: v.detach().contiguous().cpu() for k, v in (state if state is not None else own).items()}
     config = {
         "spechead_format": FORMAT_VERSION,
         "spechead_version": _version(),

@@ -1,15 +1,26 @@
-"""Training-step benchmark on SmolLM2's shapes (vocab 49,152, hidden 576): the chunked-KL step vs a
-naive step that materialises full student and teacher logits. Random weights (shapes are what
-matter for speed and memory). Last line:
+"""Training-step benchmark on SmolLM2's shapes (vocab 49,152, hidden 576). Random weights (shapes are
+what matter for speed and memory).
+
+Default: the chunked-KL step vs a naive step that materialises full student and teacher logits. Last line:
 `train_step mem_ratio=<peak/naive> speed_ratio=<tok_s/naive> tok_s=<x> naive_tok_s=<y> tokens=<T>`.
-Peak memory: each variant runs in a fresh process; peak RSS during its steps minus the RSS after
-setup (weights and inputs allocated), so the figure is what the step itself adds.
+
+`--depth D` (≥ 2): a training-time-test step to depth D (heads/unroll.py, the chunked KL and the hidden
+regression at every depth, as train/module.py computes them) with the unroll's attention as one SDPA call
+under a block mask (`sdpa`, the default since issue 29) vs the dense formulation it replaced, which keeps
+[B, H, T, T] scores per depth (`dense`, heads/layers.py `dense_unrolled_attention`). Last line:
+`train_step depth=<D> seq=<T> mem_ratio=<peak/dense> speed_ratio=<tok_s/dense> tok_s=<x> dense_tok_s=<y>`.
+
+Peak memory: each variant runs in a fresh process; peak RSS during its steps minus the RSS after setup
+(weights and inputs allocated), so the figure is what the step itself adds. Speed: the variants' processes
+alternate (A B A B …), and each one's figure is its median over the rounds, so a machine that gets busier
+or quieter during the run moves both alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import resource
 import subprocess
@@ -21,7 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from heads.layers import LlamaArgs  # noqa: E402
+from heads.layers import Attention, LlamaArgs  # noqa: E402
+from heads.unroll import unroll  # noqa: E402
 from heads.base import TiedTarget  # noqa: E402
 from heads.mtp import MTPConfig, MTPHead  # noqa: E402
 from train.losses import fused_linear_kl, hidden_regression, naive_kl  # noqa: E402
@@ -43,12 +55,24 @@ def step(head, hidden, ids, chunked: bool, chunk: int) -> None:
     ((reg + kl) / (t - 1)).backward()
 
 
+def unrolled_step(head, hidden, ids, depth: int, chunk: int) -> None:
+    """Loss of depths 1..D as train/module.py builds it (γ = 1), backward."""
+    t = hidden.shape[1]
+    total = 0.0
+    for d, pred in enumerate(unroll(head, hidden, ids, depth), start=1):
+        rows = t - d - 1
+        p, tgt = pred[0, :rows], hidden[0, d:d + rows]
+        kl, _ = fused_linear_kl(head.features(p, d), head.tied.final_norm(tgt), head.tied.lm_head, chunk)
+        total = total + (hidden_regression(p, tgt) + kl) / rows
+    total.backward()
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_variant(name: str, tokens: int, chunk: int, repeats: int) -> tuple[float, int]:
+def run_variant(name: str, tokens: int, chunk: int, repeats: int, depth: int = 1) -> tuple[float, int]:
     """In this process: set up, measure RSS, run the steps; return (tok/s, peak RSS growth)."""
     torch.manual_seed(0)
     a = SMOLLM2
@@ -60,10 +84,15 @@ def run_variant(name: str, tokens: int, chunk: int, repeats: int) -> tuple[float
     ids = torch.randint(0, a.vocab_size, (1, tokens))
     for p in head.parameters():  # allocate grads up front so both variants start equal
         p.grad = torch.zeros_like(p)
+    if name in ("sdpa", "dense"):
+        Attention.unrolled_impl = name
     base = _rss_bytes()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        step(head, hidden, ids, name == "chunked", chunk)
+        if depth > 1:
+            unrolled_step(head, hidden, ids, depth, chunk)
+        else:
+            step(head, hidden, ids, name == "chunked", chunk)
     tok_s = repeats * tokens / (time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return tok_s, peak - base
@@ -72,25 +101,46 @@ def run_variant(name: str, tokens: int, chunk: int, repeats: int) -> tuple[float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (under a minute)")
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", "--seq", type=int, default=2048, help="tokens per step (one row)")
+    ap.add_argument("--depth", type=int, default=1, help="≥ 2: the training-time test's attention, sdpa vs dense")
+    ap.add_argument("--rounds", type=int, help="alternating rounds per variant (default 1 with --quick, else 3)")
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--variant", choices=["chunked", "naive"], help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=["chunked", "naive", "sdpa", "dense"], help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant, args.tokens, args.chunk, args.repeats)))
+        print(json.dumps(run_variant(args.variant, args.tokens, args.chunk, args.repeats, args.depth)))
         return
-    repeats = 2 if args.quick else 5
-    result = {}
-    for name in ("chunked", "naive"):
-        out = subprocess.run([sys.executable, __file__, "--variant", name, "--tokens", str(args.tokens),
-                              "--chunk", str(args.chunk), "--repeats", str(repeats)],
-                             capture_output=True, text=True, check=True)
-        result[name] = tuple(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"{name}: {result[name][0]:.0f} tok/s, peak +{result[name][1] / 2**20:.0f} MiB", flush=True)
-    (c_tok, c_mem), (n_tok, n_mem) = result["chunked"], result["naive"]
-    print(f"train_step mem_ratio={c_mem / n_mem:.3f} speed_ratio={c_tok / n_tok:.3f} tok_s={c_tok:.0f} "
-          f"naive_tok_s={n_tok:.0f} tokens={args.tokens}")
+    if args.depth < 1:
+        ap.error(f"--depth {args.depth}: expected ≥ 1")
+    if args.depth > args.tokens - 2:
+        ap.error(f"--depth {args.depth} needs --seq > depth + 1 tokens (got {args.tokens})")
+    names = ("sdpa", "dense") if args.depth > 1 else ("chunked", "naive")
+    repeats = 1 if args.quick else (2 if args.depth > 1 else 5)
+    rounds = args.rounds or (1 if args.quick else 3)
+    speeds: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, int] = {n: 0 for n in names}
+    for r in range(rounds):
+        for name in names:  # alternate: a drift in the machine's load moves both variants alike
+            out = subprocess.run([sys.executable, __file__, "--variant", name, "--tokens", str(args.tokens),
+                                  "--chunk", str(args.chunk), "--repeats", str(repeats), "--depth", str(args.depth)],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"train_step: the {name} variant failed (depth {args.depth}, seq {args.tokens}):\n"
+                         f"{out.stderr[-2000:]}")
+            tok_s, peak = json.loads(out.stdout.strip().splitlines()[-1])
+            speeds[name].append(tok_s)
+            peaks[name] = max(peaks[name], peak)
+            print(f"round {r + 1}/{rounds} {name}: {tok_s:.0f} tok/s, peak +{peak / 2**20:.0f} MiB", flush=True)
+    (a, b) = names
+    a_tok, b_tok = statistics.median(speeds[a]), statistics.median(speeds[b])
+    if args.depth > 1:
+        print(f"train_step depth={args.depth} seq={args.tokens} mem_ratio={peaks[a] / peaks[b]:.3f} "
+              f"speed_ratio={a_tok / b_tok:.3f} tok_s={a_tok:.0f} dense_tok_s={b_tok:.0f} "
+              f"peak_mib={peaks[a] / 2**20:.0f} dense_peak_mib={peaks[b] / 2**20:.0f}")
+    else:
+        print(f"train_step mem_ratio={peaks[a] / peaks[b]:.3f} speed_ratio={a_tok / b_tok:.3f} tok_s={a_tok:.0f} "
+              f"naive_tok_s={b_tok:.0f} tokens={args.tokens}")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ class DraftHead(nn.Module):
         the engine's draft cache would hold at this depth (Attention.forward_unrolled); `mask` [B, T, T]
         for packed rows."""
         cos, sin = self.rotary(positions, x.dtype)
-        return self.decoder(depth).forward_unrolled(x, cos, sin, base, extras, mask)
+        return self.decoder(depth)(x, cos, sin, unrolled=(base, extras, mask))
 
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
         return self.tied.cap_logits(linear(self.features(hidden, depth), self.lm_head_weight))

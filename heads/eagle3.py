@@ -70,6 +70,8 @@ class Eagle3Layer(nn.Module):
     and whose residual is the pre-norm g (`norm_before_residual: false`, the original EAGLE-3) or
     hidden_norm(g) (true)."""
 
+    fsdp_unit = True  # sharded on its own under FSDP2 (train/module.py configure_model)
+
     def __init__(self, args: LlamaArgs, norm_before_residual: bool = False) -> None:
         super().__init__()
         self.norm_before_residual = norm_before_residual
@@ -87,7 +89,9 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, unrolled: tuple | None = None) -> torch.Tensor:
+        if unrolled is not None:  # the training-time test through the module call (DecoderLayer.forward)
+            return self.forward_unrolled(x, cos, sin, *unrolled)
         a_in, g = self._split(x)
         h = g + self.self_attn(a_in, cos, sin, kv, start, attn_mask)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -241,7 +241,43 @@ class KVCache:
         return self.k[i], self.v[i]
 
 
+def unrolled_mask(t: int, n_extra: int, mask: torch.Tensor | None, device: torch.device | str) -> torch.Tensor:
+    """The training-time test's key mask for depth n_extra + 1: [T, (n_extra + 1)·T] bool (or
+    [B, 1, T, …] from a packed [B, T, T] `mask`): causal (or `mask`) over the depth-1 block, the diagonal
+    over each later depth's block."""
+    eye = torch.eye(t, dtype=torch.bool, device=device)
+    if mask is None:
+        first = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        return torch.cat([first, *[eye] * n_extra], dim=-1)
+    b = mask.shape[0]
+    return torch.cat([mask, *[eye.expand(b, t, t)] * n_extra], dim=-1)[:, None]
+
+
+def dense_unrolled_attention(q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor],
+                             blocks: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                             scale: float) -> torch.Tensor:
+    """The training-time test's attention written out (spechead's formulation before issue 29): explicit
+    [B, H, T, T] scores over the depth-1 keys, one dot product per later depth's key at the same row,
+    one softmax (fp32 or wider) over both. Memory O(B·H·T²) per depth, kept for backward."""
+    t = q.shape[2]
+    rep = q.shape[1] // base[0].shape[1]
+    k_base, v_base = (z.repeat_interleave(rep, dim=1) for z in base)  # [B, nH, T, d]
+    diag = [(ke.repeat_interleave(rep, dim=1), ve.repeat_interleave(rep, dim=1)) for ke, ve in blocks]
+    scores = (q @ k_base.transpose(-1, -2)) * scale  # [B, nH, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril() if mask is None else mask[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag_scores = torch.stack([(q * ke).sum(-1) * scale for ke, _ in diag], dim=-1)  # [B, nH, T, n]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.cat([scores, diag_scores], dim=-1).to(acc).softmax(-1).to(q.dtype)
+    out = probs[..., :t] @ v_base
+    return out + sum(probs[..., t + j, None] * ve for j, (_, ve) in enumerate(diag))
+
+
 class Attention(nn.Module):
+    # the training-time test's attention: "sdpa" (one fused call, unrolled_mask) or "dense" (explicit
+    # [B, H, T, T] scores, dense_unrolled_attention: the reference, and what bench/train_step.py compares)
+    unrolled_impl = "sdpa"
+
     def __init__(self, args: LlamaArgs, in_features: int | None = None) -> None:
         super().__init__()
         h, d = args.hidden_size, args.head_dim
@@ -304,17 +340,18 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None,
                                                  is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
-        rep = self.n_heads // self.n_kv
-        k_base, v_base = (z.repeat_interleave(rep, dim=1) for z in base)  # [B, nH, T, d]
-        diag = [(ke.repeat_interleave(rep, dim=1), ve.repeat_interleave(rep, dim=1)) for ke, ve in [*extras, (k, v)]]
-        scale = self.head_dim ** -0.5
-        scores = (q @ k_base.transpose(-1, -2)) * scale  # [B, nH, T, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril() if mask is None else mask[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag_scores = torch.stack([(q * ke).sum(-1) * scale for ke, _ in diag], dim=-1)  # [B, nH, T, n]
-        probs = torch.cat([scores, diag_scores], dim=-1).float().softmax(-1).to(q.dtype)
-        out = probs[..., :t] @ v_base  # [B, nH, T, d]
-        out = out + sum(probs[..., t + j, None] * ve for j, (_, ve) in enumerate(diag))
+        blocks = [*extras, (k, v)]
+        if self.unrolled_impl == "dense":
+            out = dense_unrolled_attention(q, base, blocks, mask, self.head_dim ** -0.5)
+        else:
+            # One attention call over the keys [depth-1 keys ; depth-2 keys ; … ; this depth's keys], each
+            # block T long: causal (or the packed mask) over the first block, the diagonal over the
+            # others — row i sees only what depths 2..d produced at row i. No [B, H, T, (n+1)·T] scores
+            # are kept (a fused SDPA kernel); only the boolean mask, shared over batch and heads unpacked.
+            keys = torch.cat([base[0], *(kb for kb, _ in blocks)], dim=2)
+            values = torch.cat([base[1], *(vb for _, vb in blocks)], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=unrolled_mask(t, len(blocks), mask, x.device),
+                                                 enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
@@ -332,6 +369,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm Llama decoder layer. `input_norm=False` gives EAGLE-1's layer without input norm."""
 
+    fsdp_unit = True  # sharded on its own under FSDP2 (train/module.py configure_model)
+
     def __init__(self, args: LlamaArgs, input_norm: bool = True) -> None:
         super().__init__()
         if input_norm:
@@ -342,7 +381,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, unrolled: tuple | None = None) -> torch.Tensor:
+        """`unrolled=(base, extras, mask)`: one depth of the training-time test (forward_unrolled) —
+        through the module call, so that FSDP and ZeRO-3 gather this layer's sharded weights around it."""
+        if unrolled is not None:
+            return self.forward_unrolled(x, cos, sin, *unrolled)
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         x = x + self.self_attn(h, cos, sin, kv, start, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))

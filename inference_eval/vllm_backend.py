@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from core.safetensors_io import checkpoint_files, read_safetensors_header
 from heads.registry import resolve_aux_layers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,64 @@ def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: in
         raise ValueError(f"precompute rank {rank} with tensor_parallel_size={tp} needs GPUs {rank * tp}..{(rank + 1) * tp - 1}, "
                          f"the node has {gpus}: run GPUs / tensor_parallel_size ranks")
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))}
+
+
+def checkpoint_parameters(target_dir: str | Path) -> int:
+    """Elements of every tensor in a checkpoint directory's safetensors files (headers only)."""
+    total = 0
+    for f in checkpoint_files(Path(target_dir)):
+        header = read_safetensors_header(f, validate=False)[0]
+        for name, t in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in t["shape"]:
+                    n *= int(d)
+                total += n
+    return total
+
+
+# what vLLM needs beside the weights shard, per GPU: CUDA context, activations of a prefill batch, a
+# small KV cache for the one generated token per request
+VLLM_OVERHEAD_BYTES = 4 << 30
+AUTO_MAX_UTILIZATION = 0.9
+
+
+def gpu_memory_utilization(setting: Any, parameters: int, dtype: torch.dtype, tensor_parallel_size: int,
+                           gpu_bytes: int | None) -> float:
+    """`precompute.vllm.gpu_memory_utilization`: `auto` = what this job needs — the target's weights per
+    rank (parameters × dtype size / tensor_parallel_size) plus VLLM_OVERHEAD_BYTES, as a fraction of one
+    GPU (at least 0.3, at most 0.9) — or a number, checked against the same need. Without a GPU
+    (`gpu_bytes` None: vLLM's CPU build) the setting is not used: 0.3 for auto."""
+    per_rank = parameters * torch.empty((), dtype=dtype).element_size() / max(int(tensor_parallel_size), 1)
+    need = per_rank + VLLM_OVERHEAD_BYTES
+    if gpu_bytes is None:
+        return 0.3 if setting in (None, "auto") else float(setting)
+    gb = 1 << 30
+    if setting in (None, "auto"):
+        fraction = need / gpu_bytes
+        if fraction > AUTO_MAX_UTILIZATION:
+            raise ValueError(f"precompute.vllm: the target's weights need {per_rank / gb:.1f} GB per GPU at "
+                             f"tensor_parallel_size={tensor_parallel_size} (+ {VLLM_OVERHEAD_BYTES / gb:.0f} GB for "
+                             f"vLLM), more than {AUTO_MAX_UTILIZATION:.0%} of a {gpu_bytes / gb:.1f} GB GPU: raise "
+                             "precompute.vllm.tensor_parallel_size")
+        return round(max(0.3, fraction + 0.02), 2)
+    value = float(setting)
+    if not 0 < value <= 1:
+        raise ValueError(f"precompute.vllm.gpu_memory_utilization={setting!r}: expected auto or a fraction in (0, 1]")
+    if value * gpu_bytes < need:
+        fits = need / gpu_bytes
+        hint = (f"set precompute.vllm.gpu_memory_utilization={min(fits + 0.02, 1):.2f} (or auto)" if fits <= 1
+                else "raise precompute.vllm.tensor_parallel_size")
+        raise ValueError(f"precompute.vllm.gpu_memory_utilization={value} gives vLLM {value * gpu_bytes / gb:.1f} GB of "
+                         f"each {gpu_bytes / gb:.1f} GB GPU, but the target's weights need {per_rank / gb:.1f} GB per "
+                         f"GPU at tensor_parallel_size={tensor_parallel_size} (+ {VLLM_OVERHEAD_BYTES / gb:.0f} GB "
+                         f"for vLLM): vLLM could not start; {hint}")
+    return value
+
+
+def _gpu_bytes() -> int | None:
+    """Memory of the first visible GPU, None without CUDA."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def _hf_config(target_dir: str | Path) -> dict[str, Any]:
@@ -129,7 +188,9 @@ class VLLMBackend:
                 "aux_layers": list(aux_layers), "num_hidden_layers": args["num_hidden_layers"], "args": args,
                 "max_model_len": max_model_len,
                 "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
-                "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.3)),
+                "gpu_memory_utilization": gpu_memory_utilization(
+                    vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype,
+                    int(vcfg.get("tensor_parallel_size", 1)), _gpu_bytes()),
                 "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE":
                str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false",

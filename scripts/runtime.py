@@ -45,14 +45,30 @@ def busy_elsewhere() -> float:
         return os.getloadavg()[0]
 
 
+def local_ranks() -> int:
+    """Processes of this launch on this node: torchrun's LOCAL_WORLD_SIZE, srun's
+    SLURM_NTASKS_PER_NODE, else 1."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
 def resolve_threads(spec, cpus: int | None = None, load: float | None = None) -> int | None:
     """`threads`: null = torch's default (every core); an int; or `auto` = the cores the machine's other
     work leaves free (cores minus what other processes keep busy, at least 1) — several spechead
-    processes on one machine then share the cores instead of each taking all of them."""
+    processes on one machine then share the cores instead of each taking all of them. Under a launcher
+    that starts several ranks per node (torchrun and srun set LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE),
+    `auto` is the node's cores split evenly over its ranks: they start together, so a load snapshot
+    would not see each other yet."""
     if spec is None:
         return None
     cpus = cpus or os.cpu_count() or 1
     if spec == "auto":
+        local = local_ranks()
+        if local > 1:
+            return max(1, cpus // local)
         load = busy_elsewhere() if load is None else load
         return max(1, min(cpus, cpus - int(load + 0.5)))
     n = int(spec)
@@ -90,7 +106,7 @@ def record_status(cfg, stage: str, state: str, error: BaseException | None = Non
     """Update `<run_dir>/status.json` (atomically): {stage: {state, time, pid, error?, partial?, resume?}}.
     Returns the file (None without a run_dir)."""
     run_dir = _select(cfg, "run_dir")
-    if not run_dir:
+    if not run_dir or os.environ.get("RANK", "0") not in ("", "0"):  # one writer: global rank 0
         return None
     import fcntl
 

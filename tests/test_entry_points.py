@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from scripts.runtime import apply_threads, resolve_threads
+from omegaconf import OmegaConf
+
+from scripts.runtime import apply_threads, record_status, resolve_threads
 from tests.conftest import ROOT
 
 
@@ -27,6 +29,28 @@ def test_thread_policy():
         assert apply_threads(1) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_ranks_split_the_cores_and_rank0_alone_writes_status(monkeypatch, tmp_path):
+    """Under torchrun (LOCAL_WORLD_SIZE) or srun (SLURM_NTASKS_PER_NODE), `threads=auto` gives each of a
+    node's ranks its share of the cores, whatever the load snapshot; only global rank 0 writes
+    status.json."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resolve_threads("auto", cpus=16, load=0.0) == 2 and resolve_threads("auto", cpus=4, load=0.0) == 1
+    assert resolve_threads(3, cpus=16) == 3  # an explicit number stays
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert resolve_threads("auto", cpus=16, load=9.0) == 4
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    assert resolve_threads("auto", cpus=16, load=0.0) == 16
+    cfg = OmegaConf.create({"run_dir": str(tmp_path)})
+    monkeypatch.setenv("RANK", "1")
+    assert record_status(cfg, "train", "running") is None and not (tmp_path / "status.json").exists()
+    monkeypatch.setenv("RANK", "0")
+    assert record_status(cfg, "train", "running") == tmp_path / "status.json"
+    assert (tmp_path / "status.json").exists()
 
 
 def test_runs_started_in_the_same_second_get_their_own_hydra_directory(tmp_path):
@@ -62,3 +86,30 @@ def test_busy_elsewhere_counts_other_running_processes():
     finally:
         for p in spin:
             p.kill()
+
+
+def test_make_install_picks_the_torch_build(tmp_path):
+    """`make install` (dry run, -n): TORCH=auto installs the CUDA wheel of the pinned torch where
+    `nvidia-smi -L` lists a GPU (a stand-in on PATH here) and the CPU wheel elsewhere, each checked after
+    install; TORCH=cpu|cuda forces it; any other value stops with the allowed ones."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    no_gpu = tmp_path / "nogpu"
+    no_gpu.mkdir()
+    (no_gpu / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # installed driver tools, no GPU
+    (no_gpu / "nvidia-smi").chmod(0o755)
+
+    def dry(path_dir, *args):
+        env = {**os.environ, "PATH": f"{path_dir}:{os.environ['PATH']}"}
+        env.pop("TORCH", None)
+        return subprocess.run(["make", "-n", "-B", "install", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+    gpu, cpu = dry(fake), dry(no_gpu)
+    assert gpu.returncode == 0 and "PIP_FIND_LINKS= " in gpu.stdout and "assert torch.version.cuda" in gpu.stdout
+    assert cpu.returncode == 0 and "PIP_FIND_LINKS= " not in cpu.stdout and "assert not torch.version.cuda" in cpu.stdout
+    assert "assert not torch.version.cuda" in dry(fake, "TORCH=cpu").stdout
+    assert "assert torch.version.cuda" in dry(no_gpu, "TORCH=cuda").stdout
+    bad = dry(no_gpu, "TORCH=rocm")
+    assert bad.returncode != 0 and "TORCH=rocm: expected cpu, cuda or auto" in bad.stderr

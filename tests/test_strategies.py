@@ -123,21 +123,21 @@ def test_zero3_preset_shards_the_head_and_saves_it_whole():
     assert isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.world_size == 8
 
 
-def test_fsdp_preset_wraps_decoder_layers():
-    """FSDP needs CUDA in Lightning: the strategy instantiates here, the Trainer refuses the CPU."""
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import ShardingStrategy
+def test_fsdp_preset_is_fsdp2_over_every_rank():
+    """The preset composes to FSDP2 (Lightning's ModelParallelStrategy, pure data parallel: the mesh is
+    world × 1); the layers it shards carry `fsdp_unit`. tests/test_multiprocess.py trains with it."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
+    from heads.eagle3 import Eagle3Layer
     from heads.layers import DecoderLayer
+    from train.strategies import FSDP2Strategy
 
     cfg = compose_config(["trainer=8xh100_fsdp", "progress=false"])
     assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.precision) == ("gpu", 8, "bf16-mixed")
     strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy) and strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
-    policy = strategy.kwargs["auto_wrap_policy"]
-    assert policy._module_classes == {DecoderLayer} and strategy._state_dict_type == "full"
-    with pytest.raises(Exception, match="requires a GPU accelerator"):
-        instantiate(cfg.trainer, accelerator="cpu", logger=False)
+    assert isinstance(strategy, FSDP2Strategy) and isinstance(strategy, ModelParallelStrategy)
+    assert strategy._tensor_parallel_size == 1 and strategy._save_distributed_checkpoint is False
+    assert DecoderLayer.fsdp_unit and Eagle3Layer.fsdp_unit
 
 
 # ---- batches per rank ------------------------------------------------------------------------------
@@ -155,6 +155,24 @@ def test_token_budget_batches_shard_over_ranks():
         assert sorted(map(tuple, (b for batches in per_rank for b in batches))) == sorted(map(tuple, kept))
     with pytest.raises(ValueError):
         TokenBudgetBatches(lengths, 128, True, 3, num_replicas=2, rank=2)
+
+
+def test_validation_batches_shard_over_ranks_without_a_cut():
+    """pad_to_equal (the held-out loader): every batch on exactly one rank, none cut; each rank runs
+    the same number of batches (FSDP gathers in each forward), the missing ones a repeat of its own
+    first batch, and `real_batches` says how many count."""
+    lengths = [5, 90, 33, 12, 64, 64, 7, 100, 3, 50, 20, 70]
+    whole = list(TokenBudgetBatches(lengths, batch_tokens=128, shuffle=False, seed=0))
+    for world in (2, 3, 4, len(whole) + 1):
+        shards = [TokenBudgetBatches(lengths, 128, False, 0, num_replicas=world, rank=r, pad_to_equal=True)
+                  for r in range(world)]
+        runs = [list(s) for s in shards]
+        assert len({len(r) for r in runs}) == 1 and len(runs[0]) == -(-len(whole) // world)
+        counted = [b for s, r in zip(shards, runs) for b in r[:s.real_batches]]
+        assert sorted(map(tuple, counted)) == sorted(map(tuple, whole)), world  # each batch once, none lost
+        for s, r in zip(shards, runs):
+            assert all(b == (r[0] if s.real_batches else whole[0]) for b in r[s.real_batches:])
+    assert len(whole) % 4 != 0  # so world 4 pads some ranks: the case is exercised
 
 
 # ---- DDP on two CPU processes ----------------------------------------------------------------------
@@ -212,14 +230,14 @@ def test_ddp_trains_on_two_cpu_processes(strategy, tiny_overrides, tiny_target, 
 
 # ---- DeepSpeed ZeRO-2 on CPU -----------------------------------------------------------------------
 class _Loss(torch.nn.Module):
-    """What DeepSpeed's engine wraps: batch → loss, through the LightningModule's own compute_loss."""
+    """What DeepSpeed's engine wraps: batch → loss, through the LightningModule's own forward (compute_loss)."""
 
     def __init__(self, module) -> None:
         super().__init__()
         self.module = module
 
     def forward(self, batch):
-        return self.module.compute_loss(batch)["loss"]
+        return self.module(batch)["loss"]
 
 
 def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:

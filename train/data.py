@@ -41,17 +41,22 @@ class TokenBudgetBatches:
     `num_replicas`, so all ranks step equally often (DDP hangs otherwise) and no sample is seen twice
     in an epoch; the < num_replicas cut batches are a different random set each epoch.
 
-    `start` batches of the current epoch are skipped by the next pass only (set on resume)."""
+    `start` batches of the current epoch are skipped by the next pass only (set on resume).
+
+    `pad_to_equal` (validation): nothing is cut — rank r takes batches r, r + N, … of the whole list —
+    and a rank with fewer than the others repeats its first batch to the common count, so that every
+    rank runs as many forwards (FSDP and ZeRO-3 gather weights collectively in each). `real_batches`
+    is how many of this rank's batches are its own; the rest are to be run and not counted."""
 
     window_batches = 64  # the sort window: this many batches' worth of samples
 
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int,
-                 num_replicas: int = 1, rank: int = 0, packing: bool = False) -> None:
+                 num_replicas: int = 1, rank: int = 0, packing: bool = False, pad_to_equal: bool = False) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
         self.packing = packing  # a batch is one row of samples whose total length fits batch_tokens
-        self.num_replicas, self.rank = num_replicas, rank
+        self.num_replicas, self.rank, self.pad_to_equal = num_replicas, rank, pad_to_equal
         self.epoch = 0
         self.start = 0
 
@@ -94,14 +99,23 @@ class TokenBudgetBatches:
 
     def _batches(self) -> list[list[int]]:
         key = (self.epoch, self.batch_tokens, self.shuffle, self.seed, self.packing, self.num_replicas, self.rank,
-               id(self.lengths), len(self.lengths))
+               self.pad_to_equal, id(self.lengths), len(self.lengths))
         cached = getattr(self, "_cache", None)
         if cached is not None and cached[0] == key:  # len() and iter() of one epoch: built once
             return cached[1]
         batches = self._all_batches()
-        usable = len(batches) - len(batches) % self.num_replicas
-        self._cache = (key, batches[:usable][self.rank::self.num_replicas])
-        return self._cache[1]
+        if self.pad_to_equal:
+            mine = batches[self.rank::self.num_replicas]
+            self.real_batches = len(mine)
+            per = -(-len(batches) // self.num_replicas)
+            if batches:
+                mine = mine + [(mine or batches)[0]] * (per - len(mine))
+        else:
+            usable = len(batches) - len(batches) % self.num_replicas
+            mine = batches[:usable][self.rank::self.num_replicas]
+            self.real_batches = len(mine)
+        self._cache = (key, mine)
+        return mine
 
     def __iter__(self):
         # a generator, so the epoch's batches are drawn at the first next(), after Lightning's
@@ -202,9 +216,11 @@ class FeatureDataModule(L.LightningDataModule):
             self.train_idx = self.train_idx[: int(self.train_samples)]
         self.lengths = self.store.lengths()
 
-    def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0) -> PositionedLoader:
+    def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0,
+                pad_to_equal: bool = False) -> PositionedLoader:
         lengths = [self.lengths[i] for i in idx]
-        batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank, self.packing)
+        batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank, self.packing,
+                                     pad_to_equal)
         return PositionedLoader(_Subset(self.store, idx), collate_fn=collate_packed if self.packing else collate,
                                 num_workers=self.num_workers, batch_sampler=batches)
 
@@ -216,8 +232,11 @@ class FeatureDataModule(L.LightningDataModule):
         return self._train_loader
 
     def val_dataloader(self) -> PositionedLoader:
-        # not sharded: every rank scores the whole split, so the (unsynced) logged val metrics are exact
-        return self._loader(self.val_idx, shuffle=False)
+        # sharded over the ranks, none cut (padding batches are run, not counted); the module sums each
+        # metric × tokens and the tokens over the ranks, so val/* is the exact per-token mean of the split
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        return self._loader(self.val_idx, shuffle=False, num_replicas=replicas, rank=rank, pad_to_equal=True)
 
     # ---- resume: Lightning saves this in its checkpoints and restores it on `fit(ckpt_path=...)` ----
     # (not the loader's own state_dict: Lightning builds the train loader for

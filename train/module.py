@@ -44,6 +44,29 @@ class DraftHeadModule(L.LightningModule):
         torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             self, self.frozen_buffer_names)
 
+    # ---- sharding (FSDP2, train/strategies.py) ------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under FSDP2Strategy: each decoder layer an FSDP unit, this module the root unit (its forward
+        computes the loss, so the head's tensors outside the layers are gathered around it). Other
+        strategies set no device mesh and this does nothing."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        dp = mesh["data_parallel"]
+        reshard = getattr(self.trainer.strategy, "reshard_after_forward", True)
+        for layer in self.head.modules():
+            if getattr(layer, "fsdp_unit", False):
+                fully_shard(layer, mesh=dp, reshard_after_forward=reshard)
+        fully_shard(self, mesh=dp, reshard_after_forward=reshard)
+        self._sharded = True
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss terms of a batch (compute_loss) through the module call: what sharded strategies
+        hook (FSDP gathers the root unit's tensors around it)."""
+        return self.compute_loss(batch)
+
     # ---- the loss ---------------------------------------------------------------------------------
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Σ_d γ^(d-1) · (w_hidden · SmoothL1 + w_kl · KL) / n_d over the unrolled depths d = 1..D.
@@ -97,7 +120,7 @@ class DraftHeadModule(L.LightningModule):
             sync_epoch_length(self.trainer)
 
     def training_step(self, batch, batch_idx):
-        out = self.compute_loss(batch)
+        out = self(batch)
         now = time.perf_counter()
         if self._t_last is not None:
             self.log("train/tokens_per_s", out["tokens"].float() / (now - self._t_last), on_step=True)
@@ -110,12 +133,29 @@ class DraftHeadModule(L.LightningModule):
             self.log(f"train/{key}", out[key], on_step=True, prog_bar=key in ("loss", "acc_d1"), batch_size=bs)
         return out["loss"]
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums: dict[str, list[float]] = {}
+
     def validation_step(self, batch, batch_idx):
-        out = self.compute_loss(batch)
-        n = int(out["n_tokens"])
-        for key in self._metric_keys(out):
-            # weight by loss tokens so the epoch value is a per-token mean
-            self.log(f"val/{key}", out[key], on_epoch=True, batch_size=max(n, 1), prog_bar=key == "acc_d1")
+        out = self(batch)
+        sampler = getattr(getattr(self.trainer, "val_dataloaders", None), "batch_sampler", None)
+        own = batch_idx < getattr(sampler, "real_batches", batch_idx + 1)  # else a padding batch (train/data.py)
+        n = float(out["n_tokens"]) if own else 0.0
+        for key in self._metric_keys(out):  # per-token means: Σ value·tokens and Σ tokens
+            sums = self._val_sums.setdefault(key, [0.0, 0.0])
+            sums[0] += float(out[key]) * n
+            sums[1] += n
+
+    def on_validation_epoch_end(self) -> None:
+        """val/* over the whole held-out split: each rank's sums, added over the ranks (one collective)."""
+        keys = sorted(self._val_sums)
+        if not keys:
+            return
+        sums = torch.tensor([self._val_sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.trainer is not None and self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        for key, (total, n) in zip(keys, sums.tolist()):
+            self.log(f"val/{key}", total / max(n, 1.0), prog_bar=key == "acc_d1", sync_dist=False)
 
     # ---- optimisation -----------------------------------------------------------------------------
     def configure_optimizers(self):

@@ -23,6 +23,7 @@ from inference_eval.model import target_fingerprint, tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.progress import ProgressLog
+from train.strategies import whole_head_state
 from train.validation import EngineValidation, EngineValidationSettings
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     if engine_val is not None and engine_val.results:
         metrics |= {k: float(v) for k, v in engine_val.results[-1].items() if k != "step"}
     out = Path(cfg.head_dir)
+    state = whole_head_state(trainer, head)  # collective under sharding: every rank takes part
     if trainer.is_global_zero:
-        save_native(head, out, fingerprint)
+        save_native(head, out, fingerprint, state)
         log.info("train: head saved to %s; final metrics %s", out, metrics)
     return out, metrics

@@ -51,6 +51,7 @@ from inference_eval.engine import engine_generate
 from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
 from train.losses import fused_linear_kl, hidden_regression
+from train.strategies import whole_head
 
 log = logging.getLogger(__name__)
 
@@ -295,16 +296,17 @@ class EngineValidation(L.Callback):
     def run(self, trainer, pl_module) -> dict[str, float] | None:
         self._last_step = trainer.global_step
         try:
-            return self._run(trainer, pl_module) if trainer.is_global_zero else None
+            # sharded (FSDP2, ZeRO-3): every rank gathers the whole head together; rank 0 scores that copy
+            head = whole_head(trainer, pl_module.head)
+            return self._run(trainer, pl_module, head) if trainer.is_global_zero else None
         finally:
             if self._wait_group is not None:  # the other ranks wait here, not in a training collective
                 import torch.distributed as dist
 
                 dist.barrier(group=self._wait_group)
 
-    def _run(self, trainer, pl_module) -> dict[str, float]:
+    def _run(self, trainer, pl_module, head: torch.nn.Module) -> dict[str, float]:
         dm = trainer.datamodule
-        head = pl_module.head
         was_training = head.training
         try:  # loading the target can fail transiently too (a missing file, out of memory)
             log.info("engine validation at step %d: %d held-out conversations teacher-forced, %d prompts decoded "
