@@ -18,7 +18,7 @@ endif
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-kernels install bench clean-runs vllm-env speculators-env
+.PHONY: demo test test-serving test-kernels install bench clean-runs vllm-env speculators-env
 
 install: $(STAMP)
 
@@ -44,8 +44,15 @@ endif
 demo: $(STAMP)
 	$(PY) -m scripts.pipeline $(ARGS)
 
+# the suite, except the real-vLLM serving matrix (≈ 19 min: every export format trained, served and
+# compared by real vLLM), which `make test-serving` runs; CI (.ci/run) runs both
+SERVING_TESTS := tests/test_vllm_serving.py
+
 test: $(STAMP)
-	WANDB_MODE=disabled $(PY) -m pytest tests $(ARGS)
+	WANDB_MODE=disabled $(PY) -m pytest tests --ignore=$(SERVING_TESTS) $(ARGS)
+
+test-serving: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest $(SERVING_TESTS) $(ARGS)
 
 # The numerics-sensitive tests (HF parity, export read-back, unroll == engine, losses, lossless decoding)
 # on the other CPU kernel paths torch can take and on one thread: a tolerance that holds on one path only

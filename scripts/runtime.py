@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from core.launch import local_ranks
 from core.paths import CONF
 
 log = logging.getLogger(__name__)
@@ -43,16 +44,6 @@ def busy_elsewhere() -> float:
         return max(0, running - 1)
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]
-
-
-def local_ranks() -> int:
-    """Processes of this launch on this node: torchrun's LOCAL_WORLD_SIZE, srun's
-    SLURM_NTASKS_PER_NODE, else 1."""
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
 
 
 def resolve_threads(spec, cpus: int | None = None, load: float | None = None) -> int | None:

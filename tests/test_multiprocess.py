@@ -170,6 +170,8 @@ def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp
     proc = torchrun("scripts.train", _overrides(common, preset, full, STEPS), timeout=600)
     ranks = _ranks(full)
     assert [r["world_size"] for r in ranks] == [2, 2], proc.stdout[-2000:]
+    # the new store's sha256 checked once for both ranks (rank 0 hashed, rank 1 found its stamp)
+    assert (proc.stdout + proc.stderr).count(" verified in ") == 1
     assert [len(r["steps"]) for r in ranks] == [STEPS, STEPS]
     sharding = ranks[0]["sharding"]
     if preset == "ddp":

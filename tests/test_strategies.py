@@ -371,3 +371,20 @@ def test_ranks_wait_for_rank0s_validation_without_a_collective_timeout(tiny_over
     head_dir, metrics = run_training(cfg)
     assert time.perf_counter() - t0 > 3 * 6  # validations at steps 1, 2, 3 (the end adds none): all waited for
     assert (Path(head_dir) / "model.safetensors").exists() and metrics["train/loss"] > 0
+
+
+def test_loader_workers_follow_the_device_and_the_ranks(monkeypatch):
+    """train.data.num_workers=auto: no workers on CPU (the step uses the cores), on a GPU up to 4 from the
+    rank's share of the node's cores; a number is taken as it is; a negative one is refused."""
+    from train.data import loader_workers
+
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert loader_workers("auto", on_cuda=False) == 0
+    assert loader_workers("auto", on_cuda=True) == 3  # 32 cores / 8 ranks, one kept for the step
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert loader_workers("auto", on_cuda=True) == 4
+    assert loader_workers(2, on_cuda=False) == 2 and loader_workers("0", on_cuda=True) == 0
+    with pytest.raises(ValueError, match="num_workers=-1"):
+        loader_workers(-1, on_cuda=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from typing import Any
 
@@ -18,6 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from core.launch import local_ranks
 from data.store import FeatureStore
 
 
@@ -185,9 +187,57 @@ def heldout_ids_digest(val_ids: list[str]) -> str:
     return hashlib.sha256(json.dumps(list(val_ids)).encode()).hexdigest()
 
 
+def loader_workers(setting: int | str, on_cuda: bool) -> int:
+    """`train.data.num_workers`: a number, or `auto` — none on CPU (the step itself uses the cores), on a
+    GPU up to 4 per rank from its share of the node's cores (leaving one for the step's own thread), so
+    that reading and collating the next batches overlaps the step."""
+    if setting != "auto":
+        n = int(setting)
+        if n < 0:
+            raise ValueError(f"train.data.num_workers={setting!r}: expected auto or a number ≥ 0")
+        return n
+    if not on_cuda:
+        return 0
+    return max(0, min(4, (os.cpu_count() or 1) // local_ranks() - 1))
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def open_store_once(root: str, fingerprint: dict | None, verify: str) -> FeatureStore:
+    """The store, its full verification (sha256 of every shard) done once per launch: with several ranks,
+    global rank 0 hashes it while the others wait; then each node's local rank 0 opens it (the stamp rank 0
+    wrote, on shared storage: no hashing; a node-local copy: hashed once on that node), then the rest —
+    instead of every rank hashing terabytes on its own. The waits are barriers of a gloo group of their
+    own with a day's timeout (hashing 3 TB takes minutes, longer than NCCL's default)."""
+    import torch.distributed as dist
+
+    if verify != "full" or not _in_process_group():
+        return FeatureStore(root, fingerprint, verify=verify)
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    turn = 0 if dist.get_rank() == 0 else (1 if local_rank == 0 else 2)
+    store, error = None, None
+    for step in range(3):
+        if turn == step:
+            try:
+                store = FeatureStore(root, fingerprint, verify=verify)
+            except Exception as err:  # raised after the barriers, so that no rank waits forever
+                error = err
+        dist.barrier(group=group)
+    if error is not None:
+        raise error
+    return store
+
+
 class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
-                 batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0,
+                 batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int | str = "auto",
                  packing: bool = False, verify_store: str = "full", train_samples: int | None = None,
                  split_seed: int = 0) -> None:
         super().__init__()
@@ -201,8 +251,13 @@ class FeatureDataModule(L.LightningDataModule):
         self.verify_store = verify_store  # full: sha256 of every shard, once per store state (a stamp); header
 
     def setup(self, stage: str | None = None) -> None:
-        # every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py)
-        self.store = FeatureStore(self.store_dir, self.expected_fingerprint, verify=self.verify_store)
+        # every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py). The
+        # ranks of a launch (torchrun, srun: WORLD_SIZE > 1) open with headers only until the process group
+        # exists — run_training sets up before fit — and hash once, in the setup that fit calls
+        verify = self.verify_store
+        if verify == "full" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _in_process_group():
+            verify = "header"
+        self.store = open_store_once(self.store_dir, self.expected_fingerprint, verify)
         n = len(self.store)
         ids = self.store.sample_ids()
         order = split_order(ids, self.split_seed)
@@ -221,8 +276,18 @@ class FeatureDataModule(L.LightningDataModule):
         lengths = [self.lengths[i] for i in idx]
         batches = TokenBudgetBatches(lengths, self.batch_tokens, shuffle, self.seed, num_replicas, rank, self.packing,
                                      pad_to_equal)
+        on_cuda = self._on_cuda()
+        workers = loader_workers(self.num_workers, on_cuda)
         return PositionedLoader(_Subset(self.store, idx), collate_fn=collate_packed if self.packing else collate,
-                                num_workers=self.num_workers, batch_sampler=batches)
+                                num_workers=workers, batch_sampler=batches, pin_memory=on_cuda,
+                                persistent_workers=workers > 0)
+
+    def _on_cuda(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        try:
+            return trainer is not None and trainer.strategy.root_device.type == "cuda"
+        except Exception:  # a strategy without devices yet
+            return False
 
     def train_dataloader(self) -> PositionedLoader:
         trainer = self.trainer
