@@ -272,8 +272,8 @@ def test_torchrun_two_nodes_train_like_one(tiny_overrides, tmp_path):
 
 
 # ---- DeepSpeed ZeRO-3: the preset's config through deepspeed.initialize ---------------------------------
-def zero3_job(overrides: list[str], steps: int, out_dir: str) -> None:
-    """One rank of a torchrun job (`python -m tests.test_multiprocess zero3 …`): the 8xh100_zero3 preset's
+def deepspeed_job(overrides: list[str], steps: int, out_dir: str) -> None:
+    """One rank of a torchrun job (`python -m tests.test_multiprocess deepspeed …`): the preset's
     DeepSpeed config (fp32 here: this CPU has no fast bf16) through `deepspeed.initialize` — Lightning's
     DeepSpeedStrategy refuses a CPU accelerator — on the module's own optimizer and loss, this rank's
     batches as Lightning would give them; then the save path of train/run.py (`whole_head_state`)."""
@@ -303,7 +303,8 @@ def zero3_job(overrides: list[str], steps: int, out_dir: str) -> None:
     opt = module.configure_optimizers()["optimizer"]
     config = {**preset, "gradient_clipping": float(cfg.trainer.gradient_clip_val), "gradient_accumulation_steps": 1}
     # the tiny head's tensors are all below the preset's persistence threshold (kept whole): partition all
-    config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
+    if config["zero_optimization"]["stage"] == 3:
+        config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
     engine, ds_opt, _, _ = deepspeed.initialize(model=_Loss(module), optimizer=opt, config=config,
                                                 model_parameters=[p for p in head.parameters() if p.requires_grad],
                                                 dist_init_required=False)
@@ -321,13 +322,15 @@ def zero3_job(overrides: list[str], steps: int, out_dir: str) -> None:
         loss = engine(b)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
 
     class _Rank:
         is_global_zero = rank == 0
 
     partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in head.parameters() if p.requires_grad)
-    state = whole_head_state(_Rank(), head)
+    state = whole_head_state(_Rank(), head)  # None when the head is whole on every rank (ZeRO-2): save it as is
+    if state is None and rank == 0:
+        state = {k: v.detach().clone() for k, v in head.state_dict().items()}
     record = {"losses": losses, "stage": engine.zero_optimization_stage(), "partitioned": partitioned,
               "optimizer": type(ds_opt).__name__}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -337,17 +340,19 @@ def zero3_job(overrides: list[str], steps: int, out_dir: str) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / "head.safetensors"))
 
 
-@pytest.mark.parametrize("head", [[], ["head=eagle3", "head.draft_vocab_size=64", "train.module.depth=2"]],
-                         ids=["mtp", "eagle3-depth2"])
-def test_torchrun_zero3_two_processes_train_like_one(head, tiny_overrides, tmp_path):
-    """ZeRO-3 on 2 processes (the preset's DeepSpeed config through deepspeed.initialize, as Lightning's
-    strategy would build it; Lightning itself refuses a CPU accelerator): every parameter partitioned,
-    10 steps whose losses equal one process on the same global batches, and the head gathered for the
-    save (every rank together) equal to that process's head. EAGLE-3 uses its own lm_head outside a
-    module call: the KL must still see the whole matrix."""
-    out = tmp_path / "zero3"
+@pytest.mark.parametrize("preset, head", [("8xh100", []), ("8xh100_zero3", []),
+                                          ("8xh100_zero3", ["head=eagle3", "head.draft_vocab_size=64",
+                                                            "train.module.depth=2"])],
+                         ids=["zero2-mtp", "zero3-mtp", "zero3-eagle3-depth2"])
+def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
+    """ZeRO-2 and ZeRO-3 on 2 processes (the preset's DeepSpeed config through deepspeed.initialize, as
+    Lightning's strategy would build it; Lightning itself refuses a CPU accelerator): under ZeRO-3 every
+    parameter partitioned; 10 steps whose losses equal one process on the same global batches, and the
+    head gathered for the save (every rank together) equal to that process's head. EAGLE-3 uses its own
+    lm_head outside a module call: the KL must still see the whole matrix."""
+    out = tmp_path / "deepspeed"
     out.mkdir()
-    overrides = [*_overrides([*tiny_overrides, *head], "8xh100_zero3", out, STEPS), "trainer.accelerator=cpu",
+    overrides = [*_overrides([*tiny_overrides, *head], preset, out, STEPS), "trainer.accelerator=cpu",
                  "train.engine_validation.enabled=false"]
     cfg = compose_config(overrides)
     run_precompute(cfg)
@@ -358,9 +363,10 @@ def test_torchrun_zero3_two_processes_train_like_one(head, tiny_overrides, tmp_p
     dm = FeatureDataModule(cfg.store_dir, None, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")  # the EAGLE-3 draft vocabulary comes from the training split, as in run_training
     save_native(init_head(cfg, Path(cfg.target.path), dm), cfg.train.untrained_dir)
-    torchrun("tests.test_multiprocess", ["zero3", json.dumps(overrides), str(STEPS), str(out)], timeout=600)
+    torchrun("tests.test_multiprocess", ["deepspeed", json.dumps(overrides), str(STEPS), str(out)], timeout=600)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(r["stage"] == 3 and r["partitioned"] for r in ranks), ranks
+    stage = 3 if preset == "8xh100_zero3" else 2
+    assert all(r["stage"] == stage and r["partitioned"] == (stage == 3) for r in ranks), ranks
     ref_losses, ref_state, _ = _reference(cfg, Path(cfg.store_dir), Path(cfg.train.untrained_dir), STEPS)
     for r in range(2):
         assert ranks[r]["losses"] == pytest.approx([a[r] for a in ref_losses], rel=1e-5, abs=1e-6), r
@@ -370,5 +376,5 @@ def test_torchrun_zero3_two_processes_train_like_one(head, tiny_overrides, tmp_p
         torch.testing.assert_close(saved[k], v, atol=1e-5, rtol=1e-4, msg=k)
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["zero3"]:
-    zero3_job(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+if __name__ == "__main__" and sys.argv[1:2] == ["deepspeed"]:
+    deepspeed_job(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
