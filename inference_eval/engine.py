@@ -747,7 +747,6 @@ class PagedDraftModelProposer(ChainProposer):
         return _logits(self.draft, out.hidden[0, ends])
 
     def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
-        eng = self.engine
         stale = [i for i, r in enumerate(reqs) if r.carry is None or r.fed != r.m + 1]
         if stale:  # positions fed..m are not in the draft's cache yet: feed them (varlen)
             logits = self._feed([reqs[i] for i in stale], [reqs[i].tokens[reqs[i].fed: reqs[i].m + 1] for i in stale],

@@ -12,7 +12,7 @@ import torch
 from inference_eval.engine import Engine, PagedTreeProposer, Tree, engine_generate
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.paged import BlockAllocator, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
-from inference_eval.speculative import DraftModelProposer, Sampling
+from inference_eval.speculative import Sampling
 from tests.reference_decoding import generate_plain, generate_speculative  # the former batch-1 loop: a reference
 from tests.conftest import make_hf_model
 from tests.numerics import assert_same_function, float64_copy

@@ -194,7 +194,7 @@ def test_a_failed_stage_is_marked_with_its_partial_artifacts(tiny_overrides, tmp
     assert status["precompute"]["state"] == "done" and status["train"]["state"] == "failed"
     assert "gone.ckpt" in status["train"]["error"] and status["train"]["where"]
     assert status["train"]["partial"] == str(run / "checkpoints") and "train.resume=last" in status["train"]["resume"]
-    assert f"train failed: " in bad.stdout + bad.stderr and "train.resume=last" in bad.stdout + bad.stderr
+    assert "train failed: " in bad.stdout + bad.stderr and "train.resume=last" in bad.stdout + bad.stderr
 
 
 # ---- k=auto over k and draft vocabularies --------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from inference_eval.engine import engine_generate
 from inference_eval.families.gemma3 import Gemma3Args, Gemma3ForCausalLM
-from inference_eval.model import LlamaForCausalLM, target_args
+from inference_eval.model import LlamaForCausalLM
 from inference_eval.paged import PackedRows
 from tests.helpers import generate_plain
 from tests.numerics import assert_matches_hf, assert_same_function, decoder_chain, float32_bound, float64_copy

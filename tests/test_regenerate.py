@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.regenerate import GenerationSettings, generate_replies, regenerate, regenerated_path
-from tests.conftest import CONVERSATIONS, compose_config, make_hf_model
+from tests.conftest import CONVERSATIONS, compose_config
 from tests.helpers import patch_everywhere
 
 MAX_NEW = 12
