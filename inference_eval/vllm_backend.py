@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import select
 import signal
@@ -70,16 +71,8 @@ def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: in
 
 def checkpoint_parameters(target_dir: str | Path) -> int:
     """Elements of every tensor in a checkpoint directory's safetensors files (headers only)."""
-    total = 0
-    for f in checkpoint_files(Path(target_dir)):
-        header = read_safetensors_header(f, validate=False)[0]
-        for name, t in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in t["shape"]:
-                    n *= int(d)
-                total += n
-    return total
+    headers = [read_safetensors_header(f, validate=False)[0] for f in checkpoint_files(Path(target_dir))]
+    return sum(math.prod(t["shape"]) for h in headers for name, t in h.items() if name != "__metadata__")
 
 
 # what vLLM needs beside the weights shard, per GPU: CUDA context, activations of a prefill batch, a
@@ -94,7 +87,7 @@ def gpu_memory_utilization(setting: Any, parameters: int, dtype: torch.dtype, te
     rank (parameters × dtype size / tensor_parallel_size) plus VLLM_OVERHEAD_BYTES, as a fraction of one
     GPU (at least 0.3, at most 0.9) — or a number, checked against the same need. Without a GPU
     (`gpu_bytes` None: vLLM's CPU build) the setting is not used: 0.3 for auto."""
-    per_rank = parameters * torch.empty((), dtype=dtype).element_size() / max(int(tensor_parallel_size), 1)
+    per_rank = parameters * dtype.itemsize / max(int(tensor_parallel_size), 1)
     need = per_rank + VLLM_OVERHEAD_BYTES
     if gpu_bytes is None:
         return 0.3 if setting in (None, "auto") else float(setting)

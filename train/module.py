@@ -134,24 +134,23 @@ class DraftHeadModule(L.LightningModule):
         return out["loss"]
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums: dict[str, list[float]] = {}
+        self._val_sums: dict[str, torch.Tensor] = {}
 
     def validation_step(self, batch, batch_idx):
         out = self(batch)
         sampler = getattr(getattr(self.trainer, "val_dataloaders", None), "batch_sampler", None)
         own = batch_idx < getattr(sampler, "real_batches", batch_idx + 1)  # else a padding batch (train/data.py)
-        n = float(out["n_tokens"]) if own else 0.0
-        for key in self._metric_keys(out):  # per-token means: Σ value·tokens and Σ tokens
-            sums = self._val_sums.setdefault(key, [0.0, 0.0])
-            sums[0] += float(out[key]) * n
-            sums[1] += n
+        n = out["n_tokens"].detach().double() * own
+        for key in self._metric_keys(out):  # per-token means: Σ value·tokens and Σ tokens (no host sync per batch)
+            pair = torch.stack([out[key].detach().double() * n, n])
+            self._val_sums[key] = self._val_sums[key] + pair if key in self._val_sums else pair
 
     def on_validation_epoch_end(self) -> None:
         """val/* over the whole held-out split: each rank's sums, added over the ranks (one collective)."""
         keys = sorted(self._val_sums)
         if not keys:
             return
-        sums = torch.tensor([self._val_sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        sums = torch.stack([self._val_sums[k] for k in keys]).to(self.device)
         if self.trainer is not None and self.trainer.world_size > 1:
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
         for key, (total, n) in zip(keys, sums.tolist()):
