@@ -57,9 +57,9 @@ def speed_verdict(trained: dict) -> str | None:
         return (f"speed: NOT faster than plain decoding in any paired group: {measured}{predicted}; "
                 + ("no k=auto setting was faster either: " if probe and not probe.get("faster_than_plain") else "")
                 + "serve without it, or train longer (docs/RESULTS.md)")
-    return (f"speed: within this machine's timing noise: {measured}{predicted} — the groups straddle 1x, so "
-            "the head is not reliably faster than plain decoding here (more evaluate.speed_pairs, a quieter "
-            "machine, or a longer-trained head: docs/RESULTS.md)")
+    return (f"speed: within this machine's timing noise: {measured}{predicted} — the groups straddle 1x (the "
+            "machine's timing and τ from prompt to prompt), so the head is not reliably faster than plain decoding "
+            "here (more evaluate.speed_pairs, a quieter machine, or a longer-trained head: docs/RESULTS.md)")
 
 
 def stage_line(label: str, r: dict) -> str:
