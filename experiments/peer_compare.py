@@ -9,11 +9,13 @@ by one harness.
    (`<run_dir>/stores/<hash>`, experiments/study.py `store_for`); the peer reads its states from it, so
    neither trainer runs the target, and both see the same token ids, loss masks and split.
 2. **Ours**: each head of `peer_compare.ours` (`{label: {head: <conf/head name>, overrides: {...}}}`)
-   trained `peer_compare.epochs` epochs over the store's training split (experiments/runner.py).
+   trained `peer_compare.epochs` epochs over the store's training split (experiments/runner.py), or, with
+   `peer_compare.tokens: N`, N training tokens (`trainer.max_steps` by the study's rule, `budget_steps`).
 3. **The peer**: the training split exported in its format (experiments/peer_data.py), its own
-   `speculators train` (experiments/peer_shims.py in `.venv-speculators`) for the same epochs with
-   `peer_compare.peer_args` added, its last checkpoint read by artifacts/speculators.py — the reader
-   evaluate's `load_any` uses — into a native checkpoint.
+   `speculators train` (experiments/peer_shims.py in `.venv-speculators`) for the same epochs — or the
+   same N tokens (`--max-steps`, `peer_schedule`) — with `peer_compare.peer_args` added, its last
+   checkpoint read by artifacts/speculators.py — the reader evaluate's `load_any` uses — into a native
+   checkpoint.
 4. **Scoring, the same for every head**: held-out top-1 per depth against the target's full argmax
    (the TTT unroll over the held-out split), the engine's τ and α_d at each k of `peer_compare.ks`, and,
    with `peer_compare.vllm: true`, real vLLM's own acceptance counters on the same prompts
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import time
@@ -50,7 +53,7 @@ from experiments.cache import cached_training, dir_fingerprint, digest, lookup, 
 from experiments.peer_data import export as export_peer_data
 from experiments.peer_data import peer_command
 from experiments.runner import cached_heldout, evaluate_point
-from experiments.study import apply_overrides, flatten, store_for
+from experiments.study import apply_overrides, flatten, mean_batch_tokens, store_for
 from inference_eval.model import target_fingerprint, tied_target
 
 log = logging.getLogger(__name__)
@@ -58,10 +61,20 @@ log = logging.getLogger(__name__)
 ROOT = CONF.parent
 SPEC_PYTHON = ROOT / ".venv-speculators" / "bin" / "python"
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+PEER_SEED = 42  # `speculators train --seed` default (speculators/train/config/schema.py): its sampler's shuffle
 
 
-def our_config(cfg: DictConfig, label: str, spec: dict[str, Any], store: Path) -> DictConfig:
-    """The run config of one of our heads: its conf/head, its overrides, the shared store, `epochs` epochs."""
+def budget_steps(cfg: DictConfig, store: Path, tokens: int, fp: dict[str, Any] | None = None) -> int:
+    """trainer.max_steps for `tokens` training tokens on `store` under cfg.train.data: the study's rule
+    (experiments/study.py `study_point`): round(tokens / the mean tokens of one epoch's training batches)."""
+    per_batch, _ = mean_batch_tokens(cfg, store, fp)
+    return max(1, round(int(tokens) / per_batch))
+
+
+def our_config(cfg: DictConfig, label: str, spec: dict[str, Any], store: Path,
+               fp: dict[str, Any] | None = None) -> DictConfig:
+    """The run config of one of our heads: its conf/head, its overrides, the shared store, `epochs` epochs
+    (or, with peer_compare.tokens set, that many training tokens: `budget_steps`)."""
     out = cfg.copy()
     with open_dict(out):
         out.head = OmegaConf.load(CONF / "head" / f"{spec.get('head', 'mtp')}.yaml")
@@ -70,13 +83,77 @@ def our_config(cfg: DictConfig, label: str, spec: dict[str, Any], store: Path) -
         out.head_dir = f"{cfg.run_dir}/heads/{label}"
         out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{label}"
         out.train.untrained_dir, out.train.resume = None, None
-        out.trainer.max_epochs, out.trainer.max_steps = int(cfg.peer_compare.epochs), -1
+        tokens = cfg.peer_compare.get("tokens")
+        if tokens is None:
+            out.trainer.max_epochs, out.trainer.max_steps = int(cfg.peer_compare.epochs), -1
+        else:
+            out.trainer.max_steps, out.trainer.max_epochs = budget_steps(out, store, int(tokens), fp), -1
     return out
+
+
+def peer_schedule(tokens: int, train_tokens: int, epoch_batches: list[int]) -> tuple[int, int]:
+    """(--max-steps, --epochs) that give the peer `tokens` training tokens, by the rule our heads get
+    (`budget_steps`): N = round(tokens / the mean tokens of its steps in epoch 0), where a step is one of
+    its packed batches (≤ --total-seq-len tokens) and `train_tokens` the training rows' tokens as its sampler
+    counts them (each clipped at --total-seq-len); `epoch_batches[e]` its batches in epoch e. --epochs is
+    the fewest epochs that hold N steps: its loop runs every epoch of --epochs and takes one step of each
+    epoch past the one where max_steps was reached before it stops again (speculators/train/trainer.py)."""
+    steps = max(1, round(int(tokens) * epoch_batches[0] / max(int(train_tokens), 1)))
+    done = 0
+    for epoch, n in enumerate(epoch_batches, 1):
+        done += n
+        if done >= steps:
+            return steps, epoch
+    raise ValueError(f"{steps} steps need more than the {len(epoch_batches)} epochs counted ({epoch_batches})")
+
+
+PEER_BATCHES = """
+import json, sys
+from datasets import load_from_disk
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+data, n_train, max_len, seed, epochs = sys.argv[1], *map(int, sys.argv[2:6])
+lengths = list(load_from_disk(data).with_format(None)["seq_len"])[:n_train]
+sampler = MultipackDistributedBatchSamplerV2(batch_max_length=max_len, lengths=lengths, num_replicas=1, rank=0,
+                                             seed=seed)
+counts = []
+for e in range(epochs):
+    sampler.set_epoch(e)
+    counts.append(len(sampler))
+print(json.dumps({"train_tokens": int(sampler.lengths.sum()), "epoch_batches": counts}))
+"""
+
+
+def peer_epoch_batches(data: Path, n_train: int, total_seq_len: int, seed: int, epochs: int) -> dict[str, Any]:
+    """The peer's own sampler (its train loader's, one process) over the exported training rows:
+    {train_tokens (clipped as it clips them), epoch_batches: its batches in each of `epochs` epochs}."""
+    run = subprocess.run([str(SPEC_PYTHON), "-c", PEER_BATCHES, str(data), str(n_train), str(total_seq_len),
+                          str(seed), str(epochs)], cwd=ROOT, capture_output=True, text=True, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if run.returncode != 0:
+        raise RuntimeError(f"counting the peer's batches failed: {run.stderr[-2000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def peer_train_command(cfg: DictConfig, data: Path, info: dict[str, Any], save: Path) -> tuple[list[str], Path, dict]:
+    """(the peer's `speculators train` command, the checkpoint dir it ends with, the budget it trains)."""
+    pc = cfg.peer_compare
+    extra = [str(a) for a in pc.get("peer_args") or []]
+    epochs, budget = int(pc.epochs), {"tokens": None}
+    if pc.get("tokens") is not None:
+        seed = int(extra[extra.index("--seed") + 1]) if "--seed" in extra else PEER_SEED
+        counted = peer_epoch_batches(data, int(info["train_samples"]), int(cfg.data.max_length), seed,
+                                     math.ceil(int(pc.tokens) / max(int(info["train_tokens"]), 1)) + 2)
+        steps, epochs = peer_schedule(int(pc.tokens), counted["train_tokens"], counted["epoch_batches"])
+        budget = {"tokens": int(pc.tokens), "max_steps": steps, "epochs": epochs, **counted,
+                  "train_tokens_seen": round(steps * counted["train_tokens"] / counted["epoch_batches"][0])}
+        extra = ["--max-steps", str(steps), *extra]
+    command = peer_command(data, info, str(save), epochs=epochs, draft_vocab_size=int(pc.draft_vocab_size),
+                           total_seq_len=int(cfg.data.max_length)).split() + extra
+    return command, save / str(epochs - 1), budget  # speculators saves `<save>/<epoch>/` after each epoch
 
 
 def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, float, dict[str, Any]]:
     """The peer's head trained on `store`'s training split (cached): (its checkpoint dir, seconds, export info)."""
-    pc = cfg.peer_compare
     if not SPEC_PYTHON.exists():
         raise FileNotFoundError(f"{SPEC_PYTHON} is missing: `make speculators-env` builds the peer's environment")
     data = Path(cfg.run_dir) / "peer" / "data"
@@ -87,14 +164,13 @@ def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, fl
         info = export_peer_data(store, data, int(cfg.train.data.split_seed), float(cfg.train.data.val_fraction),
                                 verifier=str(target_dir), overwrite=True)
     save = Path(cfg.run_dir) / "peer" / "ckpt"
-    command = peer_command(data, info, str(save), epochs=int(pc.epochs), draft_vocab_size=int(pc.draft_vocab_size),
-                           total_seq_len=int(cfg.data.max_length)).split() + [str(a) for a in pc.get("peer_args") or []]
-    last = save / str(int(pc.epochs) - 1)
-    key = {"command": command, "export": {k: info[k] for k in ("heldout_sha256", "train_tokens", "store")}}
+    command, last, budget = peer_train_command(cfg, data, info, save)
+    key = {"command": command, "budget": budget.get("tokens"),
+           "export": {k: info[k] for k in ("heldout_sha256", "train_tokens", "store")}}
     marker = Path(cfg.run_dir) / "peer" / "train.json"
     hit = lookup(marker, key, "the peer's head")
     if hit is not None and last.exists():
-        return last, float(json.loads(marker.read_text())["seconds"]), info
+        return last, float(json.loads(marker.read_text())["seconds"]), {**info, "budget": budget}
     log.info("peer_compare: training the peer: %s", " ".join(command))
     t0 = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": str(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))}
@@ -105,9 +181,9 @@ def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, fl
         if not done:
             raise FileNotFoundError(f"the peer wrote no checkpoint under {save}")
         last = done[-1]
-    atomic_write_bytes(marker, json.dumps({"seconds": seconds, "checkpoint": str(last)}).encode())
+    atomic_write_bytes(marker, json.dumps({"seconds": seconds, "checkpoint": str(last), "budget": budget}).encode())
     record(marker, key)
-    return last, seconds, info
+    return last, seconds, {**info, "budget": budget}
 
 
 def vllm_tau(cfg: DictConfig, label: str, draft: Path, fmt_method: str, k: int, target_dir: Path) -> dict[str, Any]:
@@ -177,17 +253,19 @@ def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for label, spec in (pc.ours or {}).items():
         oc = our_config(cfg, label, OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec,
-                        store)
+                        store, fp)
         metrics, seconds, _ = cached_training(oc, store, f"the {label} head")
         draft = vllm_export(cfg, label, Path(oc.head_dir), target_dir, fp) if pc.vllm else None
-        results[label] = {"train_seconds": seconds, "final_metrics": metrics,
+        results[label] = {"train_seconds": seconds, "final_metrics": metrics, "max_steps": int(oc.trainer.max_steps),
                           **score(oc, label, Path(oc.head_dir), store, fp, draft, target_dir)}
     if pc.peer:
         ckpt, seconds, info = train_peer(cfg, store, target_dir)
         native = to_native(ckpt, Path(cfg.run_dir) / "heads" / "peer", target_dir, fp)  # cheap: rewritten each run
         results["peer"] = {"train_seconds": seconds, "checkpoint": str(ckpt), "train_tokens": info["train_tokens"],
+                           "budget": info["budget"],
                            **score(cfg, "peer", native, store, fp, (ckpt, "eagle3") if pc.vllm else None, target_dir)}
-    summary = {"target": cfg.target.name, "store": str(store), "epochs": int(pc.epochs), "ks": list(pc.ks),
+    summary = {"target": cfg.target.name, "store": str(store), "epochs": int(pc.epochs), "tokens": pc.get("tokens"),
+               "ks": list(pc.ks),
                "evaluate": {"num_prompts": int(cfg.evaluate.num_prompts), "max_new_tokens": int(cfg.evaluate.max_new_tokens)},
                "config_digest": digest(OmegaConf.to_container(pc, resolve=True)), "results": results,
                "runtime_s": time.perf_counter() - t0}
@@ -212,6 +290,8 @@ def markdown(summary: dict[str, Any]) -> str:
         vl = " | ".join((f"{r['vllm'][k]['tau']:.3f} ({' / '.join(f'{a:.2f}' for a in r['vllm'][k]['alpha'])})"
                          if "vllm" in r else "–") for k in ks)
         rows.append(f"| {label} | {acc} | {eng} | {vl} | {r['train_seconds']:.0f} |")
-    return (f"Target {summary['target']}; {summary['epochs']} epochs of the store's training split; "
+    budget = (f"{summary['epochs']} epochs" if summary.get("tokens") is None
+              else f"{summary['tokens']} training tokens")
+    return (f"Target {summary['target']}; {budget} of the store's training split; "
             f"{summary['evaluate']['num_prompts']} MT-Bench first turns, greedy, "
             f"{summary['evaluate']['max_new_tokens']} new tokens.\n\n" + "\n".join(rows) + "\n")

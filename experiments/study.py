@@ -118,6 +118,17 @@ def data_config(cfg: DictConfig, variant: dict[str, Any], where: str) -> DictCon
     return out
 
 
+def store_key(cfg: DictConfig) -> str:
+    """The name of a study's store: a hash of what determines its contents — the target, the data and the
+    precompute settings, less those of a backend that does not run (`precompute.vllm` unless
+    `precompute.backend=vllm`: its memory setting changing must not recompute an engine-made store)."""
+    sections = config_sections(cfg, ("target", "data", "precompute"))
+    pre = sections.get("precompute") or {}
+    if pre.get("backend") != "vllm":
+        pre.pop("vllm", None)
+    return digest(sections)[:16]
+
+
 def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     """A feature store for this data and head (EAGLE-3 reads aux layers): `<run_dir>/stores/<hash>` of
     what it holds, precomputed (or resumed / reused) here."""
@@ -129,7 +140,7 @@ def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
             aux = list(head_cfg.get("aux_layers") or
                        default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers))
         sc.precompute.aux_layers = aux
-        sc.store_dir = str(Path(cfg.run_dir) / "stores" / digest(config_sections(sc, ("target", "data", "precompute")))[:16])
+        sc.store_dir = str(Path(cfg.run_dir) / "stores" / store_key(sc))
     store, _ = run_precompute(sc)
     return Path(store)
 

@@ -336,3 +336,69 @@ def test_peer_compare_scores_both_heads_with_one_harness(tiny_overrides, tiny_ta
     assert second["results"]["peer"]["train_seconds"] == peer["train_seconds"]
     assert second["results"]["peer"]["engine"][2]["tau"] == peer["engine"][2]["tau"]
     assert (Path(cfg.run_dir) / "peer_compare.md").read_text().count("| peer |") == 1
+
+
+# ---- peer_compare.tokens: the same training tokens each side ------------------------------------------------
+def test_peer_schedule_gives_the_tokens_in_the_fewest_epochs():
+    from experiments.peer_compare import peer_schedule
+
+    # 300 training tokens in 4 packed batches (75 per step): 1,000 tokens are 13 steps, held by 3 epochs (4+5+4)
+    assert peer_schedule(1000, 300, [4, 5, 4, 4]) == (13, 3)
+    assert peer_schedule(100, 300, [4, 5]) == (1, 1)  # below one epoch: its first epoch only
+    assert peer_schedule(300, 300, [4, 5]) == (4, 1)  # exactly one epoch
+    with pytest.raises(ValueError, match="more than the 2 epochs"):
+        peer_schedule(1000, 300, [4, 5])
+
+
+def test_peer_compare_tokens_set_our_steps_by_the_study_rule(tiny_overrides, tmp_path):
+    from omegaconf import open_dict
+
+    from experiments.peer_compare import our_config
+    from experiments.study import mean_batch_tokens
+    from tests.conftest import compose_config
+
+    store = tiny_store(tmp_path / "store")
+    cfg = compose_config(tiny_overrides + ["experiment=peer_compare", "train.data.batch_tokens=32",
+                                           "peer_compare.tokens=200"])
+    oc = our_config(cfg, "e3", {"head": "eagle3", "overrides": {"head.init": "random"}}, store)
+    per_batch, epoch_tokens = mean_batch_tokens(oc, store, None)
+    assert per_batch < 32 and epoch_tokens < 200  # several batches an epoch, more than one epoch of tokens
+    assert oc.trainer.max_steps == round(200 / per_batch) > 1 and oc.trainer.max_epochs == -1
+    assert oc.head.init == "random" and oc.head.type == "eagle3"
+    with open_dict(cfg):
+        cfg.peer_compare.tokens = None
+    oc = our_config(cfg, "e3", {"head": "eagle3"}, store)
+    assert oc.trainer.max_epochs == int(cfg.peer_compare.epochs) and oc.trainer.max_steps == -1
+
+
+def test_peer_trains_the_token_budget_and_its_checkpoint_is_found(tiny_target, tmp_path, speculators_env,
+                                                                   monkeypatch):
+    """peer_compare.tokens: `--max-steps` from the peer's own sampler, the fewest epochs that hold them (one
+    more would take an extra step), its last epoch's checkpoint read back with exactly that many steps."""
+    from omegaconf import OmegaConf
+
+    from experiments.peer_compare import train_peer
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    store = tiny_store(tmp_path / "store")
+    cfg = OmegaConf.create({"run_dir": str(tmp_path / "run"), "data": {"max_length": 16},
+                            "train": {"data": {"split_seed": 0, "val_fraction": 0.25}},
+                            "peer_compare": {"epochs": 5, "tokens": 100, "draft_vocab_size": VD,
+                                             "peer_args": ["--log-dir", str(tmp_path / "logs")]}})
+    last, _, info = train_peer(cfg, store, Path(tiny_target))
+    budget = info["budget"]
+    assert budget["train_tokens"] == info["train_tokens"]  # rows of ≤ 13 tokens: none clipped at 16
+    per_step = info["train_tokens"] / budget["epoch_batches"][0]
+    assert per_step <= 16 and budget["max_steps"] == round(100 / per_step)
+    assert sum(budget["epoch_batches"][: budget["epochs"] - 1]) < budget["max_steps"] <= sum(
+        budget["epoch_batches"][: budget["epochs"]])
+    assert budget["epochs"] >= 2  # more than one epoch of its rows: the epoch arithmetic matters
+    key = json.loads((tmp_path / "run" / "peer" / "train.json.key.json").read_text())["key"]
+    command = key["command"]
+    assert key["budget"] == 100 and command[command.index("--max-steps") + 1] == str(budget["max_steps"])
+    assert command[command.index("--epochs") + 1] == str(budget["epochs"])
+    assert last == tmp_path / "run" / "peer" / "ckpt" / str(budget["epochs"] - 1)
+    state = json.loads((last / "training_state.json").read_text())
+    assert state["global_step"] == budget["max_steps"]
+    tied, args, _ = tied_target(tiny_target)
+    assert read_speculators_eagle3(last, tied, args).cfg.draft_vocab_size == VD

@@ -140,3 +140,16 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
         assert OmegaConf.select(default_, section) == OmegaConf.select(best_, section), section
     # the variants the winner was measured against keep the recipe they ran with (batches of 2,048)
     assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
+
+
+def test_store_key_ignores_a_backend_that_does_not_run(tiny_overrides):
+    """A study's store is named by what it holds: vLLM's settings move the key only when vLLM computes it."""
+    from experiments.study import store_key
+
+    base = compose_config(tiny_overrides)
+    other = compose_config([*tiny_overrides, "precompute.vllm.gpu_memory_utilization=0.5"])
+    assert store_key(base) == store_key(other)
+    assert store_key(base) != store_key(compose_config([*tiny_overrides, "precompute.batch_tokens=1024"]))
+    on_vllm = [*tiny_overrides, "precompute.backend=vllm"]
+    assert store_key(compose_config(on_vllm)) != store_key(
+        compose_config([*on_vllm, "precompute.vllm.gpu_memory_utilization=0.5"]))
