@@ -12,7 +12,8 @@ under a block mask (`sdpa`, the default since issue 29) vs the dense formulation
 `train_step depth=<D> seq=<T> mem_ratio=<peak/dense> speed_ratio=<tok_s/dense> tok_s=<x> dense_tok_s=<y>`.
 
 Peak memory: each variant runs in a fresh process; peak RSS during its steps minus the RSS after setup
-(weights and inputs allocated), so the figure is what the step itself adds. Speed follows core/timing.py:
+(weights and inputs allocated), so the figure is what the step itself adds. Speed is the steady state (one
+untimed step first, then `--repeats` timed ones) and follows core/timing.py:
 the variants' processes alternate (A B, B A, …) for `--rounds` pairs under each thread budget of
 `--threads` (default `all,1`: the whole machine, then one thread each — the per-core figure), and
 speed_ratio is the median of the pairs' ratios with its min–max (`speed_ratio_min`, `speed_ratio_max`;
@@ -92,12 +93,17 @@ def run_variant(name: str, tokens: int, chunk: int, repeats: int, depth: int = 1
     if name in ("sdpa", "dense"):
         Attention.unrolled_impl = name
     base = _rss_bytes()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
+
+    def one() -> None:
         if depth > 1:
             unrolled_step(head, hidden, ids, depth, chunk)
         else:
             step(head, hidden, ids, name == "chunked", chunk)
+
+    one()  # warm-up, not timed: the allocator's first touch of the step's buffers and the kernels' selection
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        one()
     tok_s = repeats * tokens / (time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return tok_s, peak - base
