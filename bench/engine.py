@@ -14,17 +14,23 @@
   τ (emitted tokens / target passes). Other k and vocabularies (`--ks`), and at k = 1 the generic
   chain round that reads drafts and acceptance on the host, are printed above the summary.
 
-Timing is paired because these machines are shared and their speed swings: every measurement runs
-all paths back to back on the same prompts, `--rounds` times in rotating order, and a ratio is the
-median over rounds. Models are warmed up first; loading and tokenization are not timed.
-Last line: `engine plain_vs_hf_b1=<x> plain_vs_hf_b8=<y> spec_speedup_b1=<s> tau=<t> k=<k> draft_vocab=<n>`.
+Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
+`--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
+whole machine, then one thread per side — the per-core figure, the one that stays put on a shared
+machine); a ratio is the median of the pairs' ratios with its min–max, the load seen is printed, and a
+figure whose pairs spread more than the stated bound says so. Beside the measured speedup, a
+prediction that load does not move: the cost of a round in plain-step units (`inference_eval.engine.
+round_cost`: plain steps and rounds interleaved, medians), and τ ÷ cost. Models are warmed up first;
+loading and tokenization are not timed.
+Last line: `engine plain_vs_hf_b1=<x> plain_vs_hf_b1_min=… _max=… plain_vs_hf_b8=<y> … spec_speedup_b1=<s> …
+spec_speedup_b1_1t=<s> … predicted_speedup_b1=<p> round_cost=<c> tau=<t> k=<k> draft_vocab=<n> other_runnable=<n>`
+(the `_1t` figures: every side on one thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference_eval.engine import engine_generate  # noqa: E402
+from core.timing import Load, Paired, measure_pairs, thread_budget, thread_settings, warn_if_unstable  # noqa: E402
+from inference_eval.engine import engine_generate, round_cost  # noqa: E402
 
 DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "runs/ablation/heads/mtp"
 
@@ -82,9 +89,10 @@ def assistant_counts(tokenizer, vocab_size: int, conversations: int = 300) -> to
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, rounds and prompts (under a minute)")
+    ap.add_argument("--quick", action="store_true",
+                    help="24 new tokens, 2 pairs, 2 prompts, the configured k only (≈ 1–2 min on 2 cores)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="pairs per measurement and thread budget")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the engine's compute dtype (CPU: float32 is its faster one); HF runs in both")
     ap.add_argument("--head", default=str(DEFAULT_HEAD), help="trained head for the speculative figures")
@@ -93,12 +101,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="target.device for every path (auto: CUDA when there, else cpu)")
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="the configured proposer drafts over the N most frequent tokens (0: the whole vocabulary)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for every path (default: torch's)")
+    ap.add_argument("--threads", default="all,1",
+                    help="thread budgets, every path alike, measured in turn (default all,1: whole machine, per core)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    budgets = thread_settings(args.threads)
     if args.quick:
-        args.new_tokens, args.rounds, args.ks = 24, 1, "1,3"
+        args.new_tokens, args.rounds, args.ks = 24, 2, ""  # the configured k only
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
     import transformers
@@ -124,65 +132,86 @@ def main() -> None:
     for model in hf.values():
         hf_generate(model, tok, prompts[:2], 4)
 
-    # plain decoding: the engine vs HF generate in each dtype, back to back in a rotating order
-    ratios: dict[str, list[float]] = {"b1": [], "b8": [], "b1_same": [], "b8_same": []}
-    best_hf: dict[str, list[str]] = {"b1": [], "b8": []}
-    for r in range(args.rounds):
-        for name, batch in (("b1", prompts[:1]), ("b8", prompts)):
-            runs = {"engine": lambda: ours(target, batch, new)[0],
-                    **{f"hf_{d}": (lambda m=m: hf_generate(m, tok, batch, new)) for d, m in hf.items()}}
-            order = list(runs)[r % 3:] + list(runs)[:r % 3]
-            t = {key: runs[key]() for key in order}
-            hf_best = min(("hf_float32", "hf_bfloat16"), key=t.get)
-            ratios[name].append(t[hf_best] / t["engine"])
-            ratios[f"{name}_same"].append(t[f"hf_{args.dtype}"] / t["engine"])
-            best_hf[name].append(hf_best[3:])
-            n = len(batch) * new
-            print(f"round {r} {name}: engine {n / t['engine']:.1f} tok/s, HF float32 {n / t['hf_float32']:.1f}, "
-                  f"HF bfloat16 {n / t['hf_bfloat16']:.1f} tok/s; vs HF's best ({hf_best[3:]}) "
-                  f"{t[hf_best] / t['engine']:.2f}, same dtype {t[f'hf_{args.dtype}'] / t['engine']:.2f}")
-
-    spec = {"speedup": float("nan"), "tau": float("nan")}
+    load = Load()
     head_dir = Path(args.head)
+    head = vocab = None
     if (head_dir / "config.json").exists():
         tied, targs, _ = tied_target(path, dtype, device)
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
         vocab = (frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)
                  if args.draft_vocab else None)
-        nprompts = 2 if args.quick else 4
-
-        def measure(k: int, draft_vocab, **engine_kw) -> tuple[float, float]:
-            """Median speedup over the engine's plain decoding, and the pooled τ (emitted / passes)."""
-            speedups, emitted, steps = [], 0, 0
-            for r in range(args.rounds):
-                for p in prompts[:nprompts]:
-                    t_plain = ours(target, [p], new)[0]
-                    t_spec, st = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
-                    speedups.append(t_plain / t_spec)
-                    emitted, steps = emitted + st.emitted, steps + st.steps
-            return statistics.median(speedups), emitted / steps
-
-        for k in sorted({int(x) for x in args.ks.split(",")} - {args.k}):
-            for nv, v in ({0: None, args.draft_vocab: vocab} if vocab is not None else {0: None}).items():
-                sp, tau = measure(k, v)
-                print(f"other: speculative b1 k={k} draft_vocab={nv or 'all'}: speedup {sp:.2f}x, tau {tau:.3f}")
-        if args.k == 1:
-            sp, tau = measure(1, vocab, k1_schedule=False)
-            print(f"k=1 through the generic chain round (drafts and acceptance read on the host): speedup {sp:.2f}x, "
-                  f"tau {tau:.3f}")
-        sp, tau = measure(args.k, vocab)
-        spec = {"speedup": sp, "tau": tau}
-        print(f"configured: speculative b1 k={args.k} draft_vocab={args.draft_vocab or 'all'}"
-              f"{' (the k = 1 schedule)' if args.k == 1 else ''}: speedup {sp:.2f}x, tau {tau:.3f}")
     else:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
-    med = {key: statistics.median(v) for key, v in ratios.items()}
-    print(f"plain decoding vs HF generate at its best dtype per round (b1: {best_hf['b1']}, b8: {best_hf['b8']}); "
-          f"same dtype ({args.dtype}): b1 {med['b1_same']:.3f}, b8 {med['b8_same']:.3f}")
-    print(f"engine plain_vs_hf_b1={med['b1']:.3f} plain_vs_hf_b8={med['b8']:.3f} "
-          f"spec_speedup_b1={spec['speedup']:.3f} tau={spec['tau']:.3f} k={args.k} draft_vocab={args.draft_vocab}")
+    nprompts = 2 if args.quick else 4
 
+    def measure(k: int, draft_vocab, **engine_kw) -> tuple[Paired, float]:
+        """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ."""
+        plain_s, spec_s, counts = [], [], {"emitted": 0, "steps": 0}
+
+        def spec(p):
+            t, st = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
+            counts["emitted"] += st.emitted
+            counts["steps"] += st.steps
+            return t
+
+        for p in prompts[:nprompts]:
+            got = measure_pairs({"plain": lambda p=p: ours(target, [p], new)[0], "spec": lambda p=p: spec(p)},
+                                args.rounds, warmup=0, load=load)
+            plain_s += got.seconds["plain"]
+            spec_s += got.seconds["spec"]
+        return Paired.of(plain_s, spec_s), counts["emitted"] / counts["steps"]
+
+    figures: dict[str, Paired] = {}
+
+    def keep(key: str, p: Paired, n: int) -> None:
+        figures[key] = p
+        warning = warn_if_unstable(key, p, load, n)
+        if warning:
+            print(warning)
+
+    for n in budgets:
+        tag = "" if n == budgets[0] else f"_{n}t"
+        with thread_budget(n):
+            # plain decoding: the engine vs HF generate in each dtype, back to back in alternation
+            for name, batch in (("b1", prompts[:1]), ("b8", prompts)):
+                runs = {"engine": lambda batch=batch: ours(target, batch, new)[0],
+                        **{f"hf_{d}": (lambda m=m, batch=batch: hf_generate(m, tok, batch, new)) for d, m in hf.items()}}
+                t = measure_pairs(runs, args.rounds, warmup=0, load=load).seconds
+                best = [min(a, b) for a, b in zip(t["hf_float32"], t["hf_bfloat16"])]
+                keep(f"plain_vs_hf_{name}{tag}", Paired.of(best, t["engine"]), n)
+                same = Paired.of(t[f"hf_{args.dtype}"], t["engine"])
+                tok_s = {key: len(batch) * new * len(v) / sum(v) for key, v in t.items()}
+                print(f"{n} thread(s) {name}: engine {tok_s['engine']:.1f} tok/s, HF float32 {tok_s['hf_float32']:.1f}, "
+                      f"HF bfloat16 {tok_s['hf_bfloat16']:.1f}; vs HF's best dtype per pair "
+                      f"{figures[f'plain_vs_hf_{name}{tag}'].text()}, same dtype ({args.dtype}) {same.text()}", flush=True)
+            if head is None:
+                continue
+            for k in sorted({int(x) for x in args.ks.split(",") if x.strip()} - {args.k}):
+                for nv, v in ({0: None, args.draft_vocab: vocab} if vocab is not None else {0: None}).items():
+                    sp, tau = measure(k, v)
+                    print(f"{n} thread(s) other: speculative b1 k={k} draft_vocab={nv or 'all'}: speedup {sp.text()}, "
+                          f"tau {tau:.3f}", flush=True)
+            if args.k == 1 and not args.quick:
+                sp, tau = measure(1, vocab, k1_schedule=False)
+                print(f"{n} thread(s): k=1 through the generic chain round (drafts and acceptance read on the host): "
+                      f"speedup {sp.text()}, tau {tau:.3f}")
+            sp, tau = measure(args.k, vocab)
+            keep(f"spec_speedup_b1{tag}", sp, n)
+            cost = round_cost(target, PagedHeadProposer(head, vocab), args.k, prompts[:nprompts], new)
+            print(f"{n} thread(s) configured: speculative b1 k={args.k} draft_vocab={args.draft_vocab or 'all'}"
+                  f"{' (the k = 1 schedule)' if args.k == 1 else ''}: measured speedup {sp.text()}, tau {tau:.3f}; "
+                  f"a round costs {cost['cost']:.3f} plain steps ({cost['round_s'] * 1e3:.1f} vs "
+                  f"{cost['plain_step_s'] * 1e3:.1f} ms, medians of {cost['rounds']}) → predicted "
+                  f"{cost['predicted_speedup']:.3f}x (τ {cost['tau']:.3f} / cost)", flush=True)
+            if n == budgets[0]:
+                spec_tau, spec_cost = tau, cost
+    print(f"load while timing: {load.text()}")
+    line = " ".join(p.kv(key) for key, p in figures.items())
+    if head is not None:
+        line += (f" predicted_speedup_b1={spec_cost['predicted_speedup']:.3f} round_cost={spec_cost['cost']:.3f} "
+                 f"tau={spec_tau:.3f}")
+    print(f"engine {line} k={args.k} draft_vocab={args.draft_vocab} other_runnable={load.median:g}")
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,8 @@
 what matter for speed and memory).
 
 Default: the chunked-KL step vs a naive step that materialises full student and teacher logits. Last line:
-`train_step mem_ratio=<peak/naive> speed_ratio=<tok_s/naive> tok_s=<x> naive_tok_s=<y> tokens=<T>`.
+`train_step mem_ratio=<peak/naive> speed_ratio=<tok_s/naive> speed_ratio_min=… speed_ratio_max=… speed_ratio_1t=…
+… tok_s=<x> naive_tok_s=<y> tokens=<T> other_runnable=<n>`.
 
 `--depth D` (≥ 2): a training-time-test step to depth D (heads/unroll.py, the chunked KL and the hidden
 regression at every depth, as train/module.py computes them) with the unroll's attention as one SDPA call
@@ -11,17 +12,21 @@ under a block mask (`sdpa`, the default since issue 29) vs the dense formulation
 `train_step depth=<D> seq=<T> mem_ratio=<peak/dense> speed_ratio=<tok_s/dense> tok_s=<x> dense_tok_s=<y>`.
 
 Peak memory: each variant runs in a fresh process; peak RSS during its steps minus the RSS after setup
-(weights and inputs allocated), so the figure is what the step itself adds. Speed: the variants' processes
-alternate (A B A B …), and each one's figure is its median over the rounds, so a machine that gets busier
-or quieter during the run moves both alike.
+(weights and inputs allocated), so the figure is what the step itself adds. Speed is the steady state (one
+untimed step first, then `--repeats` timed ones) and follows core/timing.py:
+the variants' processes alternate (A B, B A, …) for `--rounds` pairs under each thread budget of
+`--threads` (default `all,1`: the whole machine, then one thread each — the per-core figure), and
+speed_ratio is the median of the pairs' ratios with its min–max (`speed_ratio_min`, `speed_ratio_max`;
+the 1-thread figures as `speed_ratio_1t…`); the load seen is printed, and a ratio whose pairs spread more
+than the stated bound says so. tok_s figures are the first budget's medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import os
+import statistics
 import resource
 import subprocess
 import sys
@@ -32,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.timing import Load, Paired, measure_pairs, thread_settings, warn_if_unstable  # noqa: E402
 from heads.layers import Attention, LlamaArgs  # noqa: E402
 from heads.unroll import unroll  # noqa: E402
 from heads.base import TiedTarget  # noqa: E402
@@ -87,12 +93,17 @@ def run_variant(name: str, tokens: int, chunk: int, repeats: int, depth: int = 1
     if name in ("sdpa", "dense"):
         Attention.unrolled_impl = name
     base = _rss_bytes()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
+
+    def one() -> None:
         if depth > 1:
             unrolled_step(head, hidden, ids, depth, chunk)
         else:
             step(head, hidden, ids, name == "chunked", chunk)
+
+    one()  # warm-up, not timed: the allocator's first touch of the step's buffers and the kernels' selection
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        one()
     tok_s = repeats * tokens / (time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return tok_s, peak - base
@@ -103,12 +114,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats (under a minute)")
     ap.add_argument("--tokens", "--seq", type=int, default=2048, help="tokens per step (one row)")
     ap.add_argument("--depth", type=int, default=1, help="≥ 2: the training-time test's attention, sdpa vs dense")
-    ap.add_argument("--rounds", type=int, help="alternating rounds per variant (default 1 with --quick, else 3)")
+    ap.add_argument("--rounds", type=int, help="pairs per thread budget (default 2 with --quick, else 3)")
+    ap.add_argument("--threads", default="all,1", help="thread budgets measured in turn (default all,1)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variant", choices=["chunked", "naive", "sdpa", "dense"], help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:
+        if args.threads.isdigit():
+            torch.set_num_threads(int(args.threads))
         print(json.dumps(run_variant(args.variant, args.tokens, args.chunk, args.repeats, args.depth)))
         return
     if args.depth < 1:
@@ -117,31 +131,47 @@ def main() -> None:
         ap.error(f"--depth {args.depth} needs --seq > depth + 1 tokens (got {args.tokens})")
     names = ("sdpa", "dense") if args.depth > 1 else ("chunked", "naive")
     repeats = 1 if args.quick else (2 if args.depth > 1 else 5)
-    rounds = args.rounds or (1 if args.quick else 3)
-    speeds: dict[str, list[float]] = {n: [] for n in names}
+    rounds = args.rounds or (2 if args.quick else 3)
+    budgets = thread_settings(args.threads)
+    load = Load()
+    speeds: dict[int, dict[str, list[float]]] = {n: {name: [] for name in names} for n in budgets}
     peaks: dict[str, int] = {n: 0 for n in names}
-    for r in range(rounds):
-        for name in names:  # alternate: a drift in the machine's load moves both variants alike
+
+    def variant(name: str, n: int):
+        def run() -> float:  # seconds per token, timed inside the process (setup left out)
             out = subprocess.run([sys.executable, __file__, "--variant", name, "--tokens", str(args.tokens),
-                                  "--chunk", str(args.chunk), "--repeats", str(repeats), "--depth", str(args.depth)],
-                                 capture_output=True, text=True)
+                                  "--chunk", str(args.chunk), "--repeats", str(repeats), "--depth", str(args.depth),
+                                  "--threads", str(n)], capture_output=True, text=True)
             if out.returncode != 0:
                 sys.exit(f"train_step: the {name} variant failed (depth {args.depth}, seq {args.tokens}):\n"
                          f"{out.stderr[-2000:]}")
             tok_s, peak = json.loads(out.stdout.strip().splitlines()[-1])
-            speeds[name].append(tok_s)
+            speeds[n][name].append(tok_s)
             peaks[name] = max(peaks[name], peak)
-            print(f"round {r + 1}/{rounds} {name}: {tok_s:.0f} tok/s, peak +{peak / 2**20:.0f} MiB", flush=True)
+            print(f"{n} thread(s) pair {len(speeds[n][name])}/{rounds} {name}: {tok_s:.0f} tok/s, "
+                  f"peak +{peak / 2**20:.0f} MiB", flush=True)
+            return 1.0 / tok_s
+        return run
+
     (a, b) = names
-    a_tok, b_tok = statistics.median(speeds[a]), statistics.median(speeds[b])
+    ratios: dict[int, Paired] = {}
+    for n in budgets:
+        t = measure_pairs({name: variant(name, n) for name in names}, rounds, warmup=0, load=load)
+        ratios[n] = t.ratio(b, a)  # seconds per token of b / of a: a's speed over b's, pair by pair
+        print(f"{n} thread(s): speed ratio {a}/{b} {ratios[n].text(3)}")
+        warning = warn_if_unstable("speed_ratio", ratios[n], load, n)
+        if warning:
+            print(warning)
+    print(f"load while timing: {load.text()}")
+    speed = " ".join(ratios[n].kv("speed_ratio" + ("" if i == 0 else f"_{n}t")) for i, n in enumerate(budgets))
+    a_tok, b_tok = (statistics.median(speeds[budgets[0]][x]) for x in names)
     if args.depth > 1:
         print(f"train_step depth={args.depth} seq={args.tokens} mem_ratio={peaks[a] / peaks[b]:.3f} "
-              f"speed_ratio={a_tok / b_tok:.3f} tok_s={a_tok:.0f} dense_tok_s={b_tok:.0f} "
-              f"peak_mib={peaks[a] / 2**20:.0f} dense_peak_mib={peaks[b] / 2**20:.0f}")
+              f"{speed} tok_s={a_tok:.0f} dense_tok_s={b_tok:.0f} "
+              f"peak_mib={peaks[a] / 2**20:.0f} dense_peak_mib={peaks[b] / 2**20:.0f} other_runnable={load.median:g}")
     else:
-        print(f"train_step mem_ratio={peaks[a] / peaks[b]:.3f} speed_ratio={a_tok / b_tok:.3f} tok_s={a_tok:.0f} "
-              f"naive_tok_s={b_tok:.0f} tokens={args.tokens}")
-
+        print(f"train_step mem_ratio={peaks[a] / peaks[b]:.3f} {speed} tok_s={a_tok:.0f} "
+              f"naive_tok_s={b_tok:.0f} tokens={args.tokens} other_runnable={load.median:g}")
 
 if __name__ == "__main__":
     main()

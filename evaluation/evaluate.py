@@ -15,11 +15,13 @@ import torch
 from artifacts.export import load_any
 from core.files import atomic_write_bytes
 from core.progress import Progress, log_interval
+from core.timing import Paired, measure_pairs
 from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
 from data.sources import resolve_target_dir
 from data.store import DTYPES, FeatureStore
-from inference_eval.engine import Engine, PagedHeadProposer, PagedTreeProposer, engine_proposer, frequent_ids
+from inference_eval.engine import (Engine, PagedHeadProposer, PagedTreeProposer, engine_proposer, frequent_ids,
+                                  round_cost)
 from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint, tied_from_model, tied_target
 from inference_eval.scoring import simulated_tau
 from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
@@ -78,6 +80,69 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
                       per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
 
 
+PLAIN = "<plain decoding>"  # evaluate_paired's own side (a label no configured proposer takes)
+
+
+def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict[str, Any]], max_new_tokens: int,
+                    stop_ids: set[int], batch_size: int, sampling: Sampling = GREEDY, pairs: int = 4, warmup: int = 0,
+                    repeats: int = 1, progress: bool = False, progress_log_s: float | None = None
+                    ) -> tuple[dict[str, tuple[EvalResult, list[list[int]], Paired]], EvalResult]:
+    """Every proposer of `runs` ({label: (proposer, k)}) and plain decoding over the same prompts, timed
+    by core/timing.py's discipline: the prompts are cut into `pairs` groups (each at least a batch), and
+    on each group plain decoding and every proposer run back to back, the order rotating from group to
+    group. A proposer's speedup is taken group by group — its tokens/s over plain decoding's on the same
+    prompts, measured seconds apart — and reported as the median with its min–max (`Paired`); tokens/s
+    are totals. τ, α and the outputs come from the first of `repeats` passes. Returns ({label: (result,
+    outputs in prompt order, speedup)}, plain decoding's result)."""
+    ids = [p["ids"] for p in prompts]
+    max_len = max(map(len, ids)) + max_new_tokens + 2
+    groups = groups_of(len(ids), pairs, batch_size)
+    sides = {PLAIN: (None, 1), **runs}
+    if warmup:
+        for proposer, k in sides.values():
+            run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, list[int]] = {name: [] for name in sides}
+    results: dict[str, list] = {name: [None] * len(ids) for name in sides}
+    stats: dict[str, SpecStats] = {}
+    names, unit = list(sides), 0
+    bar = Progress(len(groups) * max(repeats, 1) * len(names), "evaluate (paired passes)", "pass", bar=progress,
+                   every_s=progress_log_s)
+    with bar:
+        for r in range(max(repeats, 1)):
+            for idx in groups:
+                for name in names[unit % len(names):] + names[:unit % len(names)]:
+                    proposer, k = sides[name]
+                    t0 = time.perf_counter()
+                    done, eng = run_engine(target, proposer, [ids[i] for i in idx], k, max_new_tokens, stop_ids,
+                                           batch_size, sampling, max_len)
+                    seconds[name].append(time.perf_counter() - t0)
+                    tokens[name].append(sum(len(x.tokens) for x in done))
+                    if r == 0:
+                        for i, x in zip(idx, done):
+                            results[name][i] = x
+                        stats.setdefault(name, SpecStats(k=eng.k)).merge(eng.stats)
+                    bar.update(1, side=name if name != PLAIN else "plain")
+                unit += 1
+
+    def result(name: str) -> EvalResult:
+        by_cat: dict[str, SpecStats] = {}
+        for p, x in zip(prompts, results[name]):
+            by_cat.setdefault(p.get("category", "all"), SpecStats(k=stats[name].k)).merge(x.stats)
+        st = stats[name]
+        return EvalResult(label=name, k=st.k, tau=st.tau, alpha=st.alpha, target_passes=st.steps,
+                          new_tokens=sum(len(x.tokens) for x in results[name]),
+                          tokens_per_s=sum(tokens[name]) / sum(seconds[name]),
+                          per_category_tau={c: v.tau for c, v in sorted(by_cat.items())}, prompts=len(prompts))
+
+    def rate(name: str) -> list[float]:
+        return [n / t for n, t in zip(tokens[name], seconds[name])]
+
+    out = {name: (result(name), [x.tokens for x in results[name]], Paired.of(rate(name), rate(PLAIN)))
+           for name in runs}
+    return out, result(PLAIN)
+
+
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
                batch_size: int, sampling: Sampling, max_len: int, on_finish=None):
     proposer = engine_proposer(proposer) if proposer is not None else None
@@ -95,31 +160,38 @@ def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: in
                             repeats, sampling).tokens_per_s
 
 
-def choose_k(settings, tokens_per_s, plain_tokens_per_s: float | None = None) -> tuple[Any, dict[str, Any]]:
+def choose_k(settings, measure) -> tuple[Any, dict[str, Any]]:
     """`evaluate.k: auto`: measure each setting — a k, or a dict {"k": k, "draft_vocab": n} (n most
-    frequent tokens; None: the whole vocabulary) — and take the one of the best speedup over plain
-    decoding. `tokens_per_s(setting)` gives the setting's tokens/s, or a pair (its tokens/s, plain
-    decoding's measured right beside it: a paired ratio that machine-speed drift cancels out of);
-    `plain_tokens_per_s` is the baseline of unpaired figures. A paired ratio is never taken against a
-    plain pass slower than the median of the probe's plain passes: on a shared machine a single pass is
-    slowed by tens of percent now and then, and a slowed plain pass would make its setting look fast
-    (the setting's own ratio is kept as `paired_speedup`). Returns that setting and the table it came
-    from (`chosen_speedup` ≤ 1 means nothing beats plain decoding)."""
-    settings, table = list(settings), []
-    for setting in settings:
-        got = tokens_per_s(setting)
-        t, plain = (float(got[0]), float(got[1])) if isinstance(got, tuple) else (float(got), plain_tokens_per_s)
-        table.append({**(setting if isinstance(setting, dict) else {"k": setting}), "tokens_per_s": t,
-                      "plain_tokens_per_s": plain, "paired_speedup": t / plain})
-    median_plain = statistics.median(r["plain_tokens_per_s"] for r in table)
+    frequent tokens; None: the whole vocabulary) — and take the one of the best median speedup over
+    plain decoding. `measure(setting)` gives the setting's speedup as a `core.timing.Paired` (the
+    setting and plain decoding timed pair by pair in alternation, so a drift in the machine's speed
+    cancels out of each pair). Settings of one draft vocabulary run in increasing k; once a k is slower
+    than the k before it by more than their spread (every pair of it below every pair of the one before),
+    the larger k of that vocabulary are not probed (`skipped`; one pair has no spread: no stop). Returns the setting and the table it
+    came from; `chosen_verdict` is the spread's verdict ("faster", "not faster", "within noise")."""
+    settings, table, skipped, last = list(settings), [], [], {}
     best = None
-    for setting, row in zip(settings, table):
-        row["speedup"] = row["tokens_per_s"] / max(row["plain_tokens_per_s"], median_plain)
+    for setting in settings:
+        row = dict(setting) if isinstance(setting, dict) else {"k": setting}
+        vocab = row.get("draft_vocab")
+        before = last.get(vocab)
+        if before is not None and before.get("stop"):
+            skipped.append(row)
+            continue
+        p = measure(setting)
+        row.update(speedup=p.median, speedup_min=p.lo, speedup_max=p.hi, pairs=list(p.ratios), verdict=p.verdict())
+        table.append(row)
+        if (before is not None and row["k"] > before["row"]["k"] and len(p.ratios) >= 2
+                and len(before["row"]["pairs"]) >= 2 and p.hi < before["row"]["speedup_min"]):
+            last[vocab] = {"row": row, "stop": True}
+        else:
+            last[vocab] = {"row": row, "stop": False}
         if best is None or row["speedup"] > best[1]["speedup"]:
             best = (setting, row)
     setting, row = best
-    return setting, {"table": table, "median_plain_tokens_per_s": median_plain, "chosen_k": row["k"],
-                     "chosen_draft_vocab": row.get("draft_vocab"), "chosen_speedup": row["speedup"],
+    return setting, {"table": table, "skipped": skipped, "chosen_k": row["k"], "chosen_draft_vocab": row.get("draft_vocab"),
+                     "chosen_speedup": row["speedup"], "chosen_speedup_min": row["speedup_min"],
+                     "chosen_speedup_max": row["speedup_max"], "chosen_verdict": row["verdict"],
                      "faster_than_plain": row["speedup"] > 1}
 
 
@@ -264,10 +336,20 @@ class RunSettings:
     every_s: float | None
 
 
+def groups_of(n: int, parts: int, at_least: int = 1) -> list[list[int]]:
+    """0..n-1 in `parts` contiguous groups of near-equal size (fewer when a group would hold fewer than
+    `at_least`: a batched engine's group must fill its batch)."""
+    parts = max(1, min(parts, n // max(at_least, 1) or 1, n))
+    cuts = [round(i * n / parts) for i in range(parts + 1)]
+    return [list(range(cuts[i], cuts[i + 1])) for i in range(parts)]
+
+
 def probe_setting(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: Any, engine_prop: Any,
                   drafts_by_head: bool, plain_warm: list) -> tuple[int, Any, dict[str, Any]]:
-    """evaluate.k=auto: the fastest measured (k, draft vocabulary) on a few prompts, each setting timed
-    beside a plain pass of its own. (k, the engine proposer at that setting, the probe's table)."""
+    """evaluate.k=auto: the fastest measured (k, draft vocabulary) on a few prompts. Each setting is timed
+    in `auto_pairs` pairs beside plain decoding (core/timing.py: the probe's prompts split into groups,
+    a plain pass and the setting's pass on each, the order alternating). (k, the engine proposer at
+    that setting, the probe's table)."""
     ecfg, target = cfg.evaluate, et.model
     probe = rs.prompts[: int(ecfg.get("auto_prompts", 4))]
     if not plain_warm:  # warms the engine up once for every proposer
@@ -275,31 +357,44 @@ def probe_setting(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: A
     top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
     # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
     vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
-    settings = [{"k": kk, "draft_vocab": nv} for kk in range(1, top + 1) for nv in vocabs]
+    settings = [{"k": kk, "draft_vocab": nv} for nv in vocabs for kk in range(1, top + 1)]
+    groups = [[probe[i] for i in g] for g in groups_of(len(probe), int(ecfg.get("auto_pairs", 2)), rs.batch_size)]
     bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=rs.show_bar, every_s=rs.every_s)
 
-    def measure(setting):
+    def measure(setting) -> Paired:
         proposer = (PagedHeadProposer(prop, vocabs[setting["draft_vocab"]])
                     if setting["draft_vocab"] is not None else engine_prop)
-        plain = plain_tokens_per_s(target, probe, rs.max_new, et.stops, 0, 1, rs.sampling, rs.batch_size)
-        t = evaluate_batched(target, proposer, probe, setting["k"], rs.max_new, et.stops, rs.batch_size, label, 1,
-                             1, rs.sampling).tokens_per_s
-        bar.update(1, k=setting["k"], draft_vocab=setting["draft_vocab"] or "all", speedup=round(t / plain, 2))
-        return t, plain
+        per_token: dict[str, list[float]] = {"plain": [], "spec": []}
+        for i, group in enumerate(groups):
+            def side(p):
+                def run() -> float:  # seconds per generated token (sampled runs may differ in length)
+                    t0 = time.perf_counter()
+                    results, _ = run_engine(target, p, [x["ids"] for x in group], setting["k"] if p else 1, rs.max_new,
+                                            et.stops, rs.batch_size, rs.sampling, max_len)
+                    return (time.perf_counter() - t0) / max(1, sum(len(r.tokens) for r in results))
+                return run
+            sides = {"plain": side(None), "spec": side(proposer)}
+            got = measure_pairs(dict(reversed(sides.items())) if i % 2 else sides, 1, warmup=0)
+            for name in per_token:
+                per_token[name] += got.seconds[name]
+        p = Paired.of(per_token["plain"], per_token["spec"])
+        bar.update(1, k=setting["k"], draft_vocab=setting["draft_vocab"] or "all", speedup=round(p.median, 2))
+        return p
 
+    max_len = max(len(x["ids"]) for x in probe) + rs.max_new + 2
     with bar:
         chosen, auto = choose_k(settings, measure)
     if chosen["draft_vocab"] is not None:
         engine_prop = PagedHeadProposer(prop, vocabs[chosen["draft_vocab"]])
-    log.info("evaluate %s: k=auto measured on %d prompts, each setting beside a plain pass (ranked "
-             "against that pass, or the median plain pass %.1f tok/s where that pass was slower):\n%s\n"
-             "→ chose k=%d, draft vocabulary %s: %.2fx plain%s", label, len(probe),
-             auto["median_plain_tokens_per_s"],
-             "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['tokens_per_s']:.1f} tok/s "
-                       f"vs plain {r['plain_tokens_per_s']:.1f} ({r['paired_speedup']:.2f}x"
-                       + (f", {r['speedup']:.2f}x against the median)" if r["speedup"] != r["paired_speedup"]
-                          else ")") for r in auto["table"]),
-             chosen["k"], chosen["draft_vocab"] or "all", auto["chosen_speedup"],
+    log.info("evaluate %s: k=auto measured on %d prompts, each setting in %d pair(s) beside plain decoding "
+             "(speedup median [min–max]):\n%s%s\n→ chose k=%d, draft vocabulary %s: %.2fx plain [%.2f–%.2f], %s%s",
+             label, len(probe), len(groups),
+             "\n".join(f"  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: {r['speedup']:.2f}x "
+                       f"[{r['speedup_min']:.2f}–{r['speedup_max']:.2f}]" for r in auto["table"]),
+             "".join(f"\n  k={r['k']} draft_vocab={r['draft_vocab'] or 'all'}: not probed (a smaller k was already "
+                     "slower than the one before it beyond their spread)" for r in auto["skipped"]),
+             chosen["k"], chosen["draft_vocab"] or "all", auto["chosen_speedup"], auto["chosen_speedup_min"],
+             auto["chosen_speedup_max"], auto["chosen_verdict"],
              "" if auto["faster_than_plain"] else
              "; NO setting is faster than plain decoding here: speculation slows this head down")
     return chosen["k"], engine_prop, auto
@@ -381,9 +476,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
     # the probed proposers first (the others take their setting); the report keeps the configured order
     order = [label for label in proposers if label in probing] + [label for label in proposers if label not in probing]
+    plans: dict[str, tuple] = {}  # label: (proposer, engine proposer, k, k=auto table, followed leader)
     for label in order:
         prop = proposers[label]
-        outputs: list[list[int]] = []
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
                        else prop if is_head else prop.draft)
@@ -404,18 +499,37 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
             k, engine_prop, auto = probe_setting(cfg, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
             if leader is None:
                 leader = {"label": label, "k": k, "draft_vocab": auto["chosen_draft_vocab"]}
-        res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, rs.warmup,
-                               rs.repeats, sampling, outputs, progress=rs.show_bar, progress_log_s=rs.every_s)
+        plans[label] = (prop, engine_prop, k, auto, follows)
+    if ecfg.get("plain_baseline"):  # every proposer paired with plain decoding group by group (core/timing.py)
+        log.info("evaluate: %s and plain decoding over the same %d prompts in %s paired groups", list(plans),
+                 len(prompts), int(ecfg.get("speed_pairs", 4)))
+        paired, plain = evaluate_paired(target, {label: (plan[1], plan[2]) for label, plan in plans.items()}, prompts,
+                                        max_new, stops, batch_size, sampling, int(ecfg.get("speed_pairs", 4)),
+                                        rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
+        report["plain_tokens_per_s"] = plain.tokens_per_s
+    for label, (prop, engine_prop, k, auto, follows) in plans.items():
+        if ecfg.get("plain_baseline"):
+            res, outputs, speed = paired[label]
+        else:
+            outputs = []
+            res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, rs.warmup,
+                                   rs.repeats, sampling, outputs, progress=rs.show_bar, progress_log_s=rs.every_s)
+        res.label = label
         log.info(res.summary())
-        report["results"][label] = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
+        entry = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
+        if ecfg.get("plain_baseline"):
+            entry.update(speedup=speed.median, speedup_min=speed.lo, speedup_max=speed.hi,
+                         speedup_pairs=list(speed.ratios), speed_verdict=speed.verdict())
+            if rs.sampling.greedy and rs.tree is None and int(ecfg.get("predict_prompts", 2)) > 0:
+                entry["predicted"] = round_cost(target, engine_prop, k, [p["ids"] for p in
+                                                prompts[: int(ecfg.get("predict_prompts", 2))]], max_new, stops)
+                entry["predicted_speedup"] = entry["predicted"]["predicted_speedup"]
+            log.info("evaluate %s: %.2fx plain decoding [%.2f–%.2f over %d paired groups]: %s%s", label, speed.median,
+                     speed.lo, speed.hi, len(speed.ratios), speed.verdict(),
+                     f"; predicted {entry['predicted_speedup']:.2f}x (τ {entry['predicted']['tau']:.3f} / a round's "
+                     f"cost {entry['predicted']['cost']:.3f} plain steps)" if "predicted" in entry else "")
+        report["results"][label] = entry
     report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
-    if ecfg.get("plain_baseline"):
-        log.info("evaluate: plain decoding of the same %d prompts (the speedup's baseline)", len(prompts))
-        plain = evaluate_batched(target, None, prompts, 1, max_new, stops, batch_size, "plain", rs.warmup, rs.repeats,
-                                 sampling, progress=rs.show_bar, progress_log_s=rs.every_s).tokens_per_s
-        report["plain_tokens_per_s"] = plain
-        for entry in report["results"].values():
-            entry["speedup"] = entry["tokens_per_s"] / plain
     files = write_report(report, Path(ecfg.report))
     report_to_wandb(cfg, report, files)
     return report
@@ -485,10 +599,14 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     for label, r in results.items():
         lines.append(f"| {label} | {r.get('proposer', 'head')} | {r['tau']:.3f} | {opt(r, 'simulated_tau', '.3f')} | "
                      + " | ".join(f"{a:.3f}" for a in r["alpha"])
-                     + f" | {r['tokens_per_s']:.1f} | {opt(r, 'speedup', '.2f')} |")
+                     + f" | {r['tokens_per_s']:.1f} | {opt(r, 'speedup', '.2f')}"
+                     + (f" [{r['speedup_min']:.2f}–{r['speedup_max']:.2f}] {r['speed_verdict']}"
+                        if r.get("speedup_min") is not None else "") + " |")
     if report.get("plain_tokens_per_s"):
-        lines += ["", f"plain greedy decoding: {report['plain_tokens_per_s']:.1f} tok/s "
-                      f"(median of {report.get('repeats', 1)} passes after {report.get('warmup', 0)} warm-up prompts)"]
+        lines += ["", f"plain greedy decoding: {report['plain_tokens_per_s']:.1f} tok/s over its paired passes "
+                      f"({report.get('repeats', 1)} pass(es) after {report.get('warmup', 0)} warm-up prompts); a speedup "
+                      "is the median over the groups of prompts decoded plainly and speculatively back to back, "
+                      "[min–max] and the verdict they support"]
     cats = sorted({c for r in results.values() for c in r["per_category_tau"]})
     lines += ["", "τ per category:", "", "| head | " + " | ".join(cats) + " |",
               "| --- | " + " | ".join("---" for _ in cats) + " |"]

@@ -4,7 +4,8 @@
 (data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
 
 Every setting the stages need is checked before the first one starts (data/checks.py). Last line:
-`demo tau_trained=<x> tau_untrained=<y> speedup=<s> k=<k> draft_vocab=<n|all> runtime_s=<z> disk_mb=<d>` —
+`demo tau_trained=<x> tau_untrained=<y> speedup=<s> speedup_min=<a> speedup_max=<b> verdict=<faster|not_faster|within_noise>
+predicted_speedup=<p> k=<k> draft_vocab=<n|all> runtime_s=<z> disk_mb=<d>` —
 the trained head's τ and its speedup over plain decoding at the k (and draft vocabulary) `evaluate.k=auto`
 chose, and the disk the run directory takes.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from core.timing import Paired
 from scripts.runtime import stage_main
 
 
@@ -35,18 +37,29 @@ def disk_use(root: str | Path) -> dict[str, int]:
 
 
 def speed_verdict(trained: dict) -> str | None:
-    """The line under the evaluation when the trained head's timed pass is no faster than plain decoding:
-    none of the k=auto probe's settings was either, or the probe measured one faster and the timed
-    pass disagrees (this machine's timings swing between passes: the head is marginal)."""
-    if trained.get("speedup") is None or trained["speedup"] > 1:
+    """The line under the evaluation: the trained head's speedup over plain decoding as the paired groups
+    measured it (median [min–max], evaluation/evaluate.py `evaluate_paired`), the verdict their spread
+    supports (core/timing.py `Paired.verdict`: "faster" only when every group was faster, "not faster"
+    when none was, else "within noise"), and the load-free prediction beside it (τ ÷ a round's cost).
+    None when no plain baseline was measured."""
+    if trained.get("speedup") is None:
         return None
-    probe = trained.get("k_auto") or {}
-    if probe.get("faster_than_plain"):
-        return (f"the k=auto probe measured {probe['chosen_speedup']:.2f}x plain at this setting, the timed pass "
-                f"{trained['speedup']:.2f}x: within this machine's timing noise, the trained head is not reliably "
-                "faster than plain decoding here: train longer (docs/RESULTS.md)")
-    return ("the trained head does not beat plain decoding at any measured setting: serve without it, or train "
-            "longer (docs/RESULTS.md)")
+    pairs = trained.get("speedup_pairs") or [trained["speedup"]]
+    p = Paired(tuple(pairs))
+    measured = f"{p.text()} paired groups" if len(pairs) > 1 else f"{p.median:.2f}x (one pass)"
+    predicted = (f"; predicted {trained['predicted_speedup']:.2f}x from τ ÷ a round's cost in plain steps"
+                 if trained.get("predicted_speedup") is not None else "")
+    verdict = p.verdict()
+    if verdict == "faster":
+        return f"speed: faster than plain decoding in every paired group: {measured}{predicted}"
+    if verdict == "not faster":
+        probe = trained.get("k_auto") or {}
+        return (f"speed: NOT faster than plain decoding in any paired group: {measured}{predicted}; "
+                + ("no k=auto setting was faster either: " if probe and not probe.get("faster_than_plain") else "")
+                + "serve without it, or train longer (docs/RESULTS.md)")
+    return (f"speed: within this machine's timing noise: {measured}{predicted} — the groups straddle 1x (the "
+            "machine's timing and τ from prompt to prompt), so the head is not reliably faster than plain decoding "
+            "here (more evaluate.speed_pairs, a quieter machine, or a longer-trained head: docs/RESULTS.md)")
 
 
 def stage_line(label: str, r: dict) -> str:
@@ -54,6 +67,8 @@ def stage_line(label: str, r: dict) -> str:
     speed = f"{r['tokens_per_s']:.1f} tok/s"
     if r.get("speedup") is not None:
         speed += f", {r['speedup']:.2f}x plain"
+        if r.get("speedup_min") is not None:
+            speed += f" [{r['speedup_min']:.2f}–{r['speedup_max']:.2f}]"
     chosen = f"k={r['k']}" + (f", draft vocabulary {r['draft_vocab'] or 'all'}" if "draft_vocab" in r else "")
     if r.get("k_from"):
         chosen += f": {r['k_from']}'s setting"
@@ -112,7 +127,10 @@ def run_pipeline(cfg: DictConfig) -> dict:
     speed = trained.get("speedup")
     untrained = f"{res['untrained']['tau']:.3f}" if "untrained" in res else "nan"  # evaluate.heads.untrained=null
     print(f"demo tau_trained={res['trained']['tau']:.3f} tau_untrained={untrained} "
-          f"speedup={'nan' if speed is None else f'{speed:.2f}'} k={trained['k']} "
+          f"speedup={'nan' if speed is None else f'{speed:.2f}'} "
+          f"speedup_min={trained.get('speedup_min') or float('nan'):.2f} speedup_max={trained.get('speedup_max') or float('nan'):.2f} "
+          f"verdict={(trained.get('speed_verdict') or 'none').replace(' ', '_')} "
+          f"predicted_speedup={trained.get('predicted_speedup') or float('nan'):.2f} k={trained['k']} "
           f"draft_vocab={trained.get('draft_vocab') or 'all'} runtime_s={time.perf_counter() - t0:.0f} "
           f"disk_mb={total / 2**20:.0f}")
     return report

@@ -487,3 +487,58 @@ def test_k1_round_mixes_with_sampled_requests(varied, reference):
     samplings = [Sampling(0.9, generator=torch.Generator().manual_seed(0))] + [Sampling()] * 7
     out, _ = engine_generate(target, prompts, 20, proposer=head, k=1, sampling=samplings, arrivals=ARRIVALS)
     assert out[1:] == reference[1:]
+
+
+def test_round_cost_counts_a_round_in_plain_steps(varied):
+    """inference_eval.engine.round_cost: plain steps and speculative rounds interleaved, medians. A
+    proposer made slower by a known delay per round costs that delay more, in plain-step units; τ is
+    the rounds' own, and the prediction is τ / cost."""
+    import time as _time
+
+    from inference_eval.engine import PagedHeadProposer, round_cost
+
+    target, head, prompts, *_ = varied
+    base = round_cost(target, PagedHeadProposer(head), 2, prompts[:3], 20)
+    assert base["rounds"] > 5 and 1.0 <= base["tau"] <= 3.0 and base["cost"] > 0
+    assert base["predicted_speedup"] == pytest.approx(base["tau"] / base["cost"])
+    _, eng = engine_generate(target, prompts[:3], 20, proposer=head, k=2, max_batch=1)
+    assert base["tau"] >= 1.0 and abs(base["tau"] - eng.stats.tau) < 0.5  # the same rounds, less the first ones
+
+    class Slow(PagedHeadProposer):
+        def propose(self, reqs, k):
+            _time.sleep(0.02)
+            return super().propose(reqs, k)
+
+    slow = round_cost(target, Slow(head), 2, prompts[:3], 20)
+    assert slow["tau"] == pytest.approx(base["tau"])  # the same drafts
+    extra = slow["cost"] - base["cost"]
+    assert extra > 0.5 * 0.02 / slow["plain_step_s"]  # 20 ms more per round, in plain steps
+    assert slow["predicted_speedup"] < base["predicted_speedup"]
+
+
+def test_evaluate_paired_rotates_the_sides_and_keeps_the_outputs(varied, monkeypatch):
+    """evaluation.evaluate.evaluate_paired: plain decoding and each proposer on the same prompt groups,
+    the order rotating group by group; τ, α and outputs equal one unpaired pass (greedy), one speedup
+    ratio per group."""
+    import evaluation.evaluate as ev
+    from inference_eval.engine import PagedHeadProposer
+
+    target, head, prompts, *_ = varied
+    items = [{"ids": p, "category": "a" if i % 2 else "b"} for i, p in enumerate(prompts[:6])]
+    order, real = [], ev.run_engine
+
+    def recording(target_, proposer, ids, *args, **kw):
+        order.append(("plain" if proposer is None else "head", len(ids)))
+        return real(target_, proposer, ids, *args, **kw)
+
+    monkeypatch.setattr(ev, "run_engine", recording)
+    out, plain = ev.evaluate_paired(target, {"head": (PagedHeadProposer(head), 2)}, items, 12, set(), 1, pairs=3)
+    assert order == [("plain", 2), ("head", 2), ("head", 2), ("plain", 2), ("plain", 2), ("head", 2)]
+    res, outputs, speed = out["head"]
+    assert len(speed.ratios) == 3 and plain.tau == 1.0 and plain.new_tokens == 6 * 12
+    single: list = []
+    ref = ev.evaluate_batched(target, PagedHeadProposer(head), items, 2, 12, set(), 1, outputs=single)
+    assert outputs == single and res.tau == pytest.approx(ref.tau) and res.alpha == pytest.approx(ref.alpha)
+    assert res.per_category_tau == pytest.approx(ref.per_category_tau) and res.new_tokens == ref.new_tokens
+    assert ev.groups_of(24, 4, 8) == [list(range(i, i + 8)) for i in (0, 8, 16)]  # each group fills a batch of 8
+    assert ev.groups_of(5, 2) == [[0, 1], [2, 3, 4]] and ev.groups_of(1, 4) == [[0]]

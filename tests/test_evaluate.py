@@ -1,6 +1,7 @@
 """Evaluation on stub drafts with a known acceptance pattern: figures, per-category τ and the report files."""
 
 import json
+import statistics
 
 import pytest
 
@@ -125,7 +126,9 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     assert res["native"]["per_category_tau"].keys() == {"math", "jsonl"}
     a1, a2 = res["native"]["teacher_forced_acc"]
     assert res["native"]["simulated_tau"] == pytest.approx(1 + a1 + a1 * a2)
-    assert all(r["speedup"] == pytest.approx(r["tokens_per_s"] / report["plain_tokens_per_s"]) for r in res.values())
+    for r in res.values():  # 3 prompts in 3 paired groups, 2 passes: 6 pairs; the speedup is their median
+        assert len(r["speedup_pairs"]) == 6 and r["speedup"] == pytest.approx(statistics.median(r["speedup_pairs"]))
+        assert r["speedup_min"] == min(r["speedup_pairs"]) and r["speed_verdict"] in ("faster", "not faster", "within noise")
     md = (tmp_path / "eval.md").read_text()
     assert "| layer1 | draft_model |" in md and "| sglang | eagle1 |" in md and "plain greedy decoding" in md
     base = [o for o in cfg_overrides(tiny_overrides, prompts, native, tmp_path)]
@@ -243,29 +246,40 @@ def test_config_errors_come_before_the_target_loads(override, error, words, tiny
 def test_k_auto_picks_the_fastest_measured_setting():
     """A proposer whose costs are known: each draft token costs 0.1 of a plain step and is accepted with
     probability 0.6, so tokens per unit time are (1 + Σ_{j≤k} 0.6^j) / (1 + 0.1 k): k = 3 is best."""
+    from core.timing import Paired
     from evaluation.evaluate import choose_k
 
     speed = {k: (1 + sum(0.6 ** j for j in range(1, k + 1))) / (1 + 0.1 * k) for k in range(1, 6)}
-    k, auto = choose_k(range(1, 6), speed.__getitem__, plain_tokens_per_s=1.0)
+    measured = []
+
+    def measure(k):
+        measured.append(k)
+        return Paired((speed[k] * 0.98, speed[k] * 1.02))  # two pairs, 4 % apart
+
+    k, auto = choose_k(range(1, 6), measure)
     assert k == max(speed, key=speed.get) == 3 and auto["chosen_speedup"] == pytest.approx(speed[3])
-    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4, 5]
-    slow = {k: 0.9 - 0.1 * k for k in range(1, 4)}  # nothing beats plain decoding: it says so (speedup < 1)
-    k, auto = choose_k(range(1, 4), slow.__getitem__, plain_tokens_per_s=1.0)
-    assert k == 1 and auto["chosen_speedup"] < 1
-    # paired figures: the machine ran twice as fast while k = 2 was timed (so did its plain pass); the
-    # choice follows the ratio, not the raw rate
-    paired = {1: (1.2, 1.0), 2: (2.2, 2.0), 3: (1.05, 1.0)}
-    k, auto = choose_k([1, 2, 3], paired.__getitem__)
-    assert k == 1 and auto["chosen_speedup"] == pytest.approx(1.2)
-    assert [r["plain_tokens_per_s"] for r in auto["table"]] == [1.0, 2.0, 1.0]
-    # one plain pass slowed (k = 2's: 0.8 where the others ran at 1.0): its paired ratio 1.25 is not
-    # believed; k = 2 is ranked against the median plain pass (1.0) and k = 1 wins at 1.1
-    slowed = {1: (1.1, 1.0), 2: (1.0, 0.8), 3: (0.95, 1.0)}
-    k, auto = choose_k([1, 2, 3], slowed.__getitem__)
-    assert k == 1 and auto["chosen_speedup"] == pytest.approx(1.1)
-    assert auto["median_plain_tokens_per_s"] == pytest.approx(1.0)
-    assert [r["paired_speedup"] for r in auto["table"]] == pytest.approx([1.1, 1.25, 0.95])
-    assert [r["speedup"] for r in auto["table"]] == pytest.approx([1.1, 1.0, 0.95])
+    assert [row["k"] for row in auto["table"]] == [1, 2, 3, 4, 5] == measured  # k = 4 slower, not beyond the spread
+    assert auto["chosen_speedup_min"] == pytest.approx(speed[3] * 0.98) and auto["chosen_verdict"] == "faster"
+    slow = {k: 0.9 - 0.1 * k for k in range(1, 4)}  # nothing beats plain decoding: it says so
+    k, auto = choose_k(range(1, 4), lambda k: Paired((slow[k], slow[k] + 0.01)))
+    assert k == 1 and auto["chosen_speedup"] < 1 and not auto["faster_than_plain"]
+    assert auto["chosen_verdict"] == "not faster"
+    # once a k is slower than the one before beyond both spreads, the larger k of that vocabulary are not
+    # probed; another vocabulary's settings still are, and one pair (no spread) never stops the probe
+    pairs = {(1, None): (1.20, 1.25), (2, None): (1.05, 1.10), (3, None): (1.5, 1.6),
+             (1, 64): (1.1, 1.15), (2, 64): (1.12, 1.18), (3, 64): (1.0,), (4, 64): (0.9,)}
+    settings = [{"k": kk, "draft_vocab": v} for v in (None, 64) for kk in (1, 2, 3, 4) if (kk, v) in pairs]
+    seen = []
+
+    def by_pairs(s):
+        seen.append((s["k"], s["draft_vocab"]))
+        return Paired(pairs[(s["k"], s["draft_vocab"])])
+
+    chosen, auto = choose_k(settings, by_pairs)
+    assert seen == [(1, None), (2, None), (1, 64), (2, 64), (3, 64), (4, 64)]
+    assert [(r["k"], r["draft_vocab"]) for r in auto["skipped"]] == [(3, None)]
+    assert chosen == {"k": 1, "draft_vocab": None} and auto["chosen_speedup"] == pytest.approx(1.225)
+    assert auto["table"][0]["pairs"] == [1.20, 1.25] and auto["table"][0]["speedup_max"] == 1.25
 
 
 def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):

@@ -23,8 +23,9 @@ def test_pipeline_cli_on_tiny_target(tiny_overrides, tmp_path):
     stdout, stderr = out.read_text(), err.read_text()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     last = stdout.strip().splitlines()[-1]
-    m = re.fullmatch(r"demo tau_trained=([\d.]+) tau_untrained=([\d.]+) speedup=([\d.]+) k=(\d) "
-                     r"draft_vocab=(\w+) runtime_s=(\d+) disk_mb=(\d+)", last)
+    m = re.fullmatch(r"demo tau_trained=([\d.]+) tau_untrained=([\d.]+) speedup=([\d.]+) speedup_min=([\d.]+) "
+                     r"speedup_max=([\d.]+) verdict=(faster|not_faster|within_noise) predicted_speedup=([\d.]+) "
+                     r"k=(\d) draft_vocab=(\w+) runtime_s=(\d+) disk_mb=(\d+)", last)
     assert m, last
     run = tmp_path / "run"
     report = json.loads((run / "eval.json").read_text())
@@ -32,7 +33,10 @@ def test_pipeline_cli_on_tiny_target(tiny_overrides, tmp_path):
     assert float(m.group(1)) == round(trained["tau"], 3)
     assert float(m.group(2)) == round(report["results"]["untrained"]["tau"], 3)
     assert float(m.group(3)) == round(trained["speedup"], 2) and trained["speedup"] > 0
-    assert int(m.group(4)) == trained["k"] == trained["k_auto"]["chosen_k"]
+    assert float(m.group(4)) == round(trained["speedup_min"], 2) and float(m.group(5)) == round(trained["speedup_max"], 2)
+    assert m.group(6) == trained["speed_verdict"].replace(" ", "_")
+    assert float(m.group(7)) == round(trained["predicted_speedup"], 2)
+    assert int(m.group(8)) == trained["k"] == trained["k_auto"]["chosen_k"]
     assert report["k"] == "auto" and [r["k"] for r in trained["k_auto"]["table"]] == [1, 2]
     for r in report["results"].values():
         assert r["prompts"] == 2 and 1.0 <= r["tau"] <= 3.0 and len(r["alpha"]) == r["k"]
@@ -42,8 +46,8 @@ def test_pipeline_cli_on_tiny_target(tiny_overrides, tmp_path):
     assert "artifacts: store=" in stdout and re.search(r"disk: .* takes [\d.]+ MB \(.*features [\d.]+ MB", stdout)
     # progress lines from every stage in the output file (hydra logs to stdout)
     for pattern in (r"precompute: [\d,]+/[\d,]+ tok \(\d+%\)", r"\btrain: \d+/\d+ step \(\d+%\).*loss=",
-                    r"engine validation: \d+/\d+ item", r"evaluate trained: \d+/2 prompt",
-                    r"evaluate trained: k=auto: \d+/2 setting", r"evaluate plain: \d+/2 prompt",
+                    r"engine validation: \d+/\d+ item", r"evaluate \(paired passes\): \d+/\d+ pass",
+                    r"evaluate trained: k=auto: \d+/2 setting", r"speed: (faster|NOT faster|within)",
                     r"export 1/2: native", r"export 2/2: mtp-vllm written, validated and read back"):
         assert re.search(pattern, stdout), pattern
     assert re.search(r"ETA \d+", stdout)  # a line with the time left
