@@ -86,10 +86,6 @@ class Paired:
         f = f"{{:.{digits}f}}"
         return f"{key}={f.format(self.median)} {key}_min={f.format(self.lo)} {key}_max={f.format(self.hi)}"
 
-    def as_dict(self) -> dict:
-        return {"median": self.median, "min": self.lo, "max": self.hi, "pairs": list(self.ratios),
-                "stable": self.stable(), "verdict": self.verdict()}
-
 
 def runnable_others() -> int:
     """Runnable threads on the machine other than this process's: /proc/stat's procs_running (which
