@@ -191,10 +191,19 @@ def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32,
              "model.layers.0.input_layernorm.weight"}
     s = {k: v.to(dtype) for k, v in stream_safetensors_dir(path, names, device)}
     lm = s["model.embed_tokens.weight"] if args.tie_word_embeddings or "lm_head.weight" not in s else s["lm_head.weight"]
-    first = s["model.layers.0.input_layernorm.weight"]
-    offset = args.tied_conventions().norm_offset  # a family's (1 + w) norms: the multiplier a Llama norm copies
     return FrozenTargetParts(embed=s["model.embed_tokens.weight"], norm=s["model.norm.weight"],
-                             lm_head=lm, first_input_norm=first + offset if offset else first)
+                             lm_head=lm, first_input_norm=_norm_multiplier(s["model.layers.0.input_layernorm.weight"], args))
+
+
+def _norm_multiplier(w: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    offset = args.tied_conventions().norm_offset  # a family's (1 + w) norms: the multiplier a Llama norm copies
+    return w + offset if offset else w
+
+
+def first_input_norm(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Layer 0's input_layernorm multiplier alone (FrozenTargetParts.first_input_norm) from a checkpoint."""
+    name = "model.layers.0.input_layernorm.weight"
+    return _norm_multiplier(dict(stream_safetensors_dir(Path(path), {name}, "cpu"))[name].to(dtype), target_args(path))
 
 
 def target_args(path: str | Path) -> LlamaArgs:
