@@ -47,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def config(samples: int, batch_tokens: int, store_dir: Path):
     from hydra import compose, initialize_config_dir
 
+    from inference_eval.targets import register_target_resolvers
+
+    register_target_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
             f"data.max_samples={samples}", "data.max_length=1024", "target.dtype=float32",

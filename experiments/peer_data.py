@@ -215,8 +215,10 @@ def default_verifier(target: str | None) -> Path:
     from hydra import compose, initialize_config_dir
 
     from data.sources import resolve_target_dir
+    from inference_eval.targets import register_target_resolvers
 
     conf = Path(__file__).resolve().parents[1] / "conf"
+    register_target_resolvers()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("config", overrides=[f"target={target}"] if target else [])
     return resolve_target_dir(cfg.target)

@@ -153,6 +153,19 @@ def _assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512-BF16 / AMX, oneDNN's check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def auto_compute_dtype(device: str | None = "auto") -> str:
+    """`target.dtype: auto` (the `compute_dtype` resolver, scripts/runtime.py): bfloat16 where the target
+    runs on a GPU or on a CPU with bf16 matrix instructions; float32 on a CPU without them, where a bf16
+    matrix product is up to ~170× slower (tests/README.md) — a bf16 demo precompute there takes hours."""
+    dev = resolve_device(device)
+    return "bfloat16" if dev.type != "cpu" or cpu_has_fast_bf16() else "float32"
+
+
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """`target.device`: `auto` (or null) = `cuda:$LOCAL_RANK` when CUDA is available (each rank of a
     torchrun / Lightning launch on its own GPU), else the CPU; anything else is a torch device string

@@ -164,3 +164,27 @@ def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_
         head = load_file(tmp_path / run / "head" / "model.safetensors")
         for k, v in want_head.items():
             torch.testing.assert_close(head[k], v, rtol=1e-4, atol=1e-5, msg=f"{run}: {k}")
+
+
+def test_online_training_is_checked_before_work_like_precompute(tiny_overrides, conversations_file, tmp_path):
+    """Training online reads conversations: the checks before work that precompute runs on the data source and
+    the chat template run for it too (a store-reading run needs neither)."""
+    from scripts.checks import ConfigError, check_before_work
+
+    bad_source = ["data.source=sharegpt", f"data.path={conversations_file}"]
+    check_before_work(compose_config([*tiny_overrides, *bad_source]), "train")  # reads a store: not its concern
+    with pytest.raises(ValueError, match="set data.source=jsonl"):
+        check_before_work(compose_config([*tiny_overrides, *bad_source, "train.data.source=online"]), "train")
+    base = tmp_path / "base"
+    import json
+    import shutil
+
+    shutil.copytree(compose_config(tiny_overrides).target.path, base)
+    tcfg = json.loads((base / "tokenizer_config.json").read_text())
+    tcfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    over = [*tiny_overrides, f"target.path={base}"]
+    check_before_work(compose_config(over), "train")
+    with pytest.raises(ConfigError, match="no chat template .* chat_template.jinja"):
+        check_before_work(compose_config([*over, "train.data.source=online"]), "train")

@@ -21,7 +21,7 @@ from data.sources import resolve_target_dir
 from data.store import DTYPES
 from heads.base import DraftHead
 from heads.registry import build_head, resolve_aux_layers
-from inference_eval.model import first_input_norm, target_fingerprint, tied_from_model, tied_target
+from inference_eval.model import cpu_has_fast_bf16, first_input_norm, target_fingerprint, tied_from_model, tied_target
 from inference_eval.targets import load_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
@@ -71,11 +71,6 @@ class Checkpoints(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512-BF16 / AMX, oneDNN's check)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_precision(precision: Any, accelerator: Any) -> Any:
