@@ -15,9 +15,9 @@ Figures, each the median over pairs with its min–max: `tok_s_online`, `tok_s_o
 per second), `tok_s_precompute_plus_offline` = 1 / (precompute's seconds per token + offline's), the
 cost of one epoch from raw conversations offline — pair by pair, so one epoch online and offline are
 compared on the same load — and `online_over_offline` = online's speed over offline's, pair by pair.
-Peak memory: each mode's setup and `--steps` steps in a fresh process (peak RSS; the online process
-holds the whole target, the offline one its embedding, lm_head and norm only); `peak_mem_ratio` =
-online / offline. Last line:
+Peak memory: each mode's setup and `--steps` steps in a fresh process, from the samples already tokenized
+(peak RSS; the online process holds the whole target, the offline one its embedding, lm_head and norm
+only); `peak_mem_ratio` = online / offline. Last line:
 `online tok_s_online=<x> tok_s_offline=<y> tok_s_precompute_plus_offline=<z> peak_mem_ratio=<m>
 online_over_offline=… online_over_offline_min=… online_over_offline_max=… tokens=<n> other_runnable=<l>`.
 """
@@ -44,7 +44,7 @@ from core.timing import Load, Paired, measure_pairs, thread_budget, warn_if_unst
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def config(samples: int, batch_tokens: int, store_dir: Path):
+def config(samples: int, batch_tokens: int, store_dir: Path, max_length: int = 1024):
     from hydra import compose, initialize_config_dir
 
     from inference_eval.targets import register_target_resolvers
@@ -52,9 +52,9 @@ def config(samples: int, batch_tokens: int, store_dir: Path):
     register_target_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
-            f"data.max_samples={samples}", "data.max_length=1024", "target.dtype=float32",
+            f"data.max_samples={samples}", f"data.max_length={max_length}", "target.dtype=float32",
             "precompute.store_dtype=float32", "trainer.precision=32-true", f"train.data.batch_tokens={batch_tokens}",
-            "train.data.val_fraction=0", "train.data.verify_store=header", "progress=false", "logger=null",
+            "train.data.val_fraction=0", "train.data.verify_store=header", "progress=false", "logger=csv",
             f"store_dir={store_dir}", f"run_dir={store_dir.parent / 'run'}"])
 
 
@@ -62,7 +62,8 @@ class Bench:
     """The bench's samples, target, store and one head per side. `with_target=False` (the offline memory
     process): no target in memory, the store at cfg.store_dir read as it is; `precompute=False`: no store."""
 
-    def __init__(self, cfg, steps: int, with_target: bool = True, precompute: bool = True) -> None:
+    def __init__(self, cfg, steps: int, with_target: bool = True, precompute: bool = True,
+                 samples_file: Path | None = None) -> None:
         from data.precompute import tokenize_source
         from data.sources import resolve_target_dir
         from data.store import StoreWriter
@@ -73,7 +74,11 @@ class Bench:
 
         self.cfg, self.steps = cfg, steps
         self.target_dir = resolve_target_dir(cfg.target)
-        self.samples, _, _ = tokenize_source(cfg, self.target_dir)
+        if samples_file is not None:  # a memory process: the parent's tokenized samples (parsing the ShareGPT
+            # dump would set the peak RSS by itself)
+            self.samples = [tuple(x) for x in json.loads(samples_file.read_text())]
+        else:
+            self.samples, _, _ = tokenize_source(cfg, self.target_dir)
         self.fingerprint = target_fingerprint(self.target_dir, cfg.target.name, "float32")
         self.store_dir = Path(cfg.store_dir)
         self.modules: dict = {}
@@ -145,12 +150,26 @@ class Bench:
         return tokens, time.perf_counter() - t0
 
 
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM of /proc/self/status, which starts afresh at exec (getrusage's
+    ru_maxrss does not: a child started by this bench would report the parent's peak), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def peak_process(mode: str, args, store: Path) -> float:
     """Peak RSS (bytes) of a fresh process that sets `mode` up and trains `steps` steps (offline: over
     `store`, without the target in memory)."""
-    out = subprocess.run([sys.executable, __file__, "--mode", mode, "--samples", str(args.samples), "--steps",
+    out = subprocess.run([sys.executable, __file__, "--mode", mode, "--samples", str(args.samples),
+                          "--max-length", str(args.max_length), "--steps",
                           str(args.steps), "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads),
-                          "--store", str(store)], capture_output=True, text=True)
+                          "--store", str(store), "--samples-file", str(store.parent / "samples.json")],
+                         capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"online: the {mode} memory process failed:\n{out.stderr[-3000:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_rss"])
@@ -159,15 +178,18 @@ def peak_process(mode: str, args, store: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer samples, steps and pairs (under a minute)")
-    ap.add_argument("--samples", type=int, help="conversations (default 48; --quick 8)")
+    ap.add_argument("--samples", type=int, help="conversations (default 48; --quick 6)")
+    ap.add_argument("--max-length", type=int, help="tokens per conversation at most (default 1024; --quick 384)")
     ap.add_argument("--steps", type=int, help="training steps per side per pair (default 6; --quick 2)")
     ap.add_argument("--pairs", type=int, help="pairs (default 3; --quick 2)")
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--threads", default="all", help="intra-op threads for every side (default: torch's count)")
     ap.add_argument("--mode", choices=["offline", "online"], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--samples-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.samples = args.samples or (8 if args.quick else 48)
+    args.samples = args.samples or (6 if args.quick else 48)
+    args.max_length = args.max_length or (384 if args.quick else 1024)
     args.steps = args.steps or (2 if args.quick else 6)
     pairs = args.pairs or (2 if args.quick else 3)
     logging.basicConfig(level=logging.WARNING)
@@ -175,11 +197,12 @@ def main() -> None:
     args.threads = threads
     with tempfile.TemporaryDirectory() as tmp, thread_budget(threads):
         if args.mode:  # a memory process: set up, train, report the peak
-            cfg = config(args.samples, args.batch_tokens, Path(args.store))
-            Bench(cfg, args.steps, with_target=args.mode == "online", precompute=False).train(args.mode)
-            print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+            cfg = config(args.samples, args.batch_tokens, Path(args.store), args.max_length)
+            Bench(cfg, args.steps, with_target=args.mode == "online", precompute=False,
+                  samples_file=Path(args.samples_file)).train(args.mode)
+            print(json.dumps({"peak_rss": peak_rss()}))
             return
-        cfg = config(args.samples, args.batch_tokens, Path(tmp) / "store")
+        cfg = config(args.samples, args.batch_tokens, Path(tmp) / "store", args.max_length)
         bench = Bench(cfg, args.steps)
         trained: dict[str, int] = {}
         pre_tokens = [0]
@@ -201,6 +224,7 @@ def main() -> None:
         t = measure_pairs({n: side(n) for n in ("offline", "online", "precompute")}, pairs, warmup=1, load=load,
                           on_pair=lambda i, got: print(f"pair {i + 1}/{pairs}: " + ", ".join(
                               f"{k} {v:.2f} s" for k, v in got.items()), flush=True))
+        (bench.store_dir.parent / "samples.json").write_text(json.dumps(bench.samples))
         peaks = {m: peak_process(m, args, bench.store_dir) for m in ("offline", "online")}
     if trained["online"] != trained["offline"]:
         sys.exit(f"online: the sides trained different tokens ({trained})")

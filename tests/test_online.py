@@ -16,11 +16,12 @@ from train.data import collate, collate_packed
 from train.online import OnlineSamples, TargetStates
 from train.run import data_module, run_training
 
-# Offline states come from precompute's batches (other rows beside them, another padding), online ones from
-# the training batch: the same float32 arithmetic over other matrix shapes, so equal to rounding. Measured on
-# this CPU (2 epochs, 10 steps): states ≤ 1.2e-7 apart, losses ≤ 7e-7 relative, head tensors ≤ 1.2e-7 (packed:
-# 0, precompute packs the same way). The bounds leave 10-100× room for another BLAS; states perturbed by
-# 1e-3 noise fail at step 0.
+# Offline states come from precompute's packed batches (other samples beside them), online ones from the
+# training batch's real tokens packed into one row: the same float32 arithmetic over other matrix shapes, so
+# equal to rounding at most. Measured on this CPU (2 epochs, 10 steps): equal bit for bit — states, losses,
+# heads, padded and packed batches alike (the padded path ran the padded rows before: states 1.2e-7 apart,
+# losses 7e-7 relative). The bounds leave room for a BLAS whose results depend on the rows beside them;
+# states perturbed by 1e-3 noise fail at step 0.
 STATE_ATOL = 1e-5
 LOSS_RTOL = 1e-5
 

@@ -6,14 +6,15 @@ same tokenized conversations precompute would store (data/precompute.py `tokeniz
 loss masks and rejections), so the same held-out split, token-budget batches, packing, rank split and
 mid-epoch resume. Its loaders deliver token ids and loss masks; `on_after_batch_transfer` (a Lightning
 data-module hook, run on the rank's device after the batch got there) runs the frozen target over the
-batch — right-padded rows, or one packed row whose samples attend to themselves only — and adds the
-last pre-norm state per token (`hidden`) and EAGLE-3's aux layers (`aux_hidden`), zero at padding as
-`collate` pads a stored batch. The LightningModule gets one batch type from either source.
+batch's real tokens as one packed row — each sample attends to itself only, as in precompute's packed
+batches, and no compute goes to padding — and adds the last pre-norm state per token (`hidden`) and
+EAGLE-3's aux layers (`aux_hidden`) in the batch's layout, zero at padding as `collate` pads a stored
+batch. The LightningModule gets one batch type from either source.
 
 The target's embedding, lm_head and final norm are the head's own frozen tensors (`TiedTarget`): the
-target is loaded on the CPU, the head tied to views of its tensors, and when the target first moves to
-the rank's device its three shared weights are replaced by the head's (already moved by Lightning) —
-the vocabulary-sized matrices exist once on the device.
+target is loaded on `target.device` and the head tied to its tensors (views); should the rank's device
+differ, the target's three shared weights are replaced by the head's (already moved by Lightning) before
+it moves there — the vocabulary-sized matrices exist once on the device.
 """
 
 from __future__ import annotations
@@ -100,29 +101,39 @@ class TargetStates:
         self._device = device
         log.info("online training: the target runs on %s", device)
 
+    def _packed(self, ids: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """States [1, N, H] (and aux [1, N, K·H]) of samples back to back in one row `ids` [1, N]: one packed
+        forward where the family packs (each sample attends to itself), else each sample alone."""
+        if self.packed:
+            rows = PackedRows(lengths)
+            out = self.model(ids, positions=rows.positions(ids.device), cache=rows, logits="none",
+                             capture_layers=self.aux_layers)
+            return out.hidden, (torch.cat(out.aux, dim=-1) if self.aux_layers else None)
+        parts = [self.model(chunk, logits="none", capture_layers=self.aux_layers) for chunk in ids.split(lengths, dim=1)]
+        hidden = torch.cat([p.hidden for p in parts], dim=1)
+        return hidden, (torch.cat([torch.cat(p.aux, dim=-1) for p in parts], dim=1) if self.aux_layers else None)
+
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with `hidden` (and `aux_hidden`) added. A packed batch (train/data.py collate_packed) is
+        one row already; right-padded rows are run as one packed row of their real tokens — no compute on
+        the padding, and the arithmetic of precompute's packed batches — and scattered back, zero at the
+        padding as `collate` pads a stored batch."""
         ids, valid = batch["input_ids"], batch["valid"]
-        if "segments" in batch:  # one packed row (train/data.py collate_packed)
-            seg = batch["segments"][0]
-            lengths = torch.bincount(seg).tolist()
-            if self.packed:
-                rows = PackedRows(lengths)
-                out = self.model(ids, positions=rows.positions(ids.device), cache=rows, logits="none",
-                                 capture_layers=self.aux_layers)
-                hidden, aux = out.hidden, (torch.cat(out.aux, dim=-1) if self.aux_layers else None)
-            else:  # a family without packed attention: each sample alone
-                parts = [self.model(chunk, logits="none", capture_layers=self.aux_layers)
-                         for chunk in ids.split(lengths, dim=1)]
-                hidden = torch.cat([p.hidden for p in parts], dim=1)
-                aux = torch.cat([torch.cat(p.aux, dim=-1) for p in parts], dim=1) if self.aux_layers else None
-        else:  # right-padded rows: a real token never attends the padding after it
-            out = self.model(ids, logits="none", capture_layers=self.aux_layers)
-            hidden, aux = out.hidden, (torch.cat(out.aux, dim=-1) if self.aux_layers else None)
-        pad = ~valid[..., None]
-        batch["hidden"] = hidden.masked_fill(pad, 0)
+        if "segments" in batch:
+            hidden, aux = self._packed(ids, torch.bincount(batch["segments"][0]).tolist())
+        else:
+            lengths = valid.sum(1).tolist()
+            h, a = self._packed(ids[valid][None], [n for n in lengths if n])
+            hidden = h.new_zeros(*ids.shape, h.shape[-1])
+            hidden[valid] = h[0]
+            aux = None
+            if a is not None:
+                aux = a.new_zeros(*ids.shape, a.shape[-1])
+                aux[valid] = a[0]
+        batch["hidden"] = hidden
         if aux is not None:
-            batch["aux_hidden"] = aux.masked_fill(pad, 0)
+            batch["aux_hidden"] = aux
         return batch
 
 
