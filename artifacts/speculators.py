@@ -181,6 +181,45 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
     E (default: bfloat16 rounding of E's largest entry). Raises ValueError naming the file and field on anything
     it does not understand, and on any shape mismatch or missing tensor."""
     path = Path(path)
+    cfg_file, cfg = _read_config(path)
+    if tied.conventions != TiedConventions():
+        raise ValueError(f"{cfg_file}: the target's tied conventions {tied.conventions} are not Llama's; speculators' "
+                         "draft embeds and normalises the Llama way, which our head would not reproduce")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise _fail(cfg_file, "transformer_layer_config", "missing or not an object")
+    head_args = _check_layer_config(cfg_file, layer, args, allow_sliding_window)
+    flags = _norm_flags(cfg_file, cfg, args)
+    ids = _aux_layer_ids(cfg_file, cfg, args.num_hidden_layers)
+    tensors, origin = read_tensors(path)
+    weights = path / "model.safetensors"
+    vd = _draft_vocab_size(cfg_file, weights, cfg, tensors, args.vocab_size)
+    head = Eagle3Head(head_args, Eagle3Config(aux_layers=tuple(ids), draft_vocab_size=vd, init="random", **flags), tied)
+    expected = head.state_dict()
+    state = _our_tensors(tensors, origin, expected, tied, embed_atol,
+                         f"(hidden {args.hidden_size}, {len(ids)} aux layers, draft vocab {vd})")
+    vocab_buffers = {"d2t", "t2d"}
+    missing = [k for k in expected if k not in state and k not in vocab_buffers]
+    if missing:
+        spec = [k.replace("midlayer.", "layers.0.") for k in missing]
+        raise _fail(weights, spec[0], f"missing (all missing: {spec})")
+    _vocab_mapping(weights, state, vd, args.vocab_size)
+    with torch.no_grad():
+        for k, v in state.items():
+            target = expected[k]
+            if k == "t2d":
+                v = v.to(torch.bool)
+            elif k == "d2t":
+                v = v.to(torch.long)
+            elif not v.is_floating_point():
+                raise _fail(weights, k, f"dtype {v.dtype} is not a float")
+            target.copy_(v)  # cast into the head's dtype
+    head.load_state_dict(expected, strict=True)
+    return head.to(tied.embed.dtype)
+
+
+def _read_config(path: Path) -> tuple[Path, dict[str, Any]]:
+    """(config.json's path, its contents), checked to be a speculators EAGLE-3 config we understand."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path}: no config.json — not a speculators checkpoint")
@@ -198,14 +237,11 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
     unknown = sorted(k for k in cfg if k not in KNOWN_KEYS and cfg[k] not in (None, False, [], {}))
     if unknown:
         raise _fail(cfg_file, unknown[0], f"not understood by this reader (unknown fields: {unknown})")
-    if tied.conventions != TiedConventions():
-        raise ValueError(f"{cfg_file}: the target's tied conventions {tied.conventions} are not Llama's; speculators' "
-                         "draft embeds and normalises the Llama way, which our head would not reproduce")
-    layer = cfg.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise _fail(cfg_file, "transformer_layer_config", "missing or not an object")
-    head_args = _check_layer_config(cfg_file, layer, args, allow_sliding_window)
+    return cfg_file, cfg
 
+
+def _norm_flags(cfg_file: Path, cfg: dict[str, Any], args: LlamaArgs) -> dict[str, bool]:
+    """The EAGLE-3.1 norm flags (Eagle3Config's), after refusing the options our head has no counterpart for."""
     if cfg.get("fc_norm"):
         raise _fail(cfg_file, "fc_norm", "true (per-layer norms before fc) has no counterpart in our head; "
                     "norm_before_fc (one norm over the concatenation) does")
@@ -224,8 +260,11 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
         if not isinstance(v, bool):
             raise _fail(cfg_file, key, f"{v!r} is not a boolean")
         flags[key] = v
+    return flags
 
-    L = args.num_hidden_layers
+
+def _aux_layer_ids(cfg_file: Path, cfg: dict[str, Any], L: int) -> list[int]:
+    """The target layers whose inputs the draft reads (speculators' default [2, L/2, L-3] when unset)."""
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:  # speculators' (and vLLM's) default
         ids = [2, L // 2, L - 3]
@@ -235,9 +274,12 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
         raise _fail(cfg_file, "eagle_aux_hidden_state_layer_ids", f"{ids}: our head reads the inputs of target layers "
                     f"1..{L - 1}, ascending and distinct (id {L}, the last layer's output, and id 0, the embeddings, "
                     "are not supported)")
+    return ids
 
-    tensors, origin = read_tensors(path)
-    weights = path / "model.safetensors"
+
+def _draft_vocab_size(cfg_file: Path, weights: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      vocab_size: int) -> int:
+    """The draft vocabulary's size: lm_head's rows, which config's draft_vocab_size must agree with."""
     vd = cfg.get("draft_vocab_size")
     if "lm_head.weight" not in tensors:
         raise _fail(weights, "lm_head.weight", "missing")
@@ -245,61 +287,38 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
     vd = vd_tensor if vd is None else int(vd)
     if vd != vd_tensor:
         raise _fail(cfg_file, "draft_vocab_size", f"{vd}, but lm_head.weight has {vd_tensor} rows")
-    if vd > args.vocab_size:
-        raise _fail(cfg_file, "draft_vocab_size", f"{vd} exceeds the target's vocabulary {args.vocab_size}")
+    if vd > vocab_size:
+        raise _fail(cfg_file, "draft_vocab_size", f"{vd} exceeds the target's vocabulary {vocab_size}")
+    return vd
 
-    head = Eagle3Head(head_args, Eagle3Config(aux_layers=tuple(ids), draft_vocab_size=vd, init="random", **flags), tied)
-    expected = head.state_dict()
 
+def _our_tensors(tensors: dict[str, torch.Tensor], origin: dict[str, Path], expected: dict[str, torch.Tensor],
+                 tied: TiedTarget, embed_atol: float | None, shapes: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our Eagle3Head's names (layers.0.* → midlayer.*), each checked for a
+    counterpart and its shape; a shipped embedding is checked against the target's E and dropped."""
     state: dict[str, torch.Tensor] = {}
-    seen = set()
     for name, t in tensors.items():
         if name in IGNORED_TENSORS:
-            seen.add(name)
             continue
         if name == "embed_tokens.weight":
-            seen.add(name)
             _check_embed(origin[name], t, tied.embed, embed_atol)
             continue
+        ours = name
         if name.startswith("layers."):
             idx, _, rest = name[len("layers."):].partition(".")
             if idx != "0":
                 raise _fail(origin[name], name, "a second draft layer; our head has one")
             ours = f"midlayer.{rest}"
-        elif name.startswith("midlayer."):  # the converter's / EAGLE's own naming, accepted too
-            ours = name
-        else:
-            ours = name
+        # (midlayer.*: the converter's / EAGLE's own naming, accepted as it is)
         if ours not in expected:
             raise _fail(origin[name], name, "not understood by this reader (no counterpart in our Eagle3Head)")
         if ours in state:
             raise _fail(origin[name], name, "given twice (as layers.0.* and midlayer.*)")
         want = tuple(expected[ours].shape)
         if tuple(t.shape) != want:
-            raise _fail(origin[name], name, f"shape {list(t.shape)}, expected {list(want)} for the target "
-                        f"(hidden {args.hidden_size}, {len(ids)} aux layers, draft vocab {vd})")
+            raise _fail(origin[name], name, f"shape {list(t.shape)}, expected {list(want)} for the target {shapes}")
         state[ours] = t
-        seen.add(name)
-
-    vocab_buffers = {"d2t", "t2d"}
-    missing = [k for k in expected if k not in state and k not in vocab_buffers]
-    if missing:
-        spec = [k.replace("midlayer.", "layers.0.") for k in missing]
-        raise _fail(weights, spec[0], f"missing (all missing: {spec})")
-    _vocab_mapping(weights, state, vd, args.vocab_size)
-
-    with torch.no_grad():
-        for k, v in state.items():
-            target = expected[k]
-            if k == "t2d":
-                v = v.to(torch.bool)
-            elif k == "d2t":
-                v = v.to(torch.long)
-            elif not v.is_floating_point():
-                raise _fail(weights, k, f"dtype {v.dtype} is not a float")
-            target.copy_(v)  # cast into the head's dtype
-    head.load_state_dict(expected, strict=True)
-    return head.to(tied.embed.dtype)
+    return state
 
 
 def _vocab_mapping(weights: Path, state: dict[str, torch.Tensor], vd: int, v: int) -> None:

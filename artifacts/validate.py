@@ -489,6 +489,24 @@ def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
         problems.append(f"draft_vocab_size must be a positive integer (SGLang reads the key; null means 'use the "
                         f"target's head', §10.6), got {vd!r}")
         vd = None
+    ids = _eagle3_aux_ids(cfg, tcfg, problems)
+    a = _args(cfg, problems, "the export's")
+    if a is None or ids is None or vd is None:
+        return
+    _check_against_target(a, cfg, tcfg, problems)
+    if vd > a.vocab_size:
+        problems.append(f"draft_vocab_size {vd} exceeds vocab_size {a.vocab_size}")
+    expected = eagle3_shapes(a, len(ids), vd, bool(cfg.get("norm_before_fc", False)))
+    _check_keys(infos, expected, problems, eagle=True, optional=("d2t", "t2d", "embed_tokens.weight"))
+    _check_vocab_maps(infos, vd, a.vocab_size, problems)
+    if "embed_tokens.weight" in infos:
+        _check_shipped_embedding(infos, target, problems)
+    _check_own_tensors(infos, expected, cfg, problems)
+
+
+def _eagle3_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None, problems: list[str]) -> list[int] | None:
+    """The aux layer ids an EAGLE-3 export names (top-level and in eagle_config, which must agree), checked
+    against what the engines and the target accept; None when they cannot be read."""
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
@@ -512,16 +530,14 @@ def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
             problems.append(f"aux layer ids {ids} exceed the target's {tcfg.get('num_hidden_layers')} layers")
         if "num_aux_hidden_states" in cfg and cfg["num_aux_hidden_states"] != len(ids):
             problems.append(f"num_aux_hidden_states {cfg['num_aux_hidden_states']} != {len(ids)} aux layer ids")
-    a = _args(cfg, problems, "the export's")
-    if a is None or ids is None or vd is None:
-        return
-    _check_against_target(a, cfg, tcfg, problems)
-    if vd > a.vocab_size:
-        problems.append(f"draft_vocab_size {vd} exceeds vocab_size {a.vocab_size}")
-    expected = eagle3_shapes(a, len(ids), vd, bool(cfg.get("norm_before_fc", False)))
-    _check_keys(infos, expected, problems, eagle=True, optional=("d2t", "t2d", "embed_tokens.weight"))
-    if vd < a.vocab_size and "d2t" not in infos:
-        problems.append(f"missing tensor 'd2t': required when draft_vocab_size {vd} < vocab_size {a.vocab_size} "
+    return ids
+
+
+def _check_vocab_maps(infos: dict[str, TensorInfo], vd: int, vocab_size: int, problems: list[str]) -> None:
+    """d2t (draft id → target id offsets) and t2d (target ids in the draft vocabulary): present when the
+    draft vocabulary is smaller, well-formed, and consistent with each other."""
+    if vd < vocab_size and "d2t" not in infos:
+        problems.append(f"missing tensor 'd2t': required when draft_vocab_size {vd} < vocab_size {vocab_size} "
                         "(vLLM leaves it at zeros and maps draft ids to target ids 0..V_d-1, §1.3)")
     if "d2t" in infos:
         d2t = infos["d2t"]
@@ -530,19 +546,16 @@ def _check_eagle3(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Pat
         else:
             offsets = load_tensor(d2t, "d2t")
             tgt = offsets + torch.arange(vd)
-            if bool((tgt < 0).any() or (tgt >= a.vocab_size).any()):
+            if bool((tgt < 0).any() or (tgt >= vocab_size).any()):
                 problems.append("d2t maps draft ids outside the target vocabulary (offsets, not absolute ids? §10.12)")
             elif tgt.unique().numel() != vd:
                 problems.append("d2t maps two draft ids to the same target id")
-            elif "t2d" in infos and infos["t2d"].shape == (a.vocab_size,):
+            elif "t2d" in infos and infos["t2d"].shape == (vocab_size,):
                 t2d = load_tensor(infos["t2d"], "t2d")
                 if not (t2d.dtype == torch.bool and int(t2d.sum()) == vd and bool(t2d[tgt].all())):
                     problems.append("t2d does not mark exactly the target ids that d2t maps to")
-    if "t2d" in infos and infos["t2d"].shape != (a.vocab_size,):
-        problems.append(f"t2d has shape {list(infos['t2d'].shape)}, expected [{a.vocab_size}] bool")
-    if "embed_tokens.weight" in infos:
-        _check_shipped_embedding(infos, target, problems)
-    _check_own_tensors(infos, expected, cfg, problems)
+    if "t2d" in infos and infos["t2d"].shape != (vocab_size,):
+        problems.append(f"t2d has shape {list(infos['t2d'].shape)}, expected [{vocab_size}] bool")
 
 
 def _check_medusa(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,

@@ -156,6 +156,9 @@ def main() -> None:
         *evaluation, f"evaluate.num_prompts={4 if args.quick else 16}", f"evaluate.k={args.k}",
         "evaluate.heads.untrained=null", "export.formats=[native]",
     ]
+    from inference_eval.targets import register_target_resolvers
+
+    register_target_resolvers()  # target.dtype: auto (bf16 on the GPU)
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     figures: dict[str, float] = {}

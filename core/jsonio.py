@@ -39,36 +39,45 @@ def _ends_inside(err: json.JSONDecodeError, text: str) -> bool:
     return err.msg.startswith("Unterminated string") or err.pos >= len(text.rstrip())
 
 
-def jsonl_records(path: Path, error: type[Exception] = ValueError) -> Iterator[Record | Rejected]:
+def _lines(path: Path, data: bytes | None) -> Iterator[bytes]:
+    if data is not None:
+        yield from data.splitlines(keepends=True)
+        return
+    with open(path, "rb") as f:
+        yield from f
+
+
+def jsonl_records(path: Path, error: type[Exception] = ValueError,
+                  data: bytes | None = None) -> Iterator[Record | Rejected]:
     """Records of a JSONL file, one `Record` / `Rejected` per non-blank line: a line that is not
     UTF-8 or not JSON is rejected and the file goes on (lines are read as bytes and decoded one at a
-    time). A UTF-8 byte-order mark at the start of a line is dropped (files concatenated by `cat`)."""
+    time). A UTF-8 byte-order mark at the start of a line is dropped (files concatenated by `cat`).
+    `data`: the file's bytes already read (a caller that checked or cut them first); `path` names them."""
     lines = parsed = 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            where = f"{path}:{n}"
-            if raw.startswith(UTF8_BOM):
-                raw = raw[len(UTF8_BOM):]
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                lines += 1
-                yield Rejected("not_utf8", where, f"byte {e.start} ({raw[e.start:e.start + 4]!r}...): {e.reason}")
-                continue
-            if not line.strip():
-                continue
+    for n, raw in enumerate(_lines(path, data), 1):
+        where = f"{path}:{n}"
+        if raw.startswith(UTF8_BOM):
+            raw = raw[len(UTF8_BOM):]
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
             lines += 1
-            if lines == 1 and line.lstrip().startswith("["):
-                _refuse_array_as_jsonl(path, line, error)
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                cut = not raw.endswith(b"\n") and _ends_inside(e, line)
-                yield Rejected("truncated" if cut else "not_json", where,
-                                f"column {e.colno}: {e.msg}" + (" (the file ends inside this record)" if cut else ""))
-                continue
-            parsed += 1
-            yield Record(value, where)
+            yield Rejected("not_utf8", where, f"byte {e.start} ({raw[e.start:e.start + 4]!r}...): {e.reason}")
+            continue
+        if not line.strip():
+            continue
+        lines += 1
+        if lines == 1 and line.lstrip().startswith("["):
+            _refuse_array_as_jsonl(path, line, error)
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            cut = not raw.endswith(b"\n") and _ends_inside(e, line)
+            yield Rejected("truncated" if cut else "not_json", where,
+                            f"column {e.colno}: {e.msg}" + (" (the file ends inside this record)" if cut else ""))
+            continue
+        parsed += 1
+        yield Record(value, where)
     if not lines:
         raise error(f"{path}: no records (only blank lines)")
     if not parsed:
@@ -155,13 +164,15 @@ def _skip(text: str, pos: int, chars: str) -> int:
     return pos
 
 
-def read_jsonl(path: Path, error: type[Exception] = ValueError) -> Iterator[tuple[Any, str]]:
-    """(value, `<file>:<line>`) for each non-blank line of a JSONL file; the first line that is not a UTF-8
-    JSON value raises `error` naming it. An empty file (or one of blank lines only) yields nothing."""
+def read_jsonl(path: Path, error: type[Exception] = ValueError, data: bytes | None = None
+               ) -> Iterator[tuple[Any, str]]:
+    """(value, `<file>:<line>`) for each non-blank line of a JSONL file (or of its bytes `data`); the first
+    line that is not a UTF-8 JSON value raises `error` naming it. An empty file (or one of blank lines only)
+    yields nothing."""
     path = Path(path)
-    if not path.read_bytes().strip():
+    if not (path.read_bytes() if data is None else data).strip():
         return
-    for r in jsonl_records(path, error):
+    for r in jsonl_records(path, error, data):
         if isinstance(r, Rejected):
             raise error(f"{r.where}: {'not UTF-8' if r.reason == 'not_utf8' else 'not JSON'} ({r.detail})")
         yield r.value, r.where

@@ -190,6 +190,50 @@ def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
         yield done_job, future.result()
 
 
+def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: list[int],
+                 aux_layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(H_i [n, H], aux [n, K·H] or None) of each sample of `batch` (indices into `samples`), in batch
+    order, on the CPU: one packed row where the model packs (each sample attends to itself only), else
+    right-padded rows; an out-of-process backend (`hidden_states`, vLLM) computes them itself."""
+    if hasattr(model, "hidden_states"):
+        return model.hidden_states([samples[i][1] for i in batch], aux_layers)
+    device = model.device
+    lengths = [len(samples[i][1]) for i in batch]
+    with torch.inference_mode():  # thread-local: entered in the worker
+        if getattr(model, "supports_packing", False):
+            rows = PackedRows(lengths)
+            input_ids = torch.tensor([t for i in batch for t in samples[i][1]], device=device)[None]
+            out = model(input_ids, positions=rows.positions(device), cache=rows, logits="none",
+                        capture_layers=aux_layers)
+            spans = [(0, a, b) for a, b in zip(rows.bounds, rows.bounds[1:])]
+        else:
+            input_ids = torch.zeros(len(batch), lengths[0], dtype=torch.long)  # right padding
+            for row, i in enumerate(batch):
+                input_ids[row, :lengths[row]] = torch.tensor(samples[i][1])
+            out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
+            spans = [(row, 0, n) for row, n in enumerate(lengths)]
+        hidden = out.hidden.cpu()  # pre-norm
+        aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T, K·H]
+        return [(hidden[r, a:b], aux[r, a:b] if aux is not None else None) for r, a, b in spans]
+
+
+class _WindowWriter:
+    """Adds a window's computed samples to the store in input order, skipping those already stored
+    (computed only because their batch straddles the last finished shard), and counts what it added."""
+
+    def __init__(self, writer: StoreWriter, samples: list[tuple[str, list[int], list[int]]], done: set[str]) -> None:
+        self.writer, self.samples, self.done = writer, samples, done
+        self.count = self.tokens = self.loss_tokens = 0
+
+    def write(self, hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        for i in sorted(hidden):
+            sid, ids, mask = self.samples[i]
+            if sid in self.done:
+                continue
+            self.writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), *hidden[i]))
+            self.count, self.tokens, self.loss_tokens = self.count + 1, self.tokens + len(ids), self.loss_tokens + sum(mask)
+
+
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
                batch_tokens: int = 8192, workers: int | None = None, progress: bool = True,
                progress_log_s: float | None = None) -> PrecomputeStats:
@@ -207,73 +251,38 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
     device = model.device
     # an out-of-process backend (vllm) batches by itself: one batch in flight
-    external = hasattr(model, "hidden_states")
-    workers = 1 if external else resolve_workers(workers, device)
-
+    workers = 1 if hasattr(model, "hidden_states") else resolve_workers(workers, device)
     aux_layers = tuple(writer.aux_layers)
-
     packed = bool(getattr(model, "supports_packing", False))
-
-    def forward(job: tuple[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(H_i [n, H], aux [n, K·H] or None) of each sample of the batch, in batch order."""
-        batch = job[1]
-        if external:  # the states of each sample's token list, computed elsewhere
-            return model.hidden_states([samples[i][1] for i in batch], aux_layers)
-        with torch.inference_mode():  # thread-local: entered in the worker
-            if packed:  # one row, no padding; each sample attends to itself only
-                rows = PackedRows([lengths[i] for i in batch])
-                input_ids = torch.tensor([t for i in batch for t in samples[i][1]], device=device)[None]
-                out = model(input_ids, positions=rows.positions(device), cache=rows, logits="none",
-                            capture_layers=aux_layers)
-                spans = [(0, a, b) for a, b in zip(rows.bounds, rows.bounds[1:])]
-            else:
-                input_ids = torch.zeros(len(batch), lengths[batch[0]], dtype=torch.long)  # right padding
-                for row, i in enumerate(batch):
-                    input_ids[row, :lengths[i]] = torch.tensor(samples[i][1])
-                out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
-                spans = [(row, 0, lengths[i]) for row, i in enumerate(batch)]
-            hidden = out.hidden.cpu()  # pre-norm
-            aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T, K·H]
-            return [(hidden[r, a:b], aux[r, a:b] if aux is not None else None) for r, a, b in spans]
-
     jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers, packed=packed))
             for batch in window if not all(samples[i][0] in done for i in batch)]
     t0 = time.perf_counter()
-    count = tokens = loss_tokens = 0
     bar = Progress(todo_tokens, "precompute", "tok", bar=progress, every_s=progress_log_s, unit_scale=True)
-
-    def write(hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> None:  # a window, in input order
-        nonlocal count, tokens, loss_tokens
-        for i in sorted(hidden):
-            sid, ids, mask = samples[i]
-            if sid in done:  # computed only because its batch straddles the last finished shard
-                continue
-            writer.add(Sample(sid, torch.tensor(ids), torch.tensor(mask), *hidden[i]))
-            count, tokens, loss_tokens = count + 1, tokens + len(ids), loss_tokens + sum(mask)
-
+    out = _WindowWriter(writer, samples, done)
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="precompute") if workers > 1 else None
     if pool is not None and device.type == "cpu":
         torch.set_num_threads(max(1, threads // workers))
     try:
-        hidden: dict[int, torch.Tensor] = {}
+        hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         current = None
-        for (w, batch), out in _in_order(forward, jobs, pool, in_flight=2 * workers):
+        forward = lambda job: batch_states(model, samples, job[1], aux_layers)  # noqa: E731
+        for (w, batch), states in _in_order(forward, jobs, pool, in_flight=2 * workers):
             bar.update(sum(lengths[i] for i in batch if samples[i][0] not in done))  # computed, written at the window's end
-            if w != current:
-                write(hidden)
+            if w != current:  # a window's samples go to the store together, in input order
+                out.write(hidden)
                 hidden, current = {}, w
-            for i, states in zip(batch, out):
-                hidden[i] = states
-        write(hidden)
+            for i, st in zip(batch, states):
+                hidden[i] = st
+        out.write(hidden)
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
             torch.set_num_threads(threads)
         bar.close(failed=sys.exc_info()[0] is not None)
     writer.close()
-    return PrecomputeStats(samples=count, tokens=tokens, loss_tokens=loss_tokens,
-                           skipped_done=len(samples) - count, rejected=Counter(),
+    return PrecomputeStats(samples=out.count, tokens=out.tokens, loss_tokens=out.loss_tokens,
+                           skipped_done=len(samples) - out.count, rejected=Counter(),
                            seconds=time.perf_counter() - t0)
 
 
@@ -295,6 +304,19 @@ def rank_of(sample_id: str, world_size: int) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") % world_size
 
 
+def tokenize_source(cfg: Any, target_dir: str | Path) -> tuple[list[tuple[str, list[int], list[int]]], Counter,
+                                                                 list[dict]]:
+    """`data.*`'s conversations, tokenized with the target's tokenizer (and data.chat_template's template
+    when set): (id, input ids, loss mask) of each usable one, the rejection counts and the first examples.
+    What precompute stores and online training trains on. A file unreadable as a whole is a SourceError
+    naming it."""
+    tokenizer = load_tokenizer(target_dir, cfg.data)
+    convs = load_conversations(cfg.data)
+    rejected, examples = Counter(convs.rejected), list(convs.examples)
+    tokenized = tokenize_all(tokenizer, convs.items, int(cfg.data.max_length), rejected, examples, convs.where)
+    return tokenized, rejected, examples
+
+
 def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     """The precompute entry point's body: target + data config → a complete store at cfg.store_dir.
 
@@ -306,13 +328,10 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     check_rank_layout(cfg.store_dir, world_size)
     target_dir = resolve_target_dir(cfg.target)
     dtype = cfg.target.dtype
-    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
-    convs = load_conversations(cfg.data)  # SourceError (naming the file) only if the file is unreadable as a whole
-    rejected, examples = Counter(convs.rejected), list(convs.examples)
     # Every rank tokenizes every conversation and keeps its share: the rejections are then the whole
     # source's in every rank's manifest, identical across ranks as the merge requires (and what the
     # merged store reports); tokenizing is cheap next to the target's forward passes.
-    tokenized = tokenize_all(tokenizer, convs.items, int(cfg.data.max_length), rejected, examples, convs.where)
+    tokenized, rejected, examples = tokenize_source(cfg, target_dir)
     samples = [s for s in tokenized if rank_of(s[0], world_size) == rank] if world_size > 1 else tokenized
     rejections = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())), "examples": examples,
                   "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
@@ -329,12 +348,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
         raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
     fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
-    source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
-              "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
-    if cfg.data.get("chat_template"):  # another template, other samples: never resumed across templates
-        source["chat_template_sha256"] = chat_template_sha256(cfg.data)
-    if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends
-        source["backend"] = {"name": "vllm", "vllm": model.info.get("vllm")}
+    source = store_source(cfg, backend, model)
     out_dir = Path(cfg.store_dir)
     if world_size > 1:
         source |= {"rank": rank, "world_size": world_size}
@@ -360,12 +374,27 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
              stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),
              out_dir)
     if world_size > 1:
-        try:
-            merged = merge_rank_manifests(cfg.store_dir)
-            log.info("precompute rank %d: every rank is complete; merged %d shards (%d samples) into %s", rank,
-                     len(merged["shards"]), sum(s["num_samples"] for s in merged["shards"]),
-                     Path(cfg.store_dir) / "manifest.json")
-        except IncompleteRanksError as e:
-            log.info("precompute rank %d of %d done; %s. The last rank to finish writes the merged manifest "
-                     "(or run `spechead precompute-merge %s`)", rank, world_size, e, cfg.store_dir)
+        merge_if_last(cfg.store_dir, rank, world_size)
     return Path(cfg.store_dir), stats
+
+
+def store_source(cfg: Any, backend: str, model) -> dict[str, Any]:
+    """The manifest's `source`: what a resumed writer must find equal (the data, the template, the backend)."""
+    source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
+              "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
+    if cfg.data.get("chat_template"):  # another template, other samples: never resumed across templates
+        source["chat_template_sha256"] = chat_template_sha256(cfg.data)
+    if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends
+        source["backend"] = {"name": "vllm", "vllm": model.info.get("vllm")}
+    return source
+
+
+def merge_if_last(store_dir: str | Path, rank: int, world_size: int) -> None:
+    """Write the merged manifest if every rank's store is complete (this rank finished last), else say who does."""
+    try:
+        merged = merge_rank_manifests(store_dir)
+        log.info("precompute rank %d: every rank is complete; merged %d shards (%d samples) into %s", rank,
+                 len(merged["shards"]), sum(s["num_samples"] for s in merged["shards"]), Path(store_dir) / "manifest.json")
+    except IncompleteRanksError as e:
+        log.info("precompute rank %d of %d done; %s. The last rank to finish writes the merged manifest "
+                 "(or run `spechead precompute-merge %s`)", rank, world_size, e, store_dir)

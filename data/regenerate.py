@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.files import atomic_write_bytes
+from core.jsonio import read_jsonl
 from core.paths import cache_dir
 from core.progress import Progress, log_interval
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_prompt
@@ -254,17 +255,19 @@ def finished_ids(path: Path, meta: dict[str, Any], repair: bool = True) -> set[s
         log.warning("%s: dropping a truncated last line (%d bytes, an interrupted write)", path, len(data) - len(keep))
         atomic_write_bytes(path, keep)
     done = set()
-    for n, line in enumerate(keep.splitlines(), 1):
-        try:
-            record = json.loads(line)
-            sid, stored = record["id"], record["regenerated"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a regenerated record ({e}); not a file this stage wrote — "
-                             "choose another regenerate.out or delete it") from e
+    try:
+        records = list(read_jsonl(path, ValueError, data=keep))
+    except ValueError as e:
+        raise ValueError(f"{e}; not a file this stage wrote — choose another regenerate.out or delete it") from e
+    for record, where in records:
+        if not (isinstance(record, dict) and "id" in record and isinstance(record.get("regenerated"), dict)):
+            raise ValueError(f"{where}: not a regenerated record (an object with `id` and a `regenerated` object); "
+                             "not a file this stage wrote — choose another regenerate.out or delete it")
+        sid, stored = record["id"], record["regenerated"]
         diffs = {k: (stored.get(k), v) for k, v in meta.items() if stored.get(k) != v}
         if diffs:
             detail = ", ".join(f"{k}: stored {a!r}, now {b!r}" for k, (a, b) in diffs.items())
-            raise ValueError(f"{path}:{n}: record {sid!r} was regenerated with other settings ({detail}); resuming "
+            raise ValueError(f"{where}: record {sid!r} was regenerated with other settings ({detail}); resuming "
                              "would mix them in one file: choose another regenerate.out or delete it")
         done.add(str(sid))
     return done

@@ -571,6 +571,32 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise StoreError(f"{path}: unreadable manifest ({e})") from e
 
 
+def _complete_rank_manifests(root: Path) -> tuple[dict[int, dict[str, Any]], int]:
+    """({rank: its manifest}, world size) when ranks 0..world_size-1 all wrote complete stores of one run;
+    IncompleteRanksError naming those that did not, StoreError for a rank of another run."""
+    ranks = root / RANKS_DIR
+    manifests: dict[int, dict[str, Any]] = {}
+    for d in sorted(ranks.glob("rank-*")):
+        if (d / "manifest.json").exists():
+            manifests[int(d.name.split("-")[1])] = _read_manifest(d / "manifest.json")
+    sizes = {r: m.get("source", {}).get("world_size") for r, m in manifests.items()}
+    if not manifests:
+        raise IncompleteRanksError(f"{ranks}: no rank has finished a shard yet")
+    world_size = sizes[min(sizes)]
+    for r, m in manifests.items():
+        where = rank_dir(root, r)
+        if sizes[r] != world_size or m["source"].get("rank") != r or not 0 <= r < world_size:
+            raise StoreError(f"{where}: written as rank {m['source'].get('rank')} of {sizes[r]}, but "
+                             f"{rank_dir(root, min(sizes))} says {world_size} ranks; a store holds one run: "
+                             "delete the stray rank directory or choose another store_dir")
+    check_rank_layout(root, world_size)
+    missing = [r for r in range(world_size) if r not in manifests or not manifests[r].get("complete")]
+    if missing:
+        raise IncompleteRanksError("not every rank is complete: " + ", ".join(
+            f"{rank_dir(root, r)} ({'no manifest yet' if r not in manifests else 'incomplete'})" for r in missing))
+    return manifests, world_size
+
+
 def merge_rank_manifests(root: str | Path) -> dict[str, Any]:
     """Write `<root>/manifest.json` over the rank stores in `<root>/ranks/` and return it.
 
@@ -590,25 +616,7 @@ def merge_rank_manifests(root: str | Path) -> dict[str, Any]:
         raise StoreError(f"{ranks}: no rank directories; not a store written with precompute.world_size > 1")
     with open(ranks / ".merge.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        manifests: dict[int, dict[str, Any]] = {}
-        for d in sorted(ranks.glob("rank-*")):
-            if (d / "manifest.json").exists():
-                manifests[int(d.name.split("-")[1])] = _read_manifest(d / "manifest.json")
-        sizes = {r: m.get("source", {}).get("world_size") for r, m in manifests.items()}
-        if not manifests:
-            raise IncompleteRanksError(f"{ranks}: no rank has finished a shard yet")
-        world_size = sizes[min(sizes)]
-        for r, m in manifests.items():
-            where = rank_dir(root, r)
-            if sizes[r] != world_size or m["source"].get("rank") != r or not 0 <= r < world_size:
-                raise StoreError(f"{where}: written as rank {m['source'].get('rank')} of {sizes[r]}, but "
-                                 f"{rank_dir(root, min(sizes))} says {world_size} ranks; a store holds one run: "
-                                 "delete the stray rank directory or choose another store_dir")
-        check_rank_layout(root, world_size)
-        missing = [r for r in range(world_size) if r not in manifests or not manifests[r].get("complete")]
-        if missing:
-            raise IncompleteRanksError("not every rank is complete: " + ", ".join(
-                f"{rank_dir(root, r)} ({'no manifest yet' if r not in manifests else 'incomplete'})" for r in missing))
+        manifests, world_size = _complete_rank_manifests(root)
         first = manifests[0]
         settings = [k for k in first if k not in ("shards", "complete", "source")]
         common_source = {k: v for k, v in first["source"].items() if k not in RANK_SOURCE_KEYS}

@@ -20,7 +20,7 @@ from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
 from data.sources import resolve_target_dir
 from data.store import DTYPES, FeatureStore
-from inference_eval.engine import (Engine, PagedHeadProposer, PagedTreeProposer, engine_proposer, frequent_ids,
+from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
                                   round_cost)
 from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint, tied_from_model, tied_target
 from inference_eval.scoring import simulated_tau
@@ -145,12 +145,9 @@ def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict
 
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
                batch_size: int, sampling: Sampling, max_len: int, on_finish=None):
-    proposer = engine_proposer(proposer) if proposer is not None else None
-    room = proposer.lookahead(k) if proposer is not None else 1  # positions a round writes ahead
-    eng = Engine(target, proposer, k=k, max_batch=batch_size, max_seq_len=max_len + 2 * room)
-    rids = [eng.add_request(p, max_new_tokens, stop_ids, sampling) for p in prompts]
-    done = eng.run(on_finish=on_finish)
-    return [done[r] for r in rids], eng
+    """The prompts through the engine (`engine_run`), sized for `max_len` tokens (the prompt set's longest)."""
+    return engine_run(target, prompts, max_new_tokens, proposer, k, stop_ids, sampling, on_finish=on_finish,
+                      seq_len=max_len, max_batch=batch_size)
 
 
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
@@ -441,17 +438,97 @@ def evaluation_settings(cfg: Any) -> tuple[Sampling, int, str, dict | None]:
     return sampling, batch_size, mode, tree
 
 
+def plan_proposers(cfg: Any, et, rs: "RunSettings", proposers: dict[str, Any], k: int
+                   ) -> dict[str, tuple]:
+    """{label: (proposer, engine proposer, k, k=auto table, followed leader)}: each proposer's engine form
+    and setting. With k=auto the probed proposers (evaluate.auto_probe) come first, each choosing its own
+    k and draft vocabulary (`probe_setting`); the others take the first probed one's setting."""
+    auto_k = str(cfg.evaluate.k) == "auto"
+    probing = auto_probe_labels(cfg.evaluate.get("auto_probe", "all"), list(proposers)) if auto_k else set()
+    leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
+    plain_warm: list = []
+    order = [label for label in proposers if label in probing] + [label for label in proposers if label not in probing]
+    plans: dict[str, tuple] = {}
+    for label in order:
+        prop = proposers[label]
+        is_head = not isinstance(prop, DraftModelProposer)
+        engine_prop = (PagedTreeProposer(prop, **rs.tree) if rs.tree is not None and is_head
+                       else prop if is_head else prop.draft)
+        auto, follows = None, None
+        drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
+        if auto_k and label not in probing:  # a baseline at the probed proposer's setting (like for like)
+            k = min(int(leader["k"]), getattr(prop, "max_depth", None) or int(leader["k"]))
+            vocab = leader["draft_vocab"] if drafts_by_head else None
+            if vocab is not None:
+                options = draft_vocab_options(cfg, prop, et.model.args.vocab_size)
+                vocab = vocab if vocab in options else None
+                if vocab is not None:
+                    engine_prop = PagedHeadProposer(prop, options[vocab])
+            follows = {"label": leader["label"], "draft_vocab": vocab}
+            log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
+                     "vocabulary %s", label, leader["label"], k, vocab or "all")
+        elif auto_k:
+            k, engine_prop, auto = probe_setting(cfg, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
+            if leader is None:
+                leader = {"label": label, "k": k, "draft_vocab": auto["chosen_draft_vocab"]}
+        plans[label] = (prop, engine_prop, k, auto, follows)
+    return plans
+
+
+def add_speed(entry: dict[str, Any], speed: Paired, cfg: Any, et, rs: "RunSettings", engine_prop, k: int) -> None:
+    """The paired speedup over plain decoding and, for greedy chains, the load-free prediction
+    (`round_cost`), into a result entry."""
+    entry.update(speedup=speed.median, speedup_min=speed.lo, speedup_max=speed.hi, speedup_pairs=list(speed.ratios),
+                 speed_verdict=speed.verdict())
+    n_predict = int(cfg.evaluate.get("predict_prompts", 2))
+    if rs.sampling.greedy and rs.tree is None and n_predict > 0:
+        entry["predicted"] = round_cost(et.model, engine_prop, k, [p["ids"] for p in rs.prompts[:n_predict]], rs.max_new,
+                                        et.stops)
+        entry["predicted_speedup"] = entry["predicted"]["predicted_speedup"]
+    log.info("evaluate %s: %.2fx plain decoding [%.2f–%.2f over %d paired groups]: %s%s", entry.get("label", ""),
+             speed.median, speed.lo, speed.hi, len(speed.ratios), speed.verdict(),
+             f"; predicted {entry['predicted_speedup']:.2f}x (τ {entry['predicted']['tau']:.3f} / a round's "
+             f"cost {entry['predicted']['cost']:.3f} plain steps)" if "predicted" in entry else "")
+
+
+def evaluate_plans(cfg: Any, et, rs: "RunSettings", plans: dict[str, tuple], report: dict[str, Any]) -> None:
+    """Every planned proposer over the prompts — with `evaluate.plain_baseline`, paired with plain
+    decoding group by group (core/timing.py) — into report["results"]."""
+    ecfg, target = cfg.evaluate, et.model
+    if ecfg.get("plain_baseline"):
+        log.info("evaluate: %s and plain decoding over the same %d prompts in %s paired groups", list(plans),
+                 len(rs.prompts), int(ecfg.get("speed_pairs", 4)))
+        paired, plain = evaluate_paired(target, {label: (plan[1], plan[2]) for label, plan in plans.items()},
+                                        rs.prompts, rs.max_new, et.stops, rs.batch_size, rs.sampling,
+                                        int(ecfg.get("speed_pairs", 4)), rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
+        report["plain_tokens_per_s"] = plain.tokens_per_s
+    for label, (prop, engine_prop, k, auto, follows) in plans.items():
+        if ecfg.get("plain_baseline"):
+            res, outputs, speed = paired[label]
+        else:
+            outputs = []
+            res = evaluate_batched(target, engine_prop, rs.prompts, k, rs.max_new, et.stops, rs.batch_size, label,
+                                   rs.warmup, rs.repeats, rs.sampling, outputs, progress=rs.show_bar,
+                                   progress_log_s=rs.every_s)
+        res.label = label
+        log.info(res.summary())
+        entry = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
+        if ecfg.get("plain_baseline"):
+            add_speed(entry, speed, cfg, et, rs, engine_prop, k)
+        report["results"][label] = entry
+
+
 def run_evaluation(cfg: Any) -> dict[str, Any]:
     """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
-    on the configured prompts through the engine; write the JSON report (+ Markdown and plots)."""
+    on the configured prompts through the engine; write the JSON report (+ Markdown and plots):
+    load → choose each proposer's setting → evaluate each proposer → report."""
     ecfg = cfg.evaluate
     sampling, batch_size, mode, tree = evaluation_settings(cfg)
     torch.manual_seed(int(cfg.seed))
     et = load_evaluation_target(cfg)
-    target, stops = et.model, et.stops
     log.info("evaluate: preparing %s prompts%s", ecfg.dataset,
              " (turn 2: the target answers turn 1 first)" if 2 in [int(t) for t in ecfg.get("turns", [1])] else "")
-    prompts = load_prompts(cfg, et.tokenizer, target, stops)
+    prompts = load_prompts(cfg, et.tokenizer, et.model, et.stops)
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
     log.info("evaluate: %d prompts; heads %s; k=%s, %d new tokens, batch %d", len(prompts),
@@ -471,64 +548,7 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
                               "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": rs.warmup,
                               "repeats": rs.repeats, "results": {}}
     proposers = load_proposers(cfg, et)
-    plain_warm: list = []
-    probing = auto_probe_labels(ecfg.get("auto_probe", "all"), list(proposers)) if auto_k else set()
-    leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
-    # the probed proposers first (the others take their setting); the report keeps the configured order
-    order = [label for label in proposers if label in probing] + [label for label in proposers if label not in probing]
-    plans: dict[str, tuple] = {}  # label: (proposer, engine proposer, k, k=auto table, followed leader)
-    for label in order:
-        prop = proposers[label]
-        is_head = not isinstance(prop, DraftModelProposer)
-        engine_prop = (PagedTreeProposer(prop, **tree) if tree is not None and is_head
-                       else prop if is_head else prop.draft)
-        auto, follows = None, None
-        drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
-        if auto_k and label not in probing:  # a baseline at the probed proposer's setting (like for like)
-            k = min(int(leader["k"]), getattr(prop, "max_depth", None) or int(leader["k"]))
-            vocab = leader["draft_vocab"] if drafts_by_head else None
-            if vocab is not None:
-                options = draft_vocab_options(cfg, prop, target.args.vocab_size)
-                vocab = vocab if vocab in options else None
-                if vocab is not None:
-                    engine_prop = PagedHeadProposer(prop, options[vocab])
-            follows = {"label": leader["label"], "draft_vocab": vocab}
-            log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
-                     "vocabulary %s", label, leader["label"], k, vocab or "all")
-        elif auto_k:
-            k, engine_prop, auto = probe_setting(cfg, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
-            if leader is None:
-                leader = {"label": label, "k": k, "draft_vocab": auto["chosen_draft_vocab"]}
-        plans[label] = (prop, engine_prop, k, auto, follows)
-    if ecfg.get("plain_baseline"):  # every proposer paired with plain decoding group by group (core/timing.py)
-        log.info("evaluate: %s and plain decoding over the same %d prompts in %s paired groups", list(plans),
-                 len(prompts), int(ecfg.get("speed_pairs", 4)))
-        paired, plain = evaluate_paired(target, {label: (plan[1], plan[2]) for label, plan in plans.items()}, prompts,
-                                        max_new, stops, batch_size, sampling, int(ecfg.get("speed_pairs", 4)),
-                                        rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
-        report["plain_tokens_per_s"] = plain.tokens_per_s
-    for label, (prop, engine_prop, k, auto, follows) in plans.items():
-        if ecfg.get("plain_baseline"):
-            res, outputs, speed = paired[label]
-        else:
-            outputs = []
-            res = evaluate_batched(target, engine_prop, prompts, k, max_new, stops, batch_size, label, rs.warmup,
-                                   rs.repeats, sampling, outputs, progress=rs.show_bar, progress_log_s=rs.every_s)
-        res.label = label
-        log.info(res.summary())
-        entry = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
-        if ecfg.get("plain_baseline"):
-            entry.update(speedup=speed.median, speedup_min=speed.lo, speedup_max=speed.hi,
-                         speedup_pairs=list(speed.ratios), speed_verdict=speed.verdict())
-            if rs.sampling.greedy and rs.tree is None and int(ecfg.get("predict_prompts", 2)) > 0:
-                entry["predicted"] = round_cost(target, engine_prop, k, [p["ids"] for p in
-                                                prompts[: int(ecfg.get("predict_prompts", 2))]], max_new, stops)
-                entry["predicted_speedup"] = entry["predicted"]["predicted_speedup"]
-            log.info("evaluate %s: %.2fx plain decoding [%.2f–%.2f over %d paired groups]: %s%s", label, speed.median,
-                     speed.lo, speed.hi, len(speed.ratios), speed.verdict(),
-                     f"; predicted {entry['predicted_speedup']:.2f}x (τ {entry['predicted']['tau']:.3f} / a round's "
-                     f"cost {entry['predicted']['cost']:.3f} plain steps)" if "predicted" in entry else "")
-        report["results"][label] = entry
+    evaluate_plans(cfg, et, rs, plan_proposers(cfg, et, rs, proposers, k), report)
     report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
     files = write_report(report, Path(ecfg.report))
     report_to_wandb(cfg, report, files)
@@ -573,15 +593,22 @@ def report_to_wandb(cfg: Any, report: dict[str, Any], files: list[Path]) -> str 
 def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     """The JSON report plus a Markdown table (`.md`) and two PNG plots beside it: α_d per draft
     position and τ per category, one series per head."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     json_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(json_path, json.dumps(report, indent=2).encode())
+    md = json_path.with_suffix(".md")
+    atomic_write_bytes(md, report_markdown(report).encode())
+    return [json_path, md, *report_plots(report, json_path)]
+
+
+def _report_k(report: dict[str, Any]) -> int:
     results = report["results"]
-    k = report["k"] if isinstance(report["k"], int) else max((len(r["alpha"]) for r in results.values()), default=1)
+    return report["k"] if isinstance(report["k"], int) else max((len(r["alpha"]) for r in results.values()), default=1)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """The report's Markdown: the setting, a row per head (τ, α_d, speed), τ per category."""
+    results = report["results"]
+    k = _report_k(report)
     lines = [f"# Acceptance on {report['dataset']} ({report['prompts']} prompts, turn {report['turn']})", "",
              f"target {report['target']} ({report['target_dtype']}), "
              + ("greedy" if not report.get("temperature") else
@@ -612,9 +639,18 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
               "| --- | " + " | ".join("---" for _ in cats) + " |"]
     for label, r in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{r['per_category_tau'].get(c, float('nan')):.3f}" for c in cats) + " |")
-    md = json_path.with_suffix(".md")
-    atomic_write_bytes(md, ("\n".join(lines) + "\n").encode())
+    return "\n".join(lines) + "\n"
 
+
+def report_plots(report: dict[str, Any], json_path: Path) -> list[Path]:
+    """α_d per draft position and τ per category beside the JSON report (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, k = report["results"], _report_k(report)
+    cats = sorted({c for r in results.values() for c in r["per_category_tau"]})
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for label, r in results.items():
         ax.plot(range(1, len(r["alpha"]) + 1), r["alpha"], marker="o", label=f"{label} (τ={r['tau']:.2f})")
@@ -637,4 +673,4 @@ def write_report(report: dict[str, Any], json_path: Path) -> list[Path]:
     cat_png = json_path.with_name(json_path.stem + "_tau_by_category.png")
     fig.savefig(cat_png, dpi=100)
     plt.close(fig)
-    return [json_path, md, alpha_png, cat_png]
+    return [alpha_png, cat_png]

@@ -75,28 +75,19 @@ def hidden_states_rows(sample: dict[str, torch.Tensor], num_aux: int) -> torch.T
 def export(store_dir: str | Path, out: str | Path, split_seed: int = 0, val_fraction: float = 0.05,
            train_samples: int | None = None, heldout: str | Path | None = None, verifier: str | None = None,
            dtype: str | None = None, overwrite: bool = False) -> dict[str, Any]:
-    from datasets import Dataset
-    from safetensors.torch import save_file
-
+    """Write the store's training and held-out rows in speculators' format under `out` (hidden states per row,
+    the dataset, token frequencies of the training split, peer_data.json); returns peer_data.json's content."""
+    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype is not None and dtype not in cast:  # before anything under `out` is touched
+        raise ValueError(f"--dtype {dtype}: choose one of {sorted(cast)}")
     store = FeatureStore(store_dir, verify="header")
     if not store.aux_layers:
         raise ValueError(f"{store_dir}: the store holds no aux layers (manifest captured.aux_layers); speculators' "
                          "EAGLE-3 reads them: precompute with head=eagle3 (or precompute.aux_layers=[...])")
-    recorded = None
-    if heldout is not None:
-        recorded = json.loads(Path(heldout).read_text())
-        split_seed, val_fraction = int(recorded["split_seed"]), float(recorded["val_fraction"])
-        if recorded.get("store_samples") is not None and int(recorded["store_samples"]) != len(store):
-            raise ValueError(f"{heldout}: store_samples {recorded['store_samples']} but {store_dir} holds {len(store)}")
-    train_idx, val_idx = split_indices(store, split_seed, val_fraction, train_samples)
+    train_idx, val_idx, split_seed, val_fraction = _split(store, store_dir, heldout, split_seed, val_fraction,
+                                                          train_samples)
     ids = store.sample_ids()
     val_ids = [ids[i] for i in val_idx]
-    if recorded is not None and recorded.get("heldout_ids") is not None and list(recorded["heldout_ids"]) != val_ids:
-        raise ValueError(f"{heldout}: its held-out ids differ from the split recomputed on {store_dir} "
-                         f"(split_seed={split_seed}, val_fraction={val_fraction})")
-    if not val_idx:
-        raise ValueError("the split holds out no conversation; speculators needs a validation split "
-                         "(--val-fraction > 0 and a store of at least 2 samples)")
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -104,28 +95,8 @@ def export(store_dir: str | Path, out: str | Path, split_seed: int = 0, val_frac
             raise FileExistsError(f"{out} is not empty (--overwrite replaces it)")
         import shutil
         shutil.rmtree(out)
-    hs_dir = out / "hidden_states"
-    hs_dir.mkdir(parents=True)
-    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype is not None and dtype not in cast:
-        raise ValueError(f"--dtype {dtype}: choose one of {sorted(cast)}")
-
     rows = train_idx + val_idx
-    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    num_aux = len(store.aux_layers)
-    for row, i in enumerate(rows):
-        s = store[i]
-        input_ids = s["input_ids"].long()
-        hs = hidden_states_rows(s, num_aux)
-        if dtype is not None:
-            hs = hs.to(cast[dtype])
-        save_file({"token_ids": input_ids.contiguous(), "hidden_states": hs}, str(hs_dir / f"hs_{row}.safetensors"))
-        columns["input_ids"].append(input_ids.tolist())
-        columns["loss_mask"].append(s["loss_mask"].long().tolist())
-        columns["seq_len"].append(int(input_ids.shape[0]))
-    ds = Dataset.from_dict(columns)
-    ds.set_format(type="torch")
-    ds.save_to_disk(str(out))
+    columns = _write_rows(store, rows, out, cast.get(dtype))
 
     counts = store.token_counts(_vocab_size(verifier), train_idx)
     torch.save({int(t): int(c) for t, c in enumerate(counts.tolist()) if c}, out / "token_freq.pt")
@@ -144,6 +115,54 @@ def export(store_dir: str | Path, out: str | Path, split_seed: int = 0, val_frac
     info["command"] = peer_command(out, info)
     (out / "peer_data.json").write_text(json.dumps(info, indent=1))
     return info
+
+
+def _split(store: FeatureStore, store_dir, heldout, split_seed: int, val_fraction: float,
+           train_samples: int | None) -> tuple[list[int], list[int], int, float]:
+    """(training rows, held-out rows, split_seed, val_fraction): our split of the store, as recorded in a
+    run's heldout.json when given (which must then match the store)."""
+    recorded = None
+    if heldout is not None:
+        recorded = json.loads(Path(heldout).read_text())
+        split_seed, val_fraction = int(recorded["split_seed"]), float(recorded["val_fraction"])
+        if recorded.get("store_samples") is not None and int(recorded["store_samples"]) != len(store):
+            raise ValueError(f"{heldout}: store_samples {recorded['store_samples']} but {store_dir} holds {len(store)}")
+    train_idx, val_idx = split_indices(store, split_seed, val_fraction, train_samples)
+    val_ids = [store.sample_ids()[i] for i in val_idx]
+    if recorded is not None and recorded.get("heldout_ids") is not None and list(recorded["heldout_ids"]) != val_ids:
+        raise ValueError(f"{heldout}: its held-out ids differ from the split recomputed on {store_dir} "
+                         f"(split_seed={split_seed}, val_fraction={val_fraction})")
+    if not val_idx:
+        raise ValueError("the split holds out no conversation; speculators needs a validation split "
+                         "(--val-fraction > 0 and a store of at least 2 samples)")
+
+    return train_idx, val_idx, split_seed, val_fraction
+
+
+def _write_rows(store: FeatureStore, rows: list[int], out: Path, dtype: torch.dtype | None) -> dict[str, list]:
+    """One `hidden_states/hs_<row>.safetensors` per row (token ids and the aux states, `dtype` if given)
+    and the dataset's columns, saved with `datasets` in `out`."""
+    from datasets import Dataset
+    from safetensors.torch import save_file
+
+    hs_dir = out / "hidden_states"
+    hs_dir.mkdir(parents=True)
+    columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    num_aux = len(store.aux_layers)
+    for row, i in enumerate(rows):
+        s = store[i]
+        input_ids = s["input_ids"].long()
+        hs = hidden_states_rows(s, num_aux)
+        if dtype is not None:
+            hs = hs.to(dtype)
+        save_file({"token_ids": input_ids.contiguous(), "hidden_states": hs}, str(hs_dir / f"hs_{row}.safetensors"))
+        columns["input_ids"].append(input_ids.tolist())
+        columns["loss_mask"].append(s["loss_mask"].long().tolist())
+        columns["seq_len"].append(int(input_ids.shape[0]))
+    ds = Dataset.from_dict(columns)
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(out))
+    return columns
 
 
 def _vocab_size(verifier: str | None) -> int:
@@ -196,8 +215,10 @@ def default_verifier(target: str | None) -> Path:
     from hydra import compose, initialize_config_dir
 
     from data.sources import resolve_target_dir
+    from inference_eval.targets import register_target_resolvers
 
     conf = Path(__file__).resolve().parents[1] / "conf"
+    register_target_resolvers()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("config", overrides=[f"target={target}"] if target else [])
     return resolve_target_dir(cfg.target)

@@ -175,55 +175,62 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
     return out
 
 
+class Study:
+    """One study run: its variants and budgets, the stores made so far (one per data config and aux
+    layers), the points trained, and the report rewritten after each point."""
 
-def run_study(cfg: DictConfig) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    scfg = cfg.study
-    variants = {name: parse_variant(name, spec) for name, spec in scfg.variants.items()}
-    budgets = sorted({int(b) for b in scfg.budgets} | {b for v in variants.values() for b in v["budgets"] or ()})
-    if not variants or not budgets:
-        raise ValueError("study: set at least one variant (study.variants) and one budget (study.budgets)")
-    own = {name: v["budgets"] or sorted(int(b) for b in scfg.budgets) for name, v in variants.items()}
-    common = max(set.intersection(*(set(b) for b in own.values())), default=None)  # where variants are ranked
-    if common is None:
-        raise ValueError(f"study: the variants share no budget to be compared at ({own})")
-    ks, ks_largest = [int(k) for k in scfg.ks], [int(k) for k in (scfg.get("ks_largest") or scfg.ks)]
-    target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg, self.t0 = cfg, time.perf_counter()
+        scfg = cfg.study
+        self.variants = {name: parse_variant(name, spec) for name, spec in scfg.variants.items()}
+        self.budgets = sorted({int(b) for b in scfg.budgets} | {b for v in self.variants.values() for b in v["budgets"] or ()})
+        if not self.variants or not self.budgets:
+            raise ValueError("study: set at least one variant (study.variants) and one budget (study.budgets)")
+        self.own = {name: v["budgets"] or sorted(int(b) for b in scfg.budgets) for name, v in self.variants.items()}
+        self.common = max(set.intersection(*(set(b) for b in self.own.values())), default=None)  # where ranked
+        if self.common is None:
+            raise ValueError(f"study: the variants share no budget to be compared at ({self.own})")
+        self.ks = [int(k) for k in scfg.ks]
+        self.ks_largest = [int(k) for k in (scfg.get("ks_largest") or scfg.ks)]
+        self.k_rank = 3 if 3 in self.ks_largest else self.ks_largest[-1]
+        target_dir = resolve_target_dir(cfg.target)
+        self.fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
+                                              cfg.target.get("fingerprint", "header"))
+        self.data_cfgs: dict[str, DictConfig] = {}
+        self.stores: dict[tuple[str, bool], Path] = {}
+        self.points: list[dict[str, Any]] = []
+        self.out = Path(cfg.run_dir) / scfg.get("out", "study.json")
 
-    data_cfgs: dict[str, DictConfig] = {}
-    stores: dict[tuple[str, bool], Path] = {}
-
-    def store(name: str, variant: dict[str, Any], head_cfg: DictConfig) -> tuple[DictConfig, Path]:
+    def store(self, name: str, variant: dict[str, Any], head_cfg: DictConfig) -> tuple[DictConfig, Path]:
         """The variant's data config and its store (made once per data and aux layers)."""
         key = json.dumps([variant["data"], split_overrides(variant)[0]], sort_keys=True, default=str)
-        if key not in data_cfgs:
-            data_cfgs[key] = data_config(cfg, variant, f"study.variants.{name}")
+        if key not in self.data_cfgs:
+            self.data_cfgs[key] = data_config(self.cfg, variant, f"study.variants.{name}")
         aux = head_cfg.get("type") == "eagle3"
-        if (key, aux) not in stores:
-            stores[(key, aux)] = store_for(data_cfgs[key], head_cfg)
-        return data_cfgs[key], stores[(key, aux)]
+        if (key, aux) not in self.stores:
+            self.stores[(key, aux)] = store_for(self.data_cfgs[key], head_cfg)
+        return self.data_cfgs[key], self.stores[(key, aux)]
 
-    points: list[dict[str, Any]] = []
-
-    def study_point(name: str, budget: int, seed: int) -> dict[str, Any]:
-        variant = variants[name]
-        pc = point_config(cfg, name, variant, budget, seed)
-        dc, st = store(name, variant, pc.head)
+    def point(self, name: str, budget: int, seed: int) -> dict[str, Any]:
+        """Train and score one point (cached, experiments/runner.py), append it to the points."""
+        variant, scfg = self.variants[name], self.cfg.study
+        pc = point_config(self.cfg, name, variant, budget, seed)
+        dc, st = self.store(name, variant, pc.head)
         # the held-out rows: the ShareGPT conversations of the variant's pool (the same for its data kinds)
-        _, base = store(name, {"data": "sharegpt", "overrides": split_overrides(variant)[0]}, pc.head)
+        _, base = self.store(name, {"data": "sharegpt", "overrides": split_overrides(variant)[0]}, pc.head)
         with open_dict(pc):
             for section in ("data", "regenerate", "precompute"):
                 pc[section] = dc[section]
             pc.precompute.aux_layers = FeatureStore(st).aux_layers
             pc.store_dir = str(st)
-        per_batch, epoch_tokens = mean_batch_tokens(pc, st, fingerprint)
+        per_batch, epoch_tokens = mean_batch_tokens(pc, st, self.fingerprint)
         steps = max(1, round(budget / per_batch))
         with open_dict(pc):
             pc.trainer.max_steps, pc.trainer.max_epochs = steps, -1
         label = f"{name}-b{budget}-s{seed}"
-        ran = run_point(pc, st, label, ks_largest if budget in (common, own[name][-1]) else ks, fingerprint,
-                        heldout_store=base, depth=int(scfg.eval_depth), heldout_limit=scfg.get("heldout_conversations"))
+        ks = self.ks_largest if budget in (self.common, self.own[name][-1]) else self.ks
+        ran = run_point(pc, st, label, ks, self.fingerprint, heldout_store=base, depth=int(scfg.eval_depth),
+                        heldout_limit=scfg.get("heldout_conversations"))
         held, train_s = ran["heldout"], ran["train_seconds"]
         point = {"variant": name, "budget": budget, "seed": seed, "steps": steps,
                  "train_tokens": round(steps * per_batch), "epochs": steps * per_batch / max(epoch_tokens, 1),
@@ -233,42 +240,49 @@ def run_study(cfg: DictConfig) -> dict[str, Any]:
         taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for k, v in point["tau"].items())
         print(f"study {label}: tokens={point['train_tokens']} epochs={point['epochs']:.2f} "
               f"acc_d1={held['acc'][0]:.3f} {taus} train_s={train_s:.0f}", flush=True)
-        points.append(point)
+        self.points.append(point)
         return point
 
-    out = Path(cfg.run_dir) / scfg.get("out", "study.json")
-
-    def report(best: str | None) -> dict[str, Any]:
+    def report(self, best: str | None) -> dict[str, Any]:
         """The report so far (rewritten after every point: an interrupted study shows what it has)."""
-        summary = {"run_name": cfg.run_name, "target": cfg.target.name, "budgets": budgets, "common_budget": common, "ks": ks,
-                   "ks_largest": ks_largest, "k_rank": k_rank, "best": best, "points": points, "variants": variants,
+        cfg = self.cfg
+        summary = {"run_name": cfg.run_name, "target": cfg.target.name, "budgets": self.budgets,
+                   "common_budget": self.common, "ks": self.ks, "ks_largest": self.ks_largest, "k_rank": self.k_rank,
+                   "best": best, "points": self.points, "variants": self.variants,
                    "evaluate": {"dataset": cfg.evaluate.dataset, "num_prompts": cfg.evaluate.num_prompts,
                                 "max_new_tokens": cfg.evaluate.max_new_tokens},
-                   "complete": best is not None, "runtime_s": time.perf_counter() - t0}
-        atomic_write_bytes(out, json.dumps(summary, indent=2, default=str).encode())
-        atomic_write_bytes(out.with_suffix(".md"), markdown(summary).encode())
-        plot(summary, out.with_suffix(".png"))
+                   "complete": best is not None, "runtime_s": time.perf_counter() - self.t0}
+        atomic_write_bytes(self.out, json.dumps(summary, indent=2, default=str).encode())
+        atomic_write_bytes(self.out.with_suffix(".md"), markdown(summary).encode())
+        plot(summary, self.out.with_suffix(".png"))
         return summary
 
-    k_rank = 3 if 3 in ks_largest else ks_largest[-1]
-    for name in variants:
-        for budget in own[name]:
-            study_point(name, budget, int(cfg.seed))
-            report(None)
-    at_common = {p["variant"]: p["tau"][k_rank]["tau"] for p in points if p["budget"] == common}
-    best = max(at_common, key=at_common.get)
-    for seed in scfg.get("repeat_seeds") or []:
-        for name in dict.fromkeys(best if v == "best" else v for v in scfg.get("repeat") or []):
-            if int(seed) != int(cfg.seed):
-                study_point(name, common, int(seed))
+    def run(self) -> dict[str, Any]:
+        """Every variant at each of its budgets; the best at the common budget (τ at k_rank); the repeats."""
+        seed0 = int(self.cfg.seed)
+        for name in self.variants:
+            for budget in self.own[name]:
+                self.point(name, budget, seed0)
+                self.report(None)
+        at_common = {p["variant"]: p["tau"][self.k_rank]["tau"] for p in self.points if p["budget"] == self.common}
+        best = max(at_common, key=at_common.get)
+        scfg = self.cfg.study
+        for seed in scfg.get("repeat_seeds") or []:
+            for name in dict.fromkeys(best if v == "best" else v for v in scfg.get("repeat") or []):
+                if int(seed) != seed0:
+                    self.point(name, self.common, int(seed))
+        summary = self.report(best)
+        print(f"study report={self.out} md={self.out.with_suffix('.md')} png={self.out.with_suffix('.png')}")
+        best_taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for p in self.points
+                             if p["variant"] == best and p["budget"] == self.common and p["seed"] == seed0
+                             for k, v in p["tau"].items())
+        print(f"study best={best} {best_taus} runtime_s={summary['runtime_s']:.0f}")
+        return summary
 
-    summary = report(best)
-    print(f"study report={out} md={out.with_suffix('.md')} png={out.with_suffix('.png')}")
-    best_taus = " ".join(f"tau_k{k}={v['tau']:.3f}" for p in points
-                         if p["variant"] == best and p["budget"] == common and p["seed"] == int(cfg.seed)
-                         for k, v in p["tau"].items())
-    print(f"study best={best} {best_taus} runtime_s={summary['runtime_s']:.0f}")
-    return summary
+
+def run_study(cfg: DictConfig) -> dict[str, Any]:
+    """The recipe study (docs/RESULTS.md §7): every variant trained and scored at its budgets, ranked."""
+    return Study(cfg).run()
 
 
 def markdown(summary: dict[str, Any]) -> str:

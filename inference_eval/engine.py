@@ -797,24 +797,38 @@ def engine_proposer(x, tree: dict | None = None):
     return PagedHeadProposer(x)
 
 
-def engine_generate(target, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 1,
-                    stop_ids=frozenset(), sampling: Sampling | list[Sampling] = GREEDY,
-                    arrivals: list[int] | None = None, **engine_kw) -> tuple[list[list[int]], Engine]:
-    """Run `prompts` through one Engine; outputs in prompt order, and the engine (stats, preemptions).
-    Unless `num_blocks` or `max_seq_len` is given, the pool holds min(max_batch, #prompts) sequences
-    of the longest prompt + max_new_tokens + room for a round's drafts."""
+def engine_run(target, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 1,
+               stop_ids=frozenset(), sampling: Sampling | list[Sampling] = GREEDY,
+               arrivals: list[int] | None = None, on_finish=None, seq_len: int | None = None,
+               **engine_kw) -> tuple[list[Result], Engine]:
+    """The one way to run the engine over prompts: `prompts` through one Engine, their results in prompt
+    order, and the engine (stats, preemptions). `on_finish(n)`: called as requests finish (a progress bar).
+    Pool size: `num_blocks` or `max_seq_len` if given; `seq_len` (the longest prompt + new tokens of a
+    whole prompt set, so that engines over parts of it are sized alike): sequences of seq_len + room for
+    two rounds' drafts; otherwise min(max_batch, #prompts) sequences of the longest prompt +
+    max_new_tokens + room for a round's drafts."""
     proposer = engine_proposer(proposer) if proposer is not None else None
-    if "num_blocks" not in engine_kw and "max_seq_len" not in engine_kw:
+    room = proposer.lookahead(k) if proposer is not None else 1  # positions a round writes ahead
+    if seq_len is not None:
+        engine_kw["max_seq_len"] = seq_len + 2 * room
+    elif "num_blocks" not in engine_kw and "max_seq_len" not in engine_kw:
         block = engine_kw.get("block_size", 16)
-        room = proposer.lookahead(k) if proposer is not None else 1
         per_seq = -(-(max(map(len, prompts)) + max_new_tokens + 2 * room + 2 * block) // block)
         engine_kw["num_blocks"] = per_seq * min(engine_kw.get("max_batch", 8), len(prompts))
     eng = Engine(target, proposer, k=k, **engine_kw)
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     rids = [eng.add_request(p, max_new_tokens, stop_ids, s, (arrivals or [0] * len(prompts))[i])
             for i, (p, s) in enumerate(zip(prompts, samplings))]
-    results = eng.run()
-    return [results[r].tokens for r in rids], eng
+    results = eng.run(on_finish=on_finish)
+    return [results[r] for r in rids], eng
+
+
+def engine_generate(target, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 1,
+                    stop_ids=frozenset(), sampling: Sampling | list[Sampling] = GREEDY,
+                    arrivals: list[int] | None = None, **engine_kw) -> tuple[list[list[int]], Engine]:
+    """`engine_run`'s outputs as token lists, in prompt order, and the engine."""
+    results, eng = engine_run(target, prompts, max_new_tokens, proposer, k, stop_ids, sampling, arrivals, **engine_kw)
+    return [r.tokens for r in results], eng
 
 
 def round_cost(target, proposer, k: int, prompts: list[list[int]], max_new_tokens: int,

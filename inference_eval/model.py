@@ -153,6 +153,19 @@ def _assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[leaf] = tensor
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512-BF16 / AMX, oneDNN's check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def auto_compute_dtype(device: str | None = "auto") -> str:
+    """`target.dtype: auto` (the `compute_dtype` resolver, scripts/runtime.py): bfloat16 where the target
+    runs on a GPU or on a CPU with bf16 matrix instructions; float32 on a CPU without them, where a bf16
+    matrix product is up to ~170× slower (tests/README.md) — a bf16 demo precompute there takes hours."""
+    dev = resolve_device(device)
+    return "bfloat16" if dev.type != "cpu" or cpu_has_fast_bf16() else "float32"
+
+
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """`target.device`: `auto` (or null) = `cuda:$LOCAL_RANK` when CUDA is available (each rank of a
     torchrun / Lightning launch on its own GPU), else the CPU; anything else is a torch device string
@@ -191,10 +204,19 @@ def load_frozen_parts(path: str | Path, dtype: torch.dtype = torch.float32,
              "model.layers.0.input_layernorm.weight"}
     s = {k: v.to(dtype) for k, v in stream_safetensors_dir(path, names, device)}
     lm = s["model.embed_tokens.weight"] if args.tie_word_embeddings or "lm_head.weight" not in s else s["lm_head.weight"]
-    first = s["model.layers.0.input_layernorm.weight"]
-    offset = args.tied_conventions().norm_offset  # a family's (1 + w) norms: the multiplier a Llama norm copies
     return FrozenTargetParts(embed=s["model.embed_tokens.weight"], norm=s["model.norm.weight"],
-                             lm_head=lm, first_input_norm=first + offset if offset else first)
+                             lm_head=lm, first_input_norm=_norm_multiplier(s["model.layers.0.input_layernorm.weight"], args))
+
+
+def _norm_multiplier(w: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    offset = args.tied_conventions().norm_offset  # a family's (1 + w) norms: the multiplier a Llama norm copies
+    return w + offset if offset else w
+
+
+def first_input_norm(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Layer 0's input_layernorm multiplier alone (FrozenTargetParts.first_input_norm) from a checkpoint."""
+    name = "model.layers.0.input_layernorm.weight"
+    return _norm_multiplier(dict(stream_safetensors_dir(Path(path), {name}, "cpu"))[name].to(dtype), target_args(path))
 
 
 def target_args(path: str | Path) -> LlamaArgs:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from inference_eval.model import LlamaForCausalLM, TargetOutput, resolve_device, target_args
+from inference_eval.model import LlamaForCausalLM, TargetOutput, auto_compute_dtype, resolve_device, target_args
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
@@ -98,3 +98,12 @@ def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
     return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
                                     trust_remote_code=bool(cfg.target.get("trust_remote_code", False)),
                                     device_map=cfg.target.get("device_map"))
+
+
+def register_target_resolvers() -> None:
+    """The target config's resolver `compute_dtype` (`target.dtype: auto`, conf/target/smollm2.yaml):
+    inference_eval/model.py `auto_compute_dtype`. Every entry point registers it before reading a config
+    (scripts/runtime.py); code that composes the config itself calls this first."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("compute_dtype", auto_compute_dtype, replace=True, use_cache=True)

@@ -44,6 +44,8 @@ def check_before_work(cfg: Any, stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"check_before_work: unknown stage {stage!r}")
     needs = STAGES[stage]
+    if trains_online(cfg, stage):  # training tokenizes the conversations itself, as precompute does: its checks too
+        needs = (*needs, "template", "data")
     target = cfg.get("target") or {}
     target_dir = check_target(target) if "target" in needs else None
     if target_dir is not None and "engine_family" in needs:
@@ -66,6 +68,11 @@ def check_before_work(cfg: Any, stage: str) -> None:
         from evaluation.evaluate import check_evaluation_config
 
         check_evaluation_config(cfg, heads_must_exist="evaluate" in needs)
+
+
+def trains_online(cfg: Any, stage: str) -> bool:
+    """The train stage with `train.data.source=online`: it reads conversations, not a store."""
+    return stage == "train" and ((cfg.get("train") or {}).get("data") or {}).get("source") == "online"
 
 
 def check_target(target_cfg: Any) -> Path | None:
@@ -144,7 +151,8 @@ def check_chat_template(target_dir: Path | None, stage: str, cfg: Any = None) ->
 def _template_needs(stage: str, cfg: Any) -> tuple[str, str] | None:
     """(what needs a template in this stage, the template-free alternative), or None."""
     data = cfg.get("data") or {}
-    if stage in ("precompute", "regenerate", "pipeline") and data.get("source", "sharegpt") != "text":
+    reads_conversations = stage in ("precompute", "regenerate", "pipeline") or trains_online(cfg, stage)
+    if reads_conversations and data.get("source", "sharegpt") != "text":
         return (f"the conversations of data.source={data.get('source', 'sharegpt')}",
                 "or train on plain text: data.source=text (one {\"text\": ...} per line)")
     ecfg = cfg.get("evaluate") or {}

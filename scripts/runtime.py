@@ -31,8 +31,13 @@ CHECKS = {"precompute": "precompute", "regenerate": "regenerate", "train": "trai
 
 
 def register_resolvers() -> None:
-    """The `pid` resolver of `hydra.run.dir` (conf/config.yaml): runs started in the same second apart."""
+    """The config's resolvers: `pid` (`hydra.run.dir`, conf/config.yaml: runs started in the same second
+    apart) and `compute_dtype` (`target.dtype: auto` in conf/target/smollm2.yaml: bfloat16 on a GPU or a
+    CPU with bf16 matrix instructions, else float32 — inference_eval/model.py `auto_compute_dtype`)."""
+    from inference_eval.targets import register_target_resolvers
+
     OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+    register_target_resolvers()
 
 
 def busy_elsewhere() -> float:

@@ -78,6 +78,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
+    from scripts.runtime import register_resolvers
+
+    register_resolvers()  # as every entry point does (scripts/runtime.py stage_main)
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
 

@@ -287,3 +287,19 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     assert all([r["k"] for r in e["k_auto"]["table"]] == [1] for e in fallback["results"].values())
     with pytest.raises(ValueError, match="evaluate.auto_probe"):
         check_evaluation_config(compose_config([*base, "evaluate.auto_probe=trained"]), heads_must_exist=False)
+
+
+def test_the_default_targets_dtype_follows_the_machine(monkeypatch):
+    """`target.dtype: auto` (conf/target/smollm2.yaml): bfloat16 on a GPU or a CPU with bf16 matrix
+    instructions, float32 on a CPU without (where a bf16 demo precompute takes hours); a set dtype stays."""
+    import inference_eval.model as model
+
+    monkeypatch.setattr(model.torch.cuda, "is_available", lambda: False)
+    for fast, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(model, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert model.auto_compute_dtype("auto") == want == model.auto_compute_dtype("cpu")
+        assert compose_config([f"target.device=cpu", f"seed={int(fast)}"]).target.dtype == want
+    monkeypatch.setattr(model.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 1)
+    assert model.auto_compute_dtype("auto") == "bfloat16"
+    assert compose_config(["target.dtype=float32"]).target.dtype == "float32"

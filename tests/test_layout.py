@@ -21,7 +21,8 @@ PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "ev
 ENGINE = ("inference_eval.engine", "inference_eval.paged", "inference_eval.model", "inference_eval.families",
           "inference_eval.scoring", "inference_eval.speculative", "inference_eval")
 TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker",
-                    "inference_eval.vllm_serve_worker", "inference_eval.vllm_plugin")
+                    "inference_eval.vllm_serve_worker", "inference_eval.vllm_plugin",
+                    "inference_eval.vllm_mtp")
 # (layer, room): a module may import its own room at its own layer, and any room below
 LAYERS = [(("core",), 0, "core"), (("heads",), 1, "heads"), (ENGINE, 2, "engine"), (("artifacts",), 3, "artifacts"),
           (TARGETS_AND_VLLM, 4, "targets"), (("data",), 5, "data"), (("train",), 6, "train"),
@@ -160,3 +161,20 @@ def test_core_imports_nothing_of_spechead():
     graph = import_graph()
     outside = {m: [d for d, _ in deps if not d.startswith("core")] for m, deps in graph.items() if m.startswith("core")}
     assert outside and not any(outside.values()), outside
+
+
+MAX_FUNCTION_LINES = 70  # "no product function over ~60 lines" (issue 27); bench/ scripts are measurements, not product
+
+
+def test_no_product_function_is_long():
+    long = []
+    for pkg in PACKAGES:
+        if pkg == "bench":
+            continue
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert long == []

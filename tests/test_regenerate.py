@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from data.regenerate import GenerationSettings, generate_replies, regenerate, regenerated_path
+from data.regenerate import GenerationSettings, finished_ids, generate_replies, regenerate, regenerated_path
 from tests.conftest import CONVERSATIONS, compose_config
 from tests.helpers import patch_everywhere
 
@@ -353,3 +353,27 @@ def test_pipeline_regenerate_trains_on_the_targets_replies(tiny_overrides, text_
 
     run_pipeline(compose_config(overrides + ["train.resume=null"]))
     assert "(cached per machine: reused)" in capsys.readouterr().out
+
+
+def test_resume_reads_the_output_with_the_one_jsonl_reader(tmp_path):
+    """`finished_ids` reads what it resumes from through core/jsonio.py: a line that is not JSON, or a JSON
+    value that is not a regenerated record, is an error naming the file and line; a last line cut midway is
+    dropped only with `repair` (left in place and not counted without it); a byte-order mark is read past."""
+    meta = {"max_new_tokens": 12}
+    good = [json.dumps({"id": f"c{i}", "regenerated": {**meta, "turns": 1}}).encode() + b"\n" for i in range(3)]
+    f = tmp_path / "out.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b"".join(good))
+    assert finished_ids(f, meta) == {"c0", "c1", "c2"}
+    f.write_bytes(good[0] + b"{not json\n" + good[1])
+    with pytest.raises(ValueError, match=rf"{f}:2: not JSON .*delete it"):
+        finished_ids(f, meta)
+    f.write_bytes(good[0] + good[1] + b'["c9"]\n')
+    with pytest.raises(ValueError, match=rf"{f}:3: not a regenerated record"):
+        finished_ids(f, meta)
+    f.write_bytes(good[0] + b'{"id": "c5", "regenerated": 3}\n')
+    with pytest.raises(ValueError, match=rf"{f}:2: not a regenerated record"):
+        finished_ids(f, meta)
+    cut = good[0] + good[1] + good[2][:10]
+    f.write_bytes(cut)
+    assert finished_ids(f, meta, repair=False) == {"c0", "c1"} and f.read_bytes() == cut  # another writer's line
+    assert finished_ids(f, meta) == {"c0", "c1"} and f.read_bytes() == good[0] + good[1]

@@ -142,24 +142,24 @@ class PositionedLoader(DataLoader):
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right padding to the longest row (zeros) with a `valid` mask; the states (`hidden`, `aux_hidden`)
+    where the samples carry them (a store's do; online samples get theirs after transfer, train/online.py)."""
     t = max(s["input_ids"].shape[0] for s in samples)
-    b, h = len(samples), samples[0]["hidden"].shape[-1]
+    b = len(samples)
     out = {
         "input_ids": torch.zeros(b, t, dtype=torch.long),
         "loss_mask": torch.zeros(b, t, dtype=torch.bool),
         "valid": torch.zeros(b, t, dtype=torch.bool),
-        "hidden": torch.zeros(b, t, h, dtype=samples[0]["hidden"].dtype),
     }
-    if "aux_hidden" in samples[0]:
-        out["aux_hidden"] = torch.zeros(b, t, samples[0]["aux_hidden"].shape[-1], dtype=samples[0]["aux_hidden"].dtype)
+    for key in ("hidden", "aux_hidden"):
+        if key in samples[0]:
+            out[key] = torch.zeros(b, t, samples[0][key].shape[-1], dtype=samples[0][key].dtype)
     for r, s in enumerate(samples):
         n = s["input_ids"].shape[0]
-        out["input_ids"][r, :n] = s["input_ids"]
-        out["loss_mask"][r, :n] = s["loss_mask"]
         out["valid"][r, :n] = True
-        out["hidden"][r, :n] = s["hidden"]
-        if "aux_hidden" in out:
-            out["aux_hidden"][r, :n] = s["aux_hidden"]
+        for key in out:
+            if key != "valid":
+                out[key][r, :n] = s[key]
     return out
 
 
@@ -250,14 +250,18 @@ class FeatureDataModule(L.LightningDataModule):
         self.packing = packing
         self.verify_store = verify_store  # full: sha256 of every shard, once per store state (a stamp); header
 
-    def setup(self, stage: str | None = None) -> None:
-        # every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py). The
-        # ranks of a launch (torchrun, srun: WORLD_SIZE > 1) open with headers only until the process group
-        # exists — run_training sets up before fit — and hash once, in the setup that fit calls
+    def open_samples(self) -> FeatureStore:
+        """The samples to train on: the store (train/online.py overrides it with tokenized conversations).
+        Every open checks the shards' sizes and headers; `full` adds the checksums (data/store.py). The
+        ranks of a launch (torchrun, srun: WORLD_SIZE > 1) open with headers only until the process group
+        exists — run_training sets up before fit — and hash once, in the setup that fit calls."""
         verify = self.verify_store
         if verify == "full" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _in_process_group():
             verify = "header"
-        self.store = open_store_once(self.store_dir, self.expected_fingerprint, verify)
+        return open_store_once(self.store_dir, self.expected_fingerprint, verify)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.store = self.open_samples()
         n = len(self.store)
         ids = self.store.sample_ids()
         order = split_order(ids, self.split_seed)
@@ -270,6 +274,10 @@ class FeatureDataModule(L.LightningDataModule):
                 raise ValueError(f"train.data.train_samples={self.train_samples}: at least 1 (null: the whole split)")
             self.train_idx = self.train_idx[: int(self.train_samples)]
         self.lengths = self.store.lengths()
+
+    def sample_with_states(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i (an index into the store) with its target states, as the store holds it."""
+        return self.store[i]
 
     def _loader(self, idx: list[int], shuffle: bool, num_replicas: int = 1, rank: int = 0,
                 pad_to_equal: bool = False) -> PositionedLoader:

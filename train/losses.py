@@ -124,3 +124,18 @@ def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Ca
     acc = torch.promote_types(s.dtype, torch.float32)
     s, t = s.to(acc), t.to(acc)
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum")
+
+
+def depth_terms(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, normed: bool = True,
+                chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training loss's terms for head states `preds` [N, H] at draft depth `depth` against the target
+    states `teacher` [N, H] they estimate (H_{i+d}): (Σ hidden regression — 0 for heads without one
+    (eagle3, medusa) —, Σ KL to the target's distribution, top-1 agreements). Sums over the N rows. The
+    one definition the training step, the held-out scores and in-loop validation all use."""
+    reg_target = head.regression_target(teacher)
+    reg = (hidden_regression(preds, reg_target, normed) if reg_target is not None
+           else preds.new_zeros((), dtype=torch.float32))
+    kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head,
+                                chunk_size, student_weight=head.lm_head_weight, student_ids=head.draft_ids,
+                                softcap=head.tied.conventions.logit_softcap)
+    return reg, kl, agree

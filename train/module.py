@@ -19,7 +19,7 @@ import torch
 
 from heads.unroll import unroll
 from train.data import TokenBudgetBatches
-from train.losses import fused_linear_kl, hidden_regression
+from train.losses import depth_terms
 from train.optim import build_optimizer, lr_multiplier
 
 
@@ -91,13 +91,7 @@ class DraftHeadModule(L.LightningModule):
                 mask = mask & (segments[:, d + 1:] == segments[:, :rows])
             n = mask.sum()
             sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
-            reg_target = self.head.regression_target(sel_tgt)
-            reg = (hidden_regression(sel_pred, reg_target, hp.normed_regression) if reg_target is not None
-                   else sel_pred.new_zeros((), dtype=torch.float32))  # eagle3, medusa: KL only
-            kl, agree = fused_linear_kl(self.head.features(sel_pred, d), self.head.tied.final_norm(sel_tgt),
-                                        self.head.tied.lm_head, hp.kl_chunk_size,
-                                        student_weight=self.head.lm_head_weight, student_ids=self.head.draft_ids,
-                                        softcap=self.head.tied.conventions.logit_softcap)
+            reg, kl, agree = depth_terms(self.head, sel_pred, sel_tgt, d, hp.normed_regression, hp.kl_chunk_size)
             n_safe = n.clamp(min=1)
             total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
             acc = agree.float() / n_safe

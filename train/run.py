@@ -16,12 +16,16 @@ from omegaconf import OmegaConf
 from artifacts.checkpoint import save_native
 from core.files import atomic_write_bytes
 from core.progress import log_interval
+from data.precompute import tokenize_source
 from data.sources import resolve_target_dir
+from data.store import DTYPES
 from heads.base import DraftHead
-from heads.registry import build_head
-from inference_eval.model import target_fingerprint, tied_target
+from heads.registry import build_head, resolve_aux_layers
+from inference_eval.model import cpu_has_fast_bf16, first_input_norm, target_fingerprint, tied_from_model, tied_target
+from inference_eval.targets import load_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
+from train.online import OnlineDataModule, OnlineSamples, TargetStates
 from train.progress import ProgressLog
 from train.strategies import whole_head_state
 from train.validation import EngineValidation, EngineValidationSettings
@@ -29,11 +33,16 @@ from train.validation import EngineValidation, EngineValidationSettings
 log = logging.getLogger(__name__)
 
 
-def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None) -> DraftHead:
-    """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors.
+def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None, target=None) -> DraftHead:
+    """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors — with
+    `target` (a loaded engine model: online training), to that model's own tensors, not a copy.
     With the data module (set up): an EAGLE-3 head's draft vocabulary is chosen from the training
     split's token frequencies, and a head's aux layers must be the ones the store captured."""
-    tied, args, parts = tied_target(target_dir)
+    if target is None:
+        tied, args, parts = tied_target(target_dir)
+        first_norm = parts.first_input_norm
+    else:
+        tied, args, first_norm = tied_from_model(target), target.args, first_input_norm(target_dir)
     head = build_head(OmegaConf.to_container(cfg.head, resolve=True), args, tied)
     if dm is not None:
         stored = dm.store.aux_layers
@@ -43,7 +52,7 @@ def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None) -
                              f"{list(head.capture_layers)} (`auto` does it for the configured head)")
         if hasattr(head, "set_draft_vocab"):
             head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
-    head.reset_parameters(int(cfg.seed), parts.first_input_norm)
+    head.reset_parameters(int(cfg.seed), first_norm)
     if head.kind == "draft_lm" and head.cfg.init == "target":  # the target's first N layers (heads/draft_lm.py)
         from artifacts.draft_hf import read_target_layers
 
@@ -62,11 +71,6 @@ class Checkpoints(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512-BF16 / AMX, oneDNN's check)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_precision(precision: Any, accelerator: Any) -> Any:
@@ -93,6 +97,29 @@ def write_split(dm: FeatureDataModule, path: Path) -> None:
     atomic_write_bytes(path, json.dumps(split, indent=1).encode())
 
 
+def data_module(cfg: Any, target_dir: Path, fingerprint: dict[str, Any]) -> tuple[FeatureDataModule, Any]:
+    """(the training data module, the target model or None) for `train.data.source`: `store` reads the
+    feature store at cfg.store_dir; `online` tokenizes `data.*`'s conversations as precompute does and
+    loads the target (engine backend, `target.dtype`, `target.device`), which computes each batch's
+    states on the rank's device (train/online.py)."""
+    data_kw = OmegaConf.to_container(cfg.train.data, resolve=True)
+    source = data_kw.pop("source", "store")
+    if source == "store":
+        return FeatureDataModule(cfg.store_dir, fingerprint, **data_kw), None
+    if source != "online":
+        raise ValueError(f"train.data.source={source!r}: expected `store` (a precomputed feature store) or `online` "
+                         "(the target computes each batch's states)")
+    samples, rejected, _ = tokenize_source(cfg, target_dir)
+    if rejected:
+        log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
+                    ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
+    target = load_target(cfg, target_dir, "engine", DTYPES[cfg.target.dtype])
+    aux = resolve_aux_layers(cfg, target.args.num_hidden_layers)
+    log.info("train: online — %d conversations tokenized, the target (%s, %s) computes each batch's states%s",
+             len(samples), cfg.target.dtype, target.device, f", aux layers {list(aux)}" if aux else "")
+    return OnlineDataModule(OnlineSamples(samples, aux), TargetStates(target, aux), **data_kw), target
+
+
 def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
     """Train the head on the store at cfg.store_dir; write the native checkpoint to cfg.head_dir.
     Returns that directory and the final logged metrics.
@@ -111,9 +138,9 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     target_dir = resolve_target_dir(cfg.target)
     fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
                                      cfg.target.get("fingerprint", "header"))
-    dm = FeatureDataModule(cfg.store_dir, fingerprint, **OmegaConf.to_container(cfg.train.data, resolve=True))
+    dm, target = data_module(cfg, target_dir, fingerprint)
     dm.setup("fit")
-    head = init_head(cfg, target_dir, dm)
+    head = init_head(cfg, target_dir, dm, target)
     module = DraftHeadModule(head, **OmegaConf.to_container(cfg.train.module, resolve=True))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
@@ -123,7 +150,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
-        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, log_interval(cfg)))
+        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, log_interval(cfg)),
+                                      target)  # online: the target already loaded, not a second copy
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,

@@ -50,7 +50,7 @@ from heads.unroll import unroll
 from inference_eval.engine import engine_generate
 from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
-from train.losses import fused_linear_kl, hidden_regression
+from train.losses import depth_terms
 from train.strategies import whole_head
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,8 @@ def score_rows(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, nor
     that they estimate (H_{i+d}), exactly as the training loss defines them."""
     if preds.shape[0] == 0:
         return DepthScores()
-    preds, teacher = preds.to(head.dtype), teacher.to(head.dtype)
-    reg_target = head.regression_target(teacher)
-    reg = float(hidden_regression(preds, reg_target, normed)) if reg_target is not None else 0.0
-    kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head, chunk,
-                                student_weight=head.lm_head_weight, student_ids=head.draft_ids,
-                                softcap=head.tied.conventions.logit_softcap)
-    return DepthScores(reg, float(kl), int(agree), preds.shape[0])
+    reg, kl, agree = depth_terms(head, preds.to(head.dtype), teacher.to(head.dtype), depth, normed, chunk)
+    return DepthScores(float(reg), float(kl), int(agree), preds.shape[0])
 
 
 @torch.no_grad()
@@ -249,10 +244,12 @@ class EngineValidationSettings:
 
 
 class EngineValidation(L.Callback):
-    def __init__(self, settings: EngineValidationSettings) -> None:
+    def __init__(self, settings: EngineValidationSettings, target=None) -> None:
+        """`target`: an engine model of the target already loaded (online training's), used instead of
+        loading another copy."""
         self.s = settings
         self.strict = settings.is_strict  # an engine-vs-training gap above tolerance fails the run
-        self._target = self._stops = None
+        self._target, self._stops = target, None
         self._last_step = -1
         self.results: list[dict[str, float]] = []
         # Validation runs on global rank 0 only. The other ranks must not wait for it inside the next
@@ -282,14 +279,16 @@ class EngineValidation(L.Callback):
     # ---- the work -----------------------------------------------------------------------------------
     def _load(self):
         if self._target is None:
-            from transformers import AutoTokenizer
-
-            from data.prompts import stop_token_ids
             from data.store import DTYPES
             from inference_eval.model import LlamaForCausalLM, resolve_device
 
             self._target = LlamaForCausalLM.from_pretrained(self.s.target_dir, dtype=DTYPES[self.s.target_dtype],
                                                             device=resolve_device(self.s.device))
+        if self._stops is None:
+            from transformers import AutoTokenizer
+
+            from data.prompts import stop_token_ids
+
             self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.s.target_dir))
         return self._target
 
@@ -316,7 +315,7 @@ class EngineValidation(L.Callback):
             if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
                 head = copy.deepcopy(head).to(device, torch.float32)
             head.eval()
-            metrics = self.evaluate(head, dm.store, dm.val_idx)
+            metrics = self.evaluate(head, dm.sample_with_states, dm.val_idx)
         except Exception as err:
             if not is_transient(err):  # a bug (ValidationBug: with its figures): fail the run
                 log.error("engine validation at step %d: %s: %s", trainer.global_step, type(err).__name__, err)
@@ -334,18 +333,33 @@ class EngineValidation(L.Callback):
         self._plot(trainer, metrics)
         return metrics
 
-    def evaluate(self, head, store, val_idx: list[int]) -> dict[str, float]:
+    def evaluate(self, head, sample_with_states, val_idx: list[int]) -> dict[str, float]:
+        """`sample_with_states(i)`: held-out sample i with its target states (train/data.py: the store's
+        record, or online the target's forward over it)."""
         target = self._load()
         depth = min(self.s.depth, head.max_depth or self.s.depth)
         k = min(self.s.k, head.max_depth or self.s.k)
-        eng = [DepthScores() for _ in range(depth)]
-        ref = [DepthScores() for _ in range(depth)]
-        prompts = []
         n_conv = len(val_idx[: self.s.conversations])
         bar = Progress(n_conv + min(self.s.prompts, len(val_idx)), "engine validation", "item", bar=False,
                        every_s=self.s.progress_log_s)
+        eng, ref, prompts = self._teacher_forced(target, head, sample_with_states, val_idx, depth, bar)
+        m = self._depth_metrics(eng, ref)
+        if prompts:
+            m |= self._decoded(target, head, prompts, k)
+            bar.update(len(prompts), stage="decoded", tau=round(m["engine_val/tau"], 3))
+        bar.close()
+        log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
+        return m
+
+    def _teacher_forced(self, target, head, sample_with_states, val_idx: list[int], depth: int, bar
+                        ) -> tuple[list[DepthScores], list[DepthScores], list[list[int]]]:
+        """Per-depth scores of the first `conversations` held-out samples in the engine and in the
+        training forward, and the prompts (each of the first `prompts` samples up to its first reply)."""
+        eng = [DepthScores() for _ in range(depth)]
+        ref = [DepthScores() for _ in range(depth)]
+        prompts = []
         for i in val_idx[: max(self.s.conversations, self.s.prompts)]:
-            sample = store[i]
+            sample = sample_with_states(i)
             if len(prompts) < self.s.prompts:
                 p = first_reply_prompt(sample["input_ids"], sample["loss_mask"])
                 if p is not None:
@@ -359,11 +373,15 @@ class EngineValidation(L.Callback):
             for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.s.normed_regression)):
                 ref[d].add(s)
             bar.update(1, stage="teacher-forced")
+        return eng, ref, prompts
+
+    def _depth_metrics(self, eng: list[DepthScores], ref: list[DepthScores]) -> dict[str, float]:
+        """engine_val/* per depth and the loss; a top-1 gap between the two paths beyond `tolerance` is
+        an EngineTrainingGap (strict) or a warning."""
         m: dict[str, float] = {}
         total = 0.0
         gaps = []  # depths whose engine-vs-training top-1 gap exceeds the tolerance
-        for d in range(depth):
-            e, r = eng[d], ref[d]
+        for d, (e, r) in enumerate(zip(eng, ref)):
             n = max(e.n, 1)
             m[f"engine_val/kl_d{d + 1}"] = e.kl / n
             m[f"engine_val/reg_d{d + 1}"] = e.reg / n
@@ -388,22 +406,21 @@ class EngineValidation(L.Callback):
                 raise EngineTrainingGap(msg, tolerance=self.s.tolerance, dtype=str(self.s.target_dtype), gaps=gaps)
             log.warning("%s", msg)
         m["engine_val/loss"] = total
-        if prompts:
-            spec = speculative_scores(target, head, prompts, k, self.s.max_new_tokens, self._stops, self.s.normed_regression,
-                                      strict=target.dtype == torch.float32)
-            m["engine_val/tau"] = spec["tau"]
-            m["engine_val/lossless_mismatch"] = spec["mismatches"]
-            m["engine_val/sim_tau"] = spec["sim_tau"]
-            m["engine_val/tau_gap"] = spec["sim_tau"] - spec["tau"]
-            m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
-            bar.update(len(prompts), stage="decoded", tau=round(spec["tau"], 3))
-            if self.s.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
-                sampling = Sampling(self.s.temperature, self.s.top_p, self.s.top_k, torch.Generator().manual_seed(self.s.seed))
-                total = engine_decode(target, head, prompts, k, self.s.max_new_tokens, self._stops, sampling)[1].stats
-                m["engine_val/tau_sampled"] = total.tau
-                m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
-        bar.close()
-        log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
+        return m
+
+    def _decoded(self, target, head, prompts: list[list[int]], k: int) -> dict[str, float]:
+        """τ, α_d and the simulated τ of greedy speculative decoding over the prompts (lossless checked);
+        with a temperature, τ and α_d of sampled decoding too."""
+        spec = speculative_scores(target, head, prompts, k, self.s.max_new_tokens, self._stops, self.s.normed_regression,
+                                  strict=target.dtype == torch.float32)
+        m = {"engine_val/tau": spec["tau"], "engine_val/lossless_mismatch": spec["mismatches"],
+             "engine_val/sim_tau": spec["sim_tau"], "engine_val/tau_gap": spec["sim_tau"] - spec["tau"]}
+        m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
+        if self.s.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
+            sampling = Sampling(self.s.temperature, self.s.top_p, self.s.top_k, torch.Generator().manual_seed(self.s.seed))
+            total = engine_decode(target, head, prompts, k, self.s.max_new_tokens, self._stops, sampling)[1].stats
+            m["engine_val/tau_sampled"] = total.tau
+            m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
         return m
 
     def _plot(self, trainer, metrics: dict[str, float]) -> None:
