@@ -239,7 +239,12 @@ class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
                  batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int | str = "auto",
                  packing: bool = False, verify_store: str = "full", train_samples: int | None = None,
-                 split_seed: int = 0) -> None:
+                 split_seed: int = 0, source: str = "store") -> None:
+        """`source`: train.data.source, taken with the rest of train.data; this module reads a store
+        (`online` is train/run.py `data_module`'s, which builds train/online.py's module instead)."""
+        if source != "store":
+            raise ValueError(f"train.data.source={source!r}: this step reads a feature store (store_dir={store_dir}); "
+                             "online training is `spechead train train.data.source=online` (train/run.py)")
         super().__init__()
         # the held-out split follows split_seed and the samples' ids only, not `seed` (batch order) nor the
         # shard order (rank count): every run on one store holds out the same conversations
