@@ -315,7 +315,9 @@ class EngineValidation(L.Callback):
             if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
                 head = copy.deepcopy(head).to(device, torch.float32)
             head.eval()
-            metrics = self.evaluate(head, dm.sample_with_states, dm.val_idx)
+            # the data module's samples with their states (online: computed); any module with a store: its records
+            samples = getattr(dm, "sample_with_states", None) or dm.store.__getitem__
+            metrics = self.evaluate(head, samples, dm.val_idx)
         except Exception as err:
             if not is_transient(err):  # a bug (ValidationBug: with its figures): fail the run
                 log.error("engine validation at step %d: %s: %s", trainer.global_step, type(err).__name__, err)
