@@ -190,6 +190,14 @@ def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
         yield done_job, future.result()
 
 
+def packed_forward(model, input_ids: torch.Tensor, lengths: list[int], aux_layers: tuple[int, ...]):
+    """The model over samples back to back in one row `input_ids` [1, N] (`lengths` summing to N), each
+    attending to itself only, no logits: its TargetOutput (pre-norm `hidden`, the aux layers' inputs)."""
+    rows = PackedRows(lengths)
+    return model(input_ids, positions=rows.positions(input_ids.device), cache=rows, logits="none",
+                 capture_layers=aux_layers)
+
+
 def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: list[int],
                  aux_layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(H_i [n, H], aux [n, K·H] or None) of each sample of `batch` (indices into `samples`), in batch
@@ -201,11 +209,10 @@ def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: 
     lengths = [len(samples[i][1]) for i in batch]
     with torch.inference_mode():  # thread-local: entered in the worker
         if getattr(model, "supports_packing", False):
-            rows = PackedRows(lengths)
             input_ids = torch.tensor([t for i in batch for t in samples[i][1]], device=device)[None]
-            out = model(input_ids, positions=rows.positions(device), cache=rows, logits="none",
-                        capture_layers=aux_layers)
-            spans = [(0, a, b) for a, b in zip(rows.bounds, rows.bounds[1:])]
+            out = packed_forward(model, input_ids, lengths, aux_layers)
+            bounds = PackedRows(lengths).bounds
+            spans = [(0, a, b) for a, b in zip(bounds, bounds[1:])]
         else:
             input_ids = torch.zeros(len(batch), lengths[0], dtype=torch.long)  # right padding
             for row, i in enumerate(batch):

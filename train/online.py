@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from inference_eval.paged import PackedRows
+from data.precompute import packed_forward
 from train.data import FeatureDataModule, collate
 
 log = logging.getLogger(__name__)
@@ -105,9 +105,7 @@ class TargetStates:
         """States [1, N, H] (and aux [1, N, K·H]) of samples back to back in one row `ids` [1, N]: one packed
         forward where the family packs (each sample attends to itself), else each sample alone."""
         if self.packed:
-            rows = PackedRows(lengths)
-            out = self.model(ids, positions=rows.positions(ids.device), cache=rows, logits="none",
-                             capture_layers=self.aux_layers)
+            out = packed_forward(self.model, ids, lengths, self.aux_layers)
             return out.hidden, (torch.cat(out.aux, dim=-1) if self.aux_layers else None)
         parts = [self.model(chunk, logits="none", capture_layers=self.aux_layers) for chunk in ids.split(lengths, dim=1)]
         hidden = torch.cat([p.hidden for p in parts], dim=1)
