@@ -8,18 +8,23 @@ Three sides, each over the same samples, in one process, their order rotating pa
   (train/data.py FeatureDataModule: shards read, collated) — precompute not counted;
 - `online`: the same steps over the same batches with `train.data.source=online` (train/online.py): each
   batch's states computed by the target on the spot, nothing read;
+- `online_prefetch`: `online` with `train.data.online.prefetch=true` (train/online.py StatesAheadLoader):
+  the next batch's states computed on a thread while the head trains on this one — off by default on a
+  CPU, where both share the cores; this side says what it gives here;
 - `precompute`: `data.precompute.precompute` of the samples into a fresh store (the engine model,
   packed batches), what offline training pays once before its first epoch.
 
 Figures, each the median over pairs with its min–max: `tok_s_online`, `tok_s_offline` (trained tokens
 per second), `tok_s_precompute_plus_offline` = 1 / (precompute's seconds per token + offline's), the
 cost of one epoch from raw conversations offline — pair by pair, so one epoch online and offline are
-compared on the same load — and `online_over_offline` = online's speed over offline's, pair by pair.
+compared on the same load — `online_over_offline` = online's speed over offline's, and
+`prefetch_over_online` = online_prefetch's over online's, pair by pair.
 Peak memory: each mode's setup and `--steps` steps in a fresh process, from the samples already tokenized
 (peak RSS; the online process holds the whole target, the offline one its embedding, lm_head and norm
 only); `peak_mem_ratio` = online / offline. Last line:
 `online tok_s_online=<x> tok_s_offline=<y> tok_s_precompute_plus_offline=<z> peak_mem_ratio=<m>
-online_over_offline=… online_over_offline_min=… online_over_offline_max=… tokens=<n> other_runnable=<l>`.
+online_over_offline=… online_over_offline_min=… online_over_offline_max=… tok_s_online_prefetch=<p>
+prefetch_over_online=… … tokens=<n> other_runnable=<l>`.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class Bench:
             from train.module import DraftHeadModule
             from train.run import init_head
 
-            head = init_head(self.cfg, self.target_dir, None, self.target if name == "online" else None)
+            head = init_head(self.cfg, self.target_dir, None, self.target if name.startswith("online") else None)
             module = DraftHeadModule(head, **OmegaConf.to_container(self.cfg.train.module, resolve=True))
             opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
             self.modules[name] = (module, opt)
@@ -125,10 +130,18 @@ class Bench:
 
         kw = OmegaConf.to_container(self.cfg.train.data, resolve=True)
         kw.pop("source", None)
-        dm = (OnlineDataModule(self.online_samples, self.states, **kw) if name == "online"
-              else FeatureDataModule(str(self.store_dir), self.fingerprint, **kw))
+        if name.startswith("online"):
+            kw.pop("online", None)
+            dm = OnlineDataModule(self.online_samples, self.states, **kw)
+        else:
+            dm = FeatureDataModule(str(self.store_dir), self.fingerprint, **kw)
         dm.setup("fit")
-        return dm._loader(dm.train_idx, shuffle=True)
+        loader = dm._loader(dm.train_idx, shuffle=True)
+        if name == "online_prefetch":
+            from functools import partial
+
+            loader.prepare = partial(dm._prepare_ahead, torch.device("cpu"))
+        return loader
 
     def train(self, name: str) -> tuple[int, float]:
         """`steps` steps of side `name`: (trained tokens, seconds), the loader's reads included."""
@@ -142,6 +155,7 @@ class Bench:
                 break
             if name == "online":
                 batch = self.states(batch)
+            batch.pop("sample_index", None)
             out = module.compute_loss(batch)
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
@@ -221,28 +235,33 @@ def main() -> None:
             return run
 
         load = Load()
-        t = measure_pairs({n: side(n) for n in ("offline", "online", "precompute")}, pairs, warmup=1, load=load,
+        t = measure_pairs({n: side(n) for n in ("offline", "online", "online_prefetch", "precompute")}, pairs,
+                          warmup=1, load=load,
                           on_pair=lambda i, got: print(f"pair {i + 1}/{pairs}: " + ", ".join(
                               f"{k} {v:.2f} s" for k, v in got.items()), flush=True))
         (bench.store_dir.parent / "samples.json").write_text(json.dumps(bench.samples))
         peaks = {m: peak_process(m, args, bench.store_dir) for m in ("offline", "online")}
-    if trained["online"] != trained["offline"]:
+    if not trained["online"] == trained["online_prefetch"] == trained["offline"]:
         sys.exit(f"online: the sides trained different tokens ({trained})")
     tokens = trained["offline"]
     on = [tokens / s for s in t.seconds["online"]]
     off = [tokens / s for s in t.seconds["offline"]]
     both = [1.0 / (p / pre_tokens[0] + o / tokens) for p, o in zip(t.seconds["precompute"], t.seconds["offline"])]
     ratio = t.ratio("offline", "online")  # offline's seconds / online's: online's speed over offline's
+    ahead = t.ratio("online", "online_prefetch")
+    pre = [tokens / s for s in t.seconds["online_prefetch"]]
     print(f"online over offline: {ratio.text(3)}; online over precompute + offline: "
           f"{Paired.of([1 / b for b in both], [1 / o for o in on]).text(3)}")
     warning = warn_if_unstable("online_over_offline", ratio, load, threads)
     if warning:
         print(warning)
+    print(f"online with prefetch over online: {ahead.text(3)}")
     print(f"load while timing: {load.text()}")
     print(f"peak RSS: offline {peaks['offline'] / 2**20:.0f} MiB, online {peaks['online'] / 2**20:.0f} MiB")
     print(f"online tok_s_online={statistics.median(on):.0f} tok_s_offline={statistics.median(off):.0f} "
           f"tok_s_precompute_plus_offline={statistics.median(both):.0f} "
           f"peak_mem_ratio={peaks['online'] / peaks['offline']:.3f} {ratio.kv('online_over_offline')} "
+          f"tok_s_online_prefetch={statistics.median(pre):.0f} {ahead.kv('prefetch_over_online')} "
           f"tokens={tokens} threads={threads} other_runnable={load.median:g}")
 
 if __name__ == "__main__":

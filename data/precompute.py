@@ -340,12 +340,10 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     # merged store reports); tokenizing is cheap next to the target's forward passes.
     tokenized, rejected, examples = tokenize_source(cfg, target_dir)
     samples = [s for s in tokenized if rank_of(s[0], world_size) == rank] if world_size > 1 else tokenized
-    rejections = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())), "examples": examples,
-                  "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
     if rejected:
         log.warning("precompute: rejected %d records (%s); the first %d, with <file>:<line>, are in the "
-                    "manifest's `rejected`", rejections["total"], ", ".join(f"{k}={v}" for k, v in
-                                                                          rejections["counts"].items()), len(examples))
+                    "manifest's `rejected`", sum(rejected.values()), ", ".join(f"{k}={v}" for k, v in
+                                                                             sorted(rejected.items())), len(examples))
     if not tokenized:
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)}; first: "
                            + "; ".join(f"{e['where']}: {e['reason']}: {e['detail']}" for e in examples[:5]) + ")")
@@ -354,21 +352,11 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     if int(cfg.data.max_length) > model.args.max_position_embeddings:
         raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
-    source = store_source(cfg, backend, model)
-    out_dir = Path(cfg.store_dir)
-    if world_size > 1:
-        source |= {"rank": rank, "world_size": world_size}
-        out_dir = rank_dir(cfg.store_dir, rank)
-        if not samples:
-            log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
-                        rank, world_size)
-    aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
-    captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
-    writer = StoreWriter(out_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
-                         shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
-    # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
-    writer.manifest["rejected"] = rejections
+    if world_size > 1 and not samples:
+        log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
+                    rank, world_size)
+    writer = open_store_writer(cfg, target_dir, backend, model, cfg.store_dir, (rank, world_size), rejected, examples)
+    out_dir = writer.root
     try:
         stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
                            workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True),
@@ -383,6 +371,29 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     if world_size > 1:
         merge_if_last(cfg.store_dir, rank, world_size)
     return Path(cfg.store_dir), stats
+
+
+def open_store_writer(cfg: Any, target_dir: str | Path, backend: str, model, root: str | Path,
+                      rank: tuple[int, int], rejected: Counter, examples: list[dict]) -> StoreWriter:
+    """The StoreWriter of the store at `root` (`rank` = (rank, world_size) > 1: its rank directory) with
+    the manifest precompute writes for `cfg` — fingerprint, source, captured layers, rejections — so that
+    online training's write-through (train/online_store.py) writes the store this stage would."""
+    (r, world_size), dtype = rank, cfg.target.dtype
+    fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
+    source = store_source(cfg, backend, model)
+    out_dir = Path(root)
+    if world_size > 1:
+        source |= {"rank": r, "world_size": world_size}
+        out_dir = rank_dir(root, r)
+    aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
+    captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
+    writer = StoreWriter(out_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
+                         shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
+    # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
+    writer.manifest["rejected"] = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())),
+                                   "examples": examples,
+                                   "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
+    return writer
 
 
 def store_source(cfg: Any, backend: str, model) -> dict[str, Any]:

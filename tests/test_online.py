@@ -4,6 +4,8 @@ same per-step losses and the same head — float32, tiny target, tolerance below
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -68,19 +70,109 @@ def _assert_same_run(online, offline):
         assert on_m[k] == pytest.approx(off_m[k], rel=1e-4, abs=1e-6), k
 
 
-@pytest.mark.parametrize("head,packing", [("mtp", False), ("eagle3", False), ("mtp", True)],
-                         ids=["mtp", "eagle3-aux", "mtp-packed"])
-def test_online_training_equals_offline(tiny_overrides, tmp_path, head, packing):
+def store_files(root) -> dict[str, bytes]:
+    """A store's manifest and shards, by relative path (what precompute writes; not the verification stamp)."""
+    from pathlib import Path
+
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in [root / "manifest.json", *root.rglob("*.safetensors")]}
+
+
+# eagle3-aux also writes its first epoch's states through to a store (train.data.online.write_store); mtp-packed
+# computes each batch's states one batch ahead on a thread (train.data.online.prefetch)
+@pytest.mark.parametrize("head,packing,online", [("mtp", False, []), ("eagle3", False, ["write_store"]),
+                                                 ("mtp", True, ["train.data.online.prefetch=true"])],
+                         ids=["mtp", "eagle3-aux-write-through", "mtp-packed-prefetch"])
+def test_online_training_equals_offline(tiny_overrides, tmp_path, head, packing, online, caplog):
+    caplog.set_level(logging.INFO, logger="train.online")
     extra = [f"head={head}", f"train.data.packing={str(packing).lower()}"]
     if head == "eagle3":
         extra += ["head.draft_vocab_size=64"]
     if not packing:  # in-loop validation at the end, its held-out states computed online: the same figures
         extra += ENGINE_VAL
     offline_over = _overrides(tiny_overrides, tmp_path, "offline", *extra)
-    run_precompute(compose_config(offline_over))
+    store_dir, _ = run_precompute(compose_config(offline_over))
     offline = _train(offline_over)
-    online = _train(_overrides(tiny_overrides, tmp_path, "online", *extra, "train.data.source=online"))
-    _assert_same_run(online, offline)
+    online = [f"train.data.online.write_store={tmp_path / 'written'}" if o == "write_store" else o for o in online]
+    online_run = _train(_overrides(tiny_overrides, tmp_path, "online", *extra, "train.data.source=online", *online))
+    _assert_same_run(online_run, offline)
+    ahead = "states are computed one batch ahead" in caplog.text
+    assert ahead == any("prefetch=true" in o for o in online)
+    if "write_store" in str(online):  # the store precompute wrote, byte for byte; no spill left
+        written = store_files(tmp_path / "written")
+        assert written.keys() == store_files(store_dir).keys() and len(written) >= 2
+        for name, data in store_files(store_dir).items():
+            assert written[name] == data, name
+        assert not (tmp_path / "written" / ".pending").exists()
+
+
+def _write_through(tiny_overrides, tmp_path, *extra):
+    from train.online_store import WriteThrough
+
+    over = _overrides(tiny_overrides, tmp_path, "run", "head=eagle3", "precompute.shard_tokens=400", *extra)
+    store_dir, _ = run_precompute(compose_config(over))
+    cfg = compose_config([*over, "train.data.source=online", f"train.data.online.write_store={tmp_path / 'written'}"])
+    dm, _ = data_module(cfg, cfg.target.path, None)
+    dm.setup("fit")
+    assert isinstance(dm.write_through, WriteThrough)
+    return store_dir, dm
+
+
+def test_write_through_resumes_after_a_kill(tiny_overrides, tmp_path, monkeypatch):
+    """Killed while spilling and again while assembling the store: a new run over the same directory reuses
+    the spills and the finished shards, recomputes a spill that holds another sample's states, and ends with
+    precompute's store byte for byte — the samples no training batch carried computed at the first epoch's end."""
+    from data.store import StoreWriter
+    from train.online_store import PENDING, WriteThrough
+
+    store_dir, dm = _write_through(tiny_overrides, tmp_path)
+    wt = dm.write_through
+    wt.open(0, 1)
+    batches = list(dm.train_dataloader())
+    for batch in batches[: len(batches) // 2]:  # the first half of the epoch, then killed
+        dm.on_after_batch_transfer(batch, 0)
+    spills = sorted((tmp_path / "written" / PENDING).glob("*.safetensors"))
+    assert 0 < len(spills) < len(dm.store)
+    spills[1].write_bytes(spills[0].read_bytes())  # a spill that holds another sample's states
+    dm.write_through = again = WriteThrough(wt.root, wt.open_writer, dm)
+    again.open(0, 1)
+    for batch in batches[len(batches) // 2:]:
+        dm.on_after_batch_transfer(batch, 0)
+    real_add, added = StoreWriter.add, []
+
+    def add_then_die(self, sample):
+        if len(added) == len(dm.store) // 2:
+            raise OSError("killed while assembling")
+        added.append(sample.sample_id)
+        real_add(self, sample)
+
+    monkeypatch.setattr(StoreWriter, "add", add_then_die)
+    with pytest.raises(RuntimeError, match="online write-through to .* failed: killed while assembling"):
+        again.finish(background=False)
+    monkeypatch.setattr(StoreWriter, "add", real_add)
+    last = WriteThrough(wt.root, wt.open_writer, dm)
+    last.open(0, 1)
+    assert 0 < len(last.writer.done_ids) < len(dm.store)  # finished shards kept
+    last.finish(background=False)
+    want = store_files(store_dir)
+    assert store_files(tmp_path / "written") == want and len(want) >= 4
+    assert not (tmp_path / "written" / PENDING).exists()
+    done = WriteThrough(wt.root, wt.open_writer, dm)
+    done.open(0, 1)  # complete: left as it is
+    assert done.finished
+
+
+def test_write_store_needs_the_online_source(tiny_overrides, tmp_path):
+    cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", f"train.data.online.write_store={tmp_path}/w"))
+    with pytest.raises(ValueError, match=r"write_store=.* with train.data.source=store there are none"):
+        data_module(cfg, cfg.target.path, None)
+    cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", "train.data.source=online",
+                                    "train.data.online.prefetch=sometimes"))
+    dm, _ = data_module(cfg, cfg.target.path, None)
+    with pytest.raises(ValueError, match="train.data.online.prefetch='sometimes': expected auto, true or false"):
+        from train.online import resolve_prefetch
+
+        resolve_prefetch(dm.prefetch, torch.device("cpu"))
 
 
 def test_online_batches_hold_what_the_store_holds(tiny_overrides, tmp_path):
@@ -133,7 +225,9 @@ def test_an_unknown_source_names_the_setting(tiny_overrides, tmp_path):
 def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_path):
     """2 processes (DDP, gloo), 10 steps: each rank's online losses equal the offline run's at every step,
     the saved heads agree, and an online run stopped at step 4 and resumed from its checkpoint continues the
-    same curve (the data module's place in its epoch is restored: the same batches)."""
+    same curve (the data module's place in its epoch is restored: the same batches) — with the states computed
+    one batch ahead (prefetch) — and the ranks' write-through merges into a store holding the offline store's
+    samples and states."""
     from tests.test_multiprocess import STEPS, _overrides as ranked, _ranks, torchrun
 
     dirs = {n: tmp_path / n for n in ("offline", "online", "part", "resumed")}
@@ -144,11 +238,13 @@ def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_
     cfg = compose_config(offline)
     run_precompute(cfg)
     torchrun("scripts.train", offline)
-    online_run = [f"run_dir={tmp_path / 'online_run'}", "train.data.source=online", "train.untrained_dir=null"]
+    online_run = [f"run_dir={tmp_path / 'online_run'}", "train.data.source=online", "train.untrained_dir=null",
+                  f"train.data.online.write_store={tmp_path / 'written'}"]
     proc = torchrun("scripts.train", [*ranked(base, "ddp", dirs["online"], STEPS), *online_run])
     assert "train: online" in proc.stdout + proc.stderr
     assert not (tmp_path / "online_run" / "features").exists()  # nothing stored
-    part_run = [f"run_dir={tmp_path / 'part_run'}", "train.data.source=online", "train.untrained_dir=null"]
+    part_run = [f"run_dir={tmp_path / 'part_run'}", "train.data.source=online", "train.untrained_dir=null",
+                "train.data.online.prefetch=true"]
     torchrun("scripts.train", [*ranked(base, "ddp", dirs["part"], 4), *part_run])
     torchrun("scripts.train", [*ranked(base, "ddp", dirs["resumed"], STEPS), *part_run, "train.resume=last"])
     ref, got = _ranks(dirs["offline"]), _ranks(dirs["online"])
@@ -165,6 +261,15 @@ def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_
         head = load_file(tmp_path / run / "head" / "model.safetensors")
         for k, v in want_head.items():
             torch.testing.assert_close(head[k], v, rtol=1e-4, atol=1e-5, msg=f"{run}: {k}")
+    written, stored = FeatureStore(tmp_path / "written"), FeatureStore(cfg.store_dir)
+    assert sorted(written.manifest["ranks"]["dirs"]) == ["ranks/rank-00000", "ranks/rank-00001"]
+    ids = written.sample_ids()
+    assert sorted(ids) == sorted(stored.sample_ids()) and len(set(ids)) == len(ids)
+    where = {sid: i for i, sid in enumerate(stored.sample_ids())}
+    for i, sid in enumerate(ids):
+        got, want = written[i], stored[where[sid]]
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+        torch.testing.assert_close(got["hidden"], want["hidden"], rtol=0, atol=STATE_ATOL)
 
 
 def test_online_training_is_checked_before_work_like_precompute(tiny_overrides, conversations_file, tmp_path):

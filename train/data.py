@@ -239,12 +239,16 @@ class FeatureDataModule(L.LightningDataModule):
     def __init__(self, store_dir: str, expected_fingerprint: dict[str, Any] | None = None,
                  batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0, num_workers: int | str = "auto",
                  packing: bool = False, verify_store: str = "full", train_samples: int | None = None,
-                 split_seed: int = 0, source: str = "store") -> None:
-        """`source`: train.data.source, taken with the rest of train.data; this module reads a store
-        (`online` is train/run.py `data_module`'s, which builds train/online.py's module instead)."""
+                 split_seed: int = 0, source: str = "store", online: dict[str, Any] | None = None) -> None:
+        """`source`, `online`: train.data.source and .online, taken with the rest of train.data; this module
+        reads a store (`online` is train/run.py `data_module`'s, which builds train/online.py's module instead)."""
         if source != "store":
             raise ValueError(f"train.data.source={source!r}: this step reads a feature store (store_dir={store_dir}); "
                              "online training is `spechead train train.data.source=online` (train/run.py)")
+        if (online or {}).get("write_store"):
+            raise ValueError(f"train.data.online.write_store={online['write_store']!r} writes the states online training "
+                             "computes; with train.data.source=store there are none (set train.data.source=online, or "
+                             "write a store with scripts.precompute)")
         super().__init__()
         # the held-out split follows split_seed and the samples' ids only, not `seed` (batch order) nor the
         # shard order (rank count): every run on one store holds out the same conversations
@@ -291,9 +295,16 @@ class FeatureDataModule(L.LightningDataModule):
                                      pad_to_equal)
         on_cuda = self._on_cuda()
         workers = loader_workers(self.num_workers, on_cuda)
-        return PositionedLoader(_Subset(self.store, idx), collate_fn=collate_packed if self.packing else collate,
-                                num_workers=workers, batch_sampler=batches, pin_memory=on_cuda,
-                                persistent_workers=workers > 0)
+        return self.loader_class(self._dataset(idx), collate_fn=self._collate_fn(), num_workers=workers,
+                                 batch_sampler=batches, pin_memory=on_cuda, persistent_workers=workers > 0)
+
+    loader_class = PositionedLoader
+
+    def _dataset(self, idx: list[int]) -> Dataset:
+        return _Subset(self.store, idx)
+
+    def _collate_fn(self):
+        return collate_packed if self.packing else collate
 
     def _on_cuda(self) -> bool:
         trainer = getattr(self, "trainer", None)

@@ -20,13 +20,16 @@ it moves there — the vocabulary-sized matrices exist once on the device.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 from data.precompute import packed_forward
-from train.data import FeatureDataModule, collate
+from train.data import FeatureDataModule, PositionedLoader, TokenBudgetBatches, collate
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +138,121 @@ class TargetStates:
         return batch
 
 
-class OnlineDataModule(FeatureDataModule):
-    """FeatureDataModule over `OnlineSamples`; each batch gets its states from `states` on its device."""
+class _Indexed(Dataset):
+    """The samples at `indices`, each item carrying its index into OnlineSamples (`sample_index`)."""
 
-    def __init__(self, samples: OnlineSamples, states: TargetStates, **data_kw: Any) -> None:
+    def __init__(self, samples: OnlineSamples, indices: list[int]) -> None:
+        self.samples, self.indices = samples, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.samples[self.indices[i]], "sample_index": self.indices[i]}
+
+
+def collate_indexed(collate_fn, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """`collate_fn` over the items without their `sample_index`, which the batch carries as one tensor."""
+    batch = collate_fn([{k: v for k, v in item.items() if k != "sample_index"} for item in items])
+    batch["sample_index"] = torch.tensor([item["sample_index"] for item in items], dtype=torch.long)
+    return batch
+
+
+class StatesAheadLoader(PositionedLoader):
+    """A PositionedLoader whose batches get their states one batch ahead, on a thread of their own
+    (`prepare`: batch -> batch with states, on the device): the target's forward over batch i+1 runs while
+    the head trains on batch i. The loader's place (`position`) counts batches as they leave it, so a
+    mid-epoch resume is unchanged. `prepare` None: a plain PositionedLoader."""
+
+    prepare: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None
+
+    def __iter__(self):
+        if self.prepare is None:
+            yield from super().__iter__()
+            return
+        sampler: TokenBudgetBatches = self.batch_sampler
+        self.position = (sampler.epoch, sampler.start)
+        with ThreadPoolExecutor(1, thread_name_prefix="online-states") as pool:
+            ahead = None
+            for batch in DataLoader.__iter__(self):
+                submitted = pool.submit(self.prepare, batch)
+                if ahead is not None:
+                    ready = ahead.result()
+                    self.position = (self.position[0], self.position[1] + 1)
+                    yield ready
+                ahead = submitted
+            if ahead is not None:
+                ready = ahead.result()
+                self.position = (self.position[0], self.position[1] + 1)
+                yield ready
+
+
+def resolve_prefetch(setting: Any, device: torch.device) -> bool:
+    """`train.data.online.prefetch`: auto — on an accelerator (the forward runs on a CUDA stream of its own
+    beside the step's), not on a CPU, where the step already uses every core; true / false."""
+    if setting in (True, False):
+        return bool(setting)
+    if setting != "auto":
+        raise ValueError(f"train.data.online.prefetch={setting!r}: expected auto, true or false")
+    return device.type == "cuda"
+
+
+class OnlineDataModule(FeatureDataModule):
+    """FeatureDataModule over `OnlineSamples`; each batch gets its states from `states` on its device —
+    one batch ahead on a thread (`prefetch`), and written through to a store (`write_through`) if set."""
+
+    loader_class = StatesAheadLoader
+
+    def __init__(self, samples: OnlineSamples, states: TargetStates, prefetch: Any = "auto", **data_kw: Any) -> None:
         super().__init__(store_dir=None, expected_fingerprint=None, **data_kw)
         self.samples, self.states = samples, states
+        self.prefetch = prefetch
+        self.write_through = None  # train/online_store.py WriteThrough, set by train/run.py data_module
+        self._stream = None
 
     def open_samples(self) -> OnlineSamples:
         return self.samples
+
+    def _dataset(self, idx: list[int]) -> Dataset:
+        return _Indexed(self.samples, idx)
+
+    def _collate_fn(self):
+        return partial(collate_indexed, super()._collate_fn())
+
+    def train_dataloader(self) -> StatesAheadLoader:
+        loader = super().train_dataloader()
+        device = self._device()
+        if device is not None and resolve_prefetch(self.prefetch, device):
+            loader.prepare = partial(self._prepare_ahead, device)
+            log.info("online training: each batch's states are computed one batch ahead, on a thread%s",
+                     " and a CUDA stream of their own" if device.type == "cuda" else "")
+        return loader
+
+    def _device(self) -> torch.device | None:
+        trainer = getattr(self, "trainer", None)
+        try:
+            return trainer.strategy.root_device if trainer is not None else None
+        except Exception:  # a strategy without devices yet
+            return None
+
+    def _tied(self):
+        trainer = getattr(self, "trainer", None)
+        module = trainer.lightning_module if trainer is not None else None
+        return getattr(getattr(module, "head", None), "tied", None)
+
+    def _prepare_ahead(self, device: torch.device, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The loader thread's part: the batch on the device with its states. On CUDA on a stream of its own;
+        the event it records is waited for on the step's stream (`on_after_batch_transfer`)."""
+        self.states.to(device, self._tied())
+        if device.type != "cuda":
+            return self.states({k: v.to(device) for k, v in batch.items()})
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._stream):
+            batch = self.states({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return {**batch, "_states_ready": ready}
 
     def sample_with_states(self, i: int) -> dict[str, torch.Tensor]:
         """Sample i with the states the target computes for it alone, on the CPU (the store's layout)."""
@@ -152,10 +261,18 @@ class OnlineDataModule(FeatureDataModule):
         batch = self.states({k: v.to(device) for k, v in batch.items()})
         return {k: v[0].cpu() for k, v in batch.items() if k != "valid"}
 
-    def on_after_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+    def on_after_batch_transfer(self, batch: dict[str, Any], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        ready = batch.pop("_states_ready", None)
+        if ready is not None:  # computed ahead on another CUDA stream: the step's stream waits for it
+            stream = torch.cuda.current_stream(batch["input_ids"].device)
+            stream.wait_event(ready)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.record_stream(stream)
+        indices = batch.pop("sample_index", None)
         if "hidden" not in batch:
-            trainer = getattr(self, "trainer", None)
-            module = trainer.lightning_module if trainer is not None else None
-            self.states.to(batch["input_ids"].device, getattr(getattr(module, "head", None), "tied", None))
+            self.states.to(batch["input_ids"].device, self._tied())
             batch = self.states(batch)
+        if self.write_through is not None and indices is not None:
+            self.write_through.add(indices.tolist(), batch)
         return batch

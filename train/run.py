@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from artifacts.checkpoint import save_native
 from core.files import atomic_write_bytes
 from core.progress import log_interval
-from data.precompute import tokenize_source
+from data.precompute import open_store_writer, tokenize_source
 from data.sources import resolve_target_dir
 from data.store import DTYPES
 from heads.base import DraftHead
@@ -26,6 +27,7 @@ from inference_eval.targets import load_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.online import OnlineDataModule, OnlineSamples, TargetStates
+from train.online_store import WriteThrough
 from train.progress import ProgressLog
 from train.strategies import whole_head_state
 from train.validation import EngineValidation, EngineValidationSettings
@@ -103,13 +105,15 @@ def data_module(cfg: Any, target_dir: Path, fingerprint: dict[str, Any]) -> tupl
     loads the target (engine backend, `target.dtype`, `target.device`), which computes each batch's
     states on the rank's device (train/online.py)."""
     data_kw = OmegaConf.to_container(cfg.train.data, resolve=True)
-    source = data_kw.pop("source", "store")
+    source = data_kw.get("source", "store")
     if source == "store":
         return FeatureDataModule(cfg.store_dir, fingerprint, **data_kw), None
+    data_kw.pop("source")
+    online = data_kw.pop("online", None) or {}
     if source != "online":
         raise ValueError(f"train.data.source={source!r}: expected `store` (a precomputed feature store) or `online` "
                          "(the target computes each batch's states)")
-    samples, rejected, _ = tokenize_source(cfg, target_dir)
+    samples, rejected, examples = tokenize_source(cfg, target_dir)
     if rejected:
         log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
                     ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
@@ -117,7 +121,14 @@ def data_module(cfg: Any, target_dir: Path, fingerprint: dict[str, Any]) -> tupl
     aux = resolve_aux_layers(cfg, target.args.num_hidden_layers)
     log.info("train: online — %d conversations tokenized, the target (%s, %s) computes each batch's states%s",
              len(samples), cfg.target.dtype, target.device, f", aux layers {list(aux)}" if aux else "")
-    return OnlineDataModule(OnlineSamples(samples, aux), TargetStates(target, aux), **data_kw), target
+    dm = OnlineDataModule(OnlineSamples(samples, aux), TargetStates(target, aux), prefetch=online.get("prefetch", "auto"),
+                          **data_kw)
+    if online.get("write_store"):
+        root = online["write_store"]
+        dm.write_through = WriteThrough(root, partial(open_store_writer, cfg, target_dir, "engine", target, root,
+                                                      rejected=rejected, examples=examples), dm)
+        log.info("train: online — the first epoch's states are also written to %s", root)
+    return dm, target
 
 
 def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
@@ -147,6 +158,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
     callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), *(extra_callbacks or []), checkpoints,
                  ProgressLog(log_interval(cfg))]
+    if getattr(dm, "write_through", None) is not None:
+        callbacks.append(dm.write_through)
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
