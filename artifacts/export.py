@@ -144,6 +144,24 @@ def servable_formats(head: Head) -> list[str]:
     return formats
 
 
+# the speculative `method` vLLM serves each format with (docs/export.md's matrix; always pass it: vLLM guesses
+# from the path otherwise). mtp-vllm goes through vLLM's eagle3 method with spechead's plugin; medusa-vllm
+# needs vLLM ≤ 0.32; draft-hf is vLLM's draft_model method, which no test here has run
+VLLM_METHODS = {"mtp-vllm": "eagle3", "eagle1-vllm": "eagle", "eagle3": "eagle3", "medusa-vllm": "medusa",
+                DRAFT_HF: "draft_model", SPECULATORS_EAGLE3: "eagle3"}
+
+
+def vllm_format(head: Head) -> str:
+    """The format vLLM serves this head in (the first of `servable_formats` with a vLLM method); a ValueError
+    that says why when there is none."""
+    formats = [f for f in servable_formats(head) if f in VLLM_METHODS]
+    if not formats:
+        why = engine_format_blocker(head) or (f"its {', '.join(ENGINE_FORMATS.get(head.kind, ())) or 'formats'} "
+                                              "are not served by vLLM for this head")
+        raise ValueError(f"a {head.kind} head cannot be served by vLLM: {why}")
+    return formats[0]
+
+
 def default_formats(head: Head) -> list[str]:
     """`export.formats: null`: `native` plus every format an engine serves for this head
     (`servable_formats`); the others only when asked for by name."""

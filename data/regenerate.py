@@ -10,7 +10,9 @@ its chat template, `data/conversations.py` `tokenize_prompt`), until a stop toke
 Backend (`regenerate.backend`): `engine` — the project's engine (inference_eval/engine.py: paged KV
 cache, continuous batching, each request its own sampler), the default (`auto`) for Llama-family
 targets; `hf` — HF transformers `generate`, batched with left padding and an attention mask, for any
-other family. The checkpoint's own `generation_config.json` is ignored: the settings are exactly the
+other family; `vllm` — real vLLM in its own environment (`regenerate.vllm`: a worker process,
+inference_eval/vllm_generate_worker.py, tensor parallel over `tensor_parallel_size` devices, each group's
+prompts in one continuous batch, a seed per request when sampling), for targets larger than one device. The checkpoint's own `generation_config.json` is ignored: the settings are exactly the
 `regenerate:` config. Both backends give the target's greedy replies; sampled replies differ between
 backends (different random streams), so the backend is part of the settings a resumed file must match.
 
@@ -141,6 +143,11 @@ def generate_replies(model, prompts: list[list[int]], settings: GenerationSettin
     a forked RNG state (the caller's global RNG is left as it was)."""
     if isinstance(model, LlamaForCausalLM):
         return _engine_replies(model, prompts, settings, stop_ids, seed)
+    if hasattr(model, "generate_ids"):  # the vllm backend (inference_eval/vllm_backend.py VLLMGenerator)
+        seeds = None if settings.greedy else [derived_seed(seed or 0, row) for row in range(len(prompts))]
+        outs = model.generate_ids(prompts, settings.max_new_tokens, stop_ids, settings.temperature, settings.top_p,
+                                  settings.top_k, seeds)
+        return [Reply(o[:-1], True) if o and o[-1] in stop_ids else Reply(o, False) for o in outs]
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -433,6 +440,10 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         from inference_eval.model import LlamaForCausalLM
 
         model = LlamaForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+    elif meta["backend"] == "vllm":  # the target in a vLLM worker process (tensor parallel: regenerate.vllm)
+        from inference_eval.vllm_backend import VLLMGenerator
+
+        model = VLLMGenerator.from_config(cfg, plan.target_dir, DTYPES[cfg.target.dtype])
     else:
         model = AutoModelForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
@@ -440,9 +451,13 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(key_file(out), json.dumps({"key": settings_key(meta), "settings": meta}, indent=2,
                                                      sort_keys=True).encode() + b"\n")
-    stats = regenerate_conversations(model, tokenizer, convs.items, out, plan.settings, plan.batch_size,
-                                     plan.max_prompt_tokens, meta, progress=cfg.get("progress", True),
-                                     progress_log_s=log_interval(cfg))
+    try:
+        stats = regenerate_conversations(model, tokenizer, convs.items, out, plan.settings, plan.batch_size,
+                                         plan.max_prompt_tokens, meta, progress=cfg.get("progress", True),
+                                         progress_log_s=log_interval(cfg))
+    finally:
+        if hasattr(model, "close"):  # the vllm backend's worker process
+            model.close()
     stats.rejected = dict(convs.rejected)
     log.info("regenerate: %d conversations (%d already in the file), %d replies (%d cut at max_new_tokens), "
              "%d tokens in %.1fs (%.1f tok/s); rejected by the source %s; out %s", stats.conversations,

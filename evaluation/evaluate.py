@@ -241,6 +241,13 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
     if str(ecfg.get("k", 3)) != "auto" and not (str(ecfg.k).isdigit() and int(ecfg.k) >= 1):
         raise ValueError(f"evaluate.k={ecfg.k!r}: expected auto or a number of draft tokens ≥ 1")
     auto_probe_labels(ecfg.get("auto_probe", "all"), [])  # its type (which labels exist is known later)
+    engine = ecfg.get("engine", "spechead")
+    if engine not in ("spechead", "vllm"):
+        raise ValueError(f"evaluate.engine={engine!r}: expected spechead (this process's engine) or vllm")
+    if engine == "vllm":
+        from evaluation.vllm_eval import check_vllm_evaluation
+
+        check_vllm_evaluation(cfg)
     if ecfg.dataset == "jsonl":
         if not ecfg.get("prompts_path"):
             raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per line)")
@@ -523,6 +530,13 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     on the configured prompts through the engine; write the JSON report (+ Markdown and plots):
     load → choose each proposer's setting → evaluate each proposer → report."""
     ecfg = cfg.evaluate
+    engine = ecfg.get("engine", "spechead")
+    if engine == "vllm":  # the target and the heads served by real vLLM (evaluation/vllm_eval.py)
+        from evaluation.vllm_eval import run_vllm_evaluation
+
+        return run_vllm_evaluation(cfg)
+    if engine != "spechead":
+        raise ValueError(f"evaluate.engine={engine!r}: expected spechead (this process's engine) or vllm")
     sampling, batch_size, mode, tree = evaluation_settings(cfg)
     torch.manual_seed(int(cfg.seed))
     et = load_evaluation_target(cfg)
@@ -626,10 +640,17 @@ def report_markdown(report: dict[str, Any]) -> str:
     for label, r in results.items():
         lines.append(f"| {label} | {r.get('proposer', 'head')} | {r['tau']:.3f} | {opt(r, 'simulated_tau', '.3f')} | "
                      + " | ".join(f"{a:.3f}" for a in r["alpha"])
-                     + f" | {r['tokens_per_s']:.1f} | {opt(r, 'speedup', '.2f')}"
+                     + f" | {r['tokens_per_s']:.1f} | "
+                     + (f"{r['speedup_unpaired']:.2f} (unpaired)" if r.get("speedup_unpaired") is not None
+                        else opt(r, 'speedup', '.2f'))
                      + (f" [{r['speedup_min']:.2f}–{r['speedup_max']:.2f}] {r['speed_verdict']}"
                         if r.get("speedup_min") is not None else "") + " |")
-    if report.get("plain_tokens_per_s"):
+    if report.get("plain_tokens_per_s") and report.get("engine") == "vllm":
+        lines += ["", f"through vLLM ({report['results'] and next(iter(report['results'].values()))['vllm']}, tensor "
+                      f"parallel {report.get('tensor_parallel_size', 1)}): τ and α from its counters; plain greedy "
+                      f"decoding {report['plain_tokens_per_s']:.1f} tok/s in a process of its own, so a speedup "
+                      "compares two runs one after the other (unpaired: a busy machine moves it)"]
+    elif report.get("plain_tokens_per_s"):
         lines += ["", f"plain greedy decoding: {report['plain_tokens_per_s']:.1f} tok/s over its paired passes "
                       f"({report.get('repeats', 1)} pass(es) after {report.get('warmup', 0)} warm-up prompts); a speedup "
                       "is the median over the groups of prompts decoded plainly and speculatively back to back, "

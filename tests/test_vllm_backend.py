@@ -188,3 +188,31 @@ def test_vllm_memory_setting_fits_the_job_before_vllm_starts(tiny_target, overri
     cfg = compose_config([*overrides, "precompute.backend=vllm", "precompute.vllm.gpu_memory_utilization=0.5"])
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 gives vLLM 0.5 GB of each 1.0 GB GPU"):
         vllm_backend.VLLMBackend.from_config(cfg, cfg.target.path, torch.float32)
+
+
+def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_path):
+    """regenerate.backend=vllm (inference_eval/vllm_generate_worker.py) writes the engine backend's replies
+    (float32, greedy), record for record, with `backend: vllm` in their settings — so the cache keeps the two
+    apart — and a run killed after its first group, in the middle of a line, resumes to the same file."""
+    from data.regenerate import regenerate, regenerated_path
+
+    common = [*overrides, "regenerate.max_new_tokens=10", "regenerate.batch_size=4"]
+    outs = {}
+    for backend in ("engine", "vllm"):
+        outs[backend], stats = regenerate(compose_config([*common, f"regenerate.backend={backend}",
+                                                          f"regenerate.out={tmp_path / backend}.jsonl"]))
+        assert stats.conversations > 4 and stats.tokens > 0
+    eng, vll = ([json.loads(line) for line in outs[b].read_text().splitlines()] for b in ("engine", "vllm"))
+    assert [r["conversations"] for r in vll] == [r["conversations"] for r in eng]
+    assert sum(r["regenerated"]["new_tokens"] for r in vll) > 0
+    for a, b in zip(vll, eng):
+        assert a["regenerated"]["backend"] == "vllm" and {**a["regenerated"], "backend": "engine"} == b["regenerated"]
+    keyed = {b: regenerated_path(compose_config([*common, f"regenerate.backend={b}", "regenerate.out=auto"]))
+             for b in ("engine", "vllm")}
+    assert keyed["engine"] != keyed["vllm"]
+    full = outs["vllm"].read_bytes()
+    lines = full.splitlines(keepends=True)
+    killed = tmp_path / "killed.jsonl"
+    killed.write_bytes(b"".join(lines[:4]) + lines[4][:10])  # the first group of 4, then a cut line
+    _, stats = regenerate(compose_config([*common, "regenerate.backend=vllm", f"regenerate.out={killed}"]))
+    assert stats.skipped_done == 4 and killed.read_bytes() == full

@@ -165,9 +165,11 @@ def served(tmp_path_factory):
     timings["precompute"] = time.perf_counter() - t0
     tied, args, _ = tied_target(target_dir)
     exports: dict[str, tuple[Path, str, str, int]] = {}
+    head_dirs: dict[str, Path] = {}
     for label, (over, fmt, method, k) in HEADS.items():
         t0 = time.perf_counter()
         head_dir, _ = run_training(compose_config([*base, *over, f"run_dir={root / label}"]))
+        head_dirs[label] = head_dir
         timings[f"train {label}"] = time.perf_counter() - t0
         out = export_head(load_any(head_dir, tied, args), {fmt: root / label / fmt}, target_dir)[fmt]
         exports[label] = (out, fmt, method, k)
@@ -207,7 +209,8 @@ def served(tmp_path_factory):
               "mtp1_zeroed": results["mtp1_zeroed"]["spec"]}
     print("\nvLLM serving report:\n" + json.dumps(report, indent=1))
     (root / "report.json").write_text(json.dumps(report, indent=1))
-    return {"vllm": results, "engine": engine, "exports": exports, "prompts": prompts}
+    return {"vllm": results, "engine": engine, "exports": exports, "prompts": prompts, "heads": head_dirs,
+            "base": base, "root": root}
 
 
 @pytest.mark.parametrize("label", list(HEADS))
@@ -249,3 +252,40 @@ def test_the_plugin_is_registered_in_the_vllm_environment():
     out = subprocess.run([str(VLLM_PYTHON), "-c", code], cwd="/", capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str([MTP_VLLM_ARCH])
+
+
+def _evaluate(served, engine: str, heads: dict[str, Path], k: int, *extra: str) -> dict:
+    from evaluation.evaluate import run_evaluation
+
+    over = [*served["base"], f"run_dir={served['root'] / ('eval_' + engine + '_' + '_'.join(heads))}",
+            "evaluate.heads.trained=null", "evaluate.heads.untrained=null", f"evaluate.num_prompts={NUM_PROMPTS}",
+            f"evaluate.max_new_tokens={MAX_TOKENS}", f"evaluate.k={k}", f"evaluate.batch_size={NUM_PROMPTS}",
+            "evaluate.simulated_tau=false", f"evaluate.engine={engine}", *extra,
+            *[f"+evaluate.heads.{label}={path}" for label, path in heads.items()]]
+    return run_evaluation(compose_config(over))
+
+
+def test_evaluate_through_vllm_equals_the_engine(served):
+    """`evaluate.engine=vllm` (evaluation/vllm_eval.py: the heads exported and served by real vLLM, figures
+    from its counters) reports the τ, α_d, verification passes, new tokens and τ per category that
+    `evaluate.engine=spechead` reports on the same prompts — mtp with 1 and 2 modules, eagle3 — and decodes
+    what plain vLLM decodes."""
+    runs = [({"mtp1": served["heads"]["mtp1"], "eagle3_pruned": served["heads"]["eagle3_pruned"]}, K,
+             ["evaluate.plain_baseline=true"]),
+            ({"mtp2": served["heads"]["mtp2"]}, 2, ["evaluate.plain_baseline=false"])]
+    for heads, k, extra in runs:
+        ours = _evaluate(served, "spechead", heads, k, "evaluate.plain_baseline=false")
+        theirs = _evaluate(served, "vllm", heads, k, *extra)
+        assert theirs["engine"] == "vllm" and list(theirs["results"]) == list(heads)
+        for label in heads:
+            got, want = theirs["results"][label], ours["results"][label]
+            assert got["vllm"].startswith("0.32") and got["k"] == want["k"] == k
+            assert got["target_passes"] == want["target_passes"] > 0, label
+            assert got["new_tokens"] == want["new_tokens"] > 0, label
+            assert got["tau"] == pytest.approx(want["tau"], abs=1e-12), label
+            assert got["alpha"] == pytest.approx(want["alpha"], abs=1e-12), label
+            assert got["per_category_tau"] == pytest.approx(want["per_category_tau"], abs=1e-12), label
+            assert sum(got["accepted_per_pos"]) > 0, label  # something was accepted: the comparison means something
+            if "evaluate.plain_baseline=true" in extra:
+                assert got["lossless"] is True and got["speedup_unpaired"] > 0, label
+    assert (served["root"] / "eval_vllm_mtp1_eagle3_pruned" / "eval_vllm" / "mtp1" / "mtp-vllm").is_dir()

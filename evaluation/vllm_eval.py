@@ -1,0 +1,218 @@
+"""`evaluate.engine: vllm`: the evaluation through real vLLM instead of spechead's engine — for targets
+that do not fit one device (vLLM's tensor parallelism), and to measure what serving will do.
+
+Per configured head: the head is exported to the format vLLM serves for it (artifacts/export.py
+`VLLM_METHODS`: `mtp` → `mtp-vllm` through spechead's plugin, `eagle1` → `eagle1-vllm`, `eagle3` →
+`eagle3`, `medusa` → `medusa-vllm`, vLLM ≤ 0.32; a directory that already is such an export is served as it
+is) under `<run_dir>/eval_vllm/<label>/`, and one vLLM process (`inference_eval/vllm_serve_worker.py` in
+the vLLM environment, `evaluate.vllm.python`) decodes the prompts greedily with it — category by category,
+so that vLLM's own counters (`LLM.get_metrics()`: drafts, accepted tokens per position) give τ and α_d per
+category. With `plain_baseline`, one more process decodes them plainly. `k: auto` probes k = 1..auto_max_k
+on the first `auto_prompts` prompts, one vLLM process per k, and keeps the fastest.
+
+From vLLM's counters: τ = (accepted + drafts) / drafts (tokens per target verification pass: the
+accepted drafts and the target's own token), α_d = accepted at d / accepted at d − 1 (conditional, as
+spechead's engine reports it). tokens/s: new tokens / generation seconds in vLLM, load excluded. The
+speedup over plain decoding comes from two processes run one after the other, not interleaved: it is
+reported as `speedup_unpaired`, and a busy machine moves it. Greedy chains only (no tree, temperature 0,
+no draft-model baselines, MT-Bench turn 1 or the other prompt sets): each is refused with the setting to
+change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from artifacts.export import VLLM_METHODS, detect_format, export_head, load_any, vllm_format
+from data.conversations import load_tokenizer
+from data.prompts import load_prompts, stop_token_ids
+from data.sources import resolve_target_dir
+from inference_eval.model import target_fingerprint, tied_target
+from inference_eval.vllm_backend import check_vllm_version, vllm_python, vllm_version
+
+log = logging.getLogger(__name__)
+
+
+def check_vllm_evaluation(cfg: Any) -> None:
+    """What `evaluate.engine=vllm` cannot do, refused before work with the setting to change."""
+    ecfg = cfg.evaluate
+    problems = []
+    if float(ecfg.get("temperature", 0.0)) != 0.0:
+        problems.append("it decodes greedily: set evaluate.temperature=0")
+    if ecfg.get("proposer", "chain") != "chain":
+        problems.append("it drafts chains: set evaluate.proposer=chain")
+    if any(spec for spec in (ecfg.get("draft_models") or {}).values()):
+        problems.append("draft-model baselines run in spechead's engine: set evaluate.draft_models={}")
+    if ecfg.dataset == "mtbench" and [int(t) for t in ecfg.get("turns", [1])] != [1]:
+        problems.append("MT-Bench turn 2 needs the target's own turn-1 answers from spechead's engine: set "
+                        "evaluate.turns=[1]")
+    if problems:
+        raise ValueError("evaluate.engine=vllm: " + "; ".join(problems))
+    vllm_python(ecfg.vllm.get("python"), "evaluate.vllm.python", "evaluate.engine=vllm")
+
+
+class VLLMRunner:
+    """One vLLM process per job (a worker run): the prompts, the decoding settings, the environment."""
+
+    def __init__(self, cfg: Any, target_dir: Path, prompts: list[dict[str, Any]], stops: set[int], work: Path) -> None:
+        vcfg = cfg.evaluate.vllm
+        self.python = vllm_python(vcfg.get("python"), "evaluate.vllm.python", "evaluate.engine=vllm")
+        self.work, self.target_dir = work, target_dir
+        self.max_new = int(cfg.evaluate.max_new_tokens)
+        self.base = {"target": str(target_dir), "dtype": cfg.target.dtype, "max_tokens": self.max_new,
+                     "stop_token_ids": sorted(stops), "max_num_seqs": int(cfg.evaluate.get("batch_size", 1)),
+                     "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
+                     "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.9)),
+                     "max_model_len": max(len(p["ids"]) for p in prompts) + self.max_new + 8,
+                     "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vcfg.get("cpu_kvcache_space_gb", 1)),
+                    **{k: str(v) for k, v in (vcfg.get("env") or {}).items()}}
+        self.timeout = float(vcfg.get("startup_timeout_s", 900)) + 60 * len(prompts)
+        self.runs = 0
+        self.version = vllm_version(self.python)
+        check_vllm_version(self.version, "evaluate.engine=vllm")
+
+    def run(self, prompts: list[dict[str, Any]], spec: dict | None, label: str) -> dict:
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(p.get("category", "all"), []).append(i)
+        job = {**self.base, "prompts": [p["ids"] for p in prompts], "groups": list(groups.values()),
+               "speculative_config": spec}
+        self.runs += 1
+        job_path, out_path = self.work / f"job-{self.runs}.json", self.work / f"result-{self.runs}.json"
+        job_path.write_text(json.dumps(job))
+        t0 = time.perf_counter()
+        log.info("evaluate (vllm) %s: one vLLM process over %d prompts%s", label, len(prompts),
+                 f", {spec['method']} k={spec['num_speculative_tokens']}" if spec else ", plain decoding")
+        proc = subprocess.run([str(self.python), "-m", "inference_eval.vllm_serve_worker", str(job_path), str(out_path)],
+                              env=self.env, capture_output=True, text=True, timeout=self.timeout,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"evaluate.engine=vllm: the vLLM process for {label} failed (exit {proc.returncode}); "
+                               f"its last output:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        result = json.loads(out_path.read_text())
+        result["categories"] = list(groups)
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+
+
+def spec_figures(spec: dict, k: int) -> dict[str, Any]:
+    """τ, conditional α_d and the counts from vLLM's counters (module docstring)."""
+    drafts, per_pos = int(spec["num_drafts"]), list(spec["accepted_per_pos"])[:k]
+    per_pos += [0] * (k - len(per_pos))
+    reached = [drafts, *per_pos[:-1]]
+    return {"tau": (spec["num_accepted_tokens"] + drafts) / max(drafts, 1),
+            "alpha": [a / r if r else 0.0 for a, r in zip(per_pos, reached)],
+            "target_passes": drafts, "accepted_per_pos": per_pos, "num_drafts": drafts}
+
+
+def result_entry(label: str, k: int, res: dict, plain: dict | None, head_kind: str, served: Path, method: str
+                 ) -> dict[str, Any]:
+    new_tokens = sum(g["new_tokens"] for g in res["groups"])
+    entry = {"label": label, "k": k, **spec_figures(res["spec"], k), "new_tokens": new_tokens,
+             "tokens_per_s": new_tokens / max(res["generate_s"], 1e-9), "prompts": len(res["tokens"]),
+             "per_category_tau": {c: spec_figures(g["spec"], k)["tau"]
+                                  for c, g in sorted(zip(res["categories"], res["groups"]))},
+             "proposer": head_kind, "engine": "vllm", "vllm": res["vllm"], "served": str(served),
+             "vllm_method": method, "vllm_load_s": res["load_s"]}
+    if plain is not None:
+        plain_rate = sum(g["new_tokens"] for g in plain["groups"]) / max(plain["generate_s"], 1e-9)
+        entry["speedup_unpaired"] = entry["tokens_per_s"] / plain_rate
+        entry["lossless"] = res["tokens"] == plain["tokens"]
+    return entry
+
+
+def served_export(label: str, path: str | Path, tied, args, target_dir: Path, expected_fp: dict, out_root: Path,
+                  version: str = "0.32.0") -> tuple[Path, str, Any]:
+    """(the directory vLLM loads, its `method`, the head): an export vLLM serves as it is, else one written.
+    Medusa on vLLM ≥ 0.33 is refused: that release removed it."""
+    head = load_any(path, tied, args, expected_fingerprint=expected_fp)
+    fmt = detect_format(path)
+    fmt = fmt if fmt in VLLM_METHODS else vllm_format(head)
+    if VLLM_METHODS[fmt] == "medusa" and not version.startswith("0.32."):
+        raise ValueError(f"evaluate.heads.{label}: a medusa head cannot be served by vLLM {version}: vLLM 0.33 removed "
+                         "Medusa (its MedusaModel and model files); evaluate it with evaluate.engine=spechead or on "
+                         "vLLM 0.32")
+    if fmt == detect_format(path):
+        return Path(path), VLLM_METHODS[fmt], head
+    out = out_root / label / fmt
+    export_head(head, {fmt: out}, target_dir, expected_fp)
+    log.info("evaluate (vllm) %s: exported to %s (%s) for vLLM", label, out, fmt)
+    return out, VLLM_METHODS[fmt], head
+
+
+def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, top: int, label: str
+            ) -> tuple[int, dict[str, Any]]:
+    """k=auto in vLLM: tokens/s of k = 1..top on the probe prompts, one process each; the fastest k."""
+    table = []
+    for k in range(1, top + 1):
+        res = runner.run(prompts, {"method": method, "model": str(served), "num_speculative_tokens": k},
+                         f"{label} k=auto probe")
+        table.append({"k": k, "tokens_per_s": sum(g["new_tokens"] for g in res["groups"]) / max(res["generate_s"], 1e-9),
+                      "tau": spec_figures(res["spec"], k)["tau"]})
+    best = max(table, key=lambda r: r["tokens_per_s"])
+    log.info("evaluate (vllm) %s: k=auto on %d prompts: %s → k=%d", label, len(prompts),
+             ", ".join(f"k={r['k']} {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.3f}" for r in table), best["k"])
+    return best["k"], {"table": table, "chosen_k": best["k"], "prompts": len(prompts), "timing": "one vLLM process per k"}
+
+
+def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
+    """evaluation/evaluate.py `run_evaluation` with `evaluate.engine=vllm` (module docstring): the report has
+    the same shape, each entry's figures from vLLM's counters."""
+    from evaluation.evaluate import write_report
+
+    check_vllm_evaluation(cfg)
+    ecfg = cfg.evaluate
+    target_dir = Path(resolve_target_dir(cfg.target))
+    tokenizer = load_tokenizer(target_dir, cfg.data)
+    stops = stop_token_ids(tokenizer)
+    prompts = load_prompts(cfg, tokenizer, None, stops)
+    if not prompts:
+        raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
+    tied, args, _ = tied_target(target_dir)  # the shared tensors only, to read and export the heads
+    expected_fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    auto_k = str(ecfg.k) == "auto"
+    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "engine": "vllm",
+                              "dataset": ecfg.dataset, "turn": "1", "prompts": len(prompts),
+                              "k": "auto" if auto_k else int(ecfg.k), "max_new_tokens": int(ecfg.max_new_tokens),
+                              "temperature": 0.0, "batch_size": int(ecfg.get("batch_size", 1)), "proposer": "chain",
+                              "tensor_parallel_size": int(ecfg.vllm.get("tensor_parallel_size", 1)), "results": {}}
+    out_root = Path(cfg.run_dir) / "eval_vllm"
+    with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
+        runner = VLLMRunner(cfg, target_dir, prompts, stops, Path(tmp))
+        plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None
+        if plain is not None:
+            report["plain_tokens_per_s"] = sum(g["new_tokens"] for g in plain["groups"]) / max(plain["generate_s"], 1e-9)
+        for label, path in (ecfg.get("heads") or {}).items():
+            if not path:
+                continue
+            served, method, head = served_export(label, path, tied, args, target_dir, expected_fp, out_root,
+                                                 runner.version)
+            depth = getattr(head, "max_depth", None)
+            auto = None
+            if auto_k:
+                top = min(int(ecfg.get("auto_max_k", 4)), depth or int(ecfg.get("auto_max_k", 4)))
+                k, auto = probe_k(runner, prompts[: int(ecfg.get("auto_prompts", 4))], served, method, top, label)
+            else:
+                k = int(ecfg.k)
+                if depth is not None and k > depth:  # as spechead's engine refuses it
+                    raise ValueError(f"evaluate.k={k} draft tokens, but the {head.kind} head {label} defines {depth} "
+                                     f"draft steps: set evaluate.k ≤ {depth} (or auto)")
+            res = runner.run(prompts, {"method": method, "model": str(served), "num_speculative_tokens": k}, label)
+            entry = result_entry(label, k, res, plain, head.kind, served, method)
+            entry["checkpoint"] = str(path)
+            if auto is not None:
+                entry["k_auto"] = auto
+            report["results"][label] = entry
+            log.info("%s (vllm %s): tau=%.3f alpha=[%s] tok/s=%.1f%s", label, res["vllm"], entry["tau"],
+                     " ".join(f"{a:.3f}" for a in entry["alpha"]), entry["tokens_per_s"],
+                     f"; {entry['speedup_unpaired']:.2f}x plain (unpaired)" if plain is not None else "")
+    write_report(report, Path(ecfg.report))
+    return report
