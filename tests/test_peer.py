@@ -402,3 +402,31 @@ def test_peer_trains_the_token_budget_and_its_checkpoint_is_found(tiny_target, t
     assert state["global_step"] == budget["max_steps"]
     tied, args, _ = tied_target(tiny_target)
     assert read_speculators_eagle3(last, tied, args).cfg.draft_vocab_size == VD
+
+
+@pytest.mark.parametrize("setting", ["target", "ones"])
+def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
+    """`input_norm_init` / `norm_init`: `target` starts input_layernorm at the target's layer-0 input norm and
+    norm at N_f (our default); `ones` starts both at 1, as speculators' fresh EAGLE-3 draft does (HF's norm init;
+    experiments/peer_grad.py measured its norms at exactly 1). The rest of the init does not move with it."""
+    tied, args, _ = tied_target(tiny_target)
+    first = torch.full((args.hidden_size,), 0.25)
+    assert not torch.allclose(tied.norm_scale, torch.ones_like(tied.norm_scale))  # else `target` = `ones` here
+
+    def fresh(value):
+        head = build_head({"type": "eagle3", "aux_layers": [1], "draft_vocab_size": VD, "init": "random",
+                           "input_norm_init": value, "norm_init": value}, args, tied)
+        head.reset_parameters(0, first)
+        return head
+
+    head, base = fresh(setting), fresh("target")
+    want_in = first if setting == "target" else torch.ones_like(first)
+    want_norm = tied.norm_scale if setting == "target" else torch.ones_like(first)
+    assert torch.equal(head.midlayer.input_layernorm.weight.detach(), want_in.to(head.dtype))
+    assert torch.equal(head.norm.weight.detach(), want_norm.to(head.dtype))
+    for name, p in head.state_dict().items():
+        if name not in ("midlayer.input_layernorm.weight", "norm.weight"):
+            assert torch.equal(p, base.state_dict()[name]), name
+    assert head.cfg.to_dict()["input_norm_init"] == setting
+    with pytest.raises(ValueError, match="input_norm_init"):
+        build_head({"type": "eagle3", "input_norm_init": "zeros"}, args, tied)
