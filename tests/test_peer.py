@@ -430,3 +430,44 @@ def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
     assert head.cfg.to_dict()["input_norm_init"] == setting
     with pytest.raises(ValueError, match="input_norm_init"):
         build_head({"type": "eagle3", "input_norm_init": "zeros"}, args, tied)
+
+
+def test_peer_grad_our_step_equals_the_peers_on_the_same_weights_and_batch(tiny_target, tmp_path, speculators_env):
+    """experiments/peer_grad.py on a tiny export: speculators' own forward, loss and backward on its first batch
+    (every training conversation packed into one row) against our compute_loss on the same weights and
+    conversations: with its loss mask the loss and every gradient agree; with ours (one token later) they do not
+    quite. The last token of each conversation carries no loss, so the peer's extra last row weighs nothing."""
+    from data.store import Sample, StoreWriter
+    from experiments.peer_data import export
+    from experiments.peer_grad import main as peer_grad
+
+    h, vocab = 64, 512
+    writer = StoreWriter(tmp_path / "store", {"name": "tiny"}, h, dtype="float32",
+                         captured={"hidden": "last_layer_pre_norm", "aux_layers": [1]})
+    g = torch.Generator().manual_seed(0)
+    for i in range(9):
+        t = 9 + i
+        mask = torch.zeros(t, dtype=torch.uint8)
+        mask[2:4] = 1
+        mask[5:t - 1] = 1  # two assistant turns; the last token outside
+        writer.add(Sample(sample_id=f"s{i}", input_ids=torch.randint(0, vocab, (t,), generator=g), loss_mask=mask,
+                          hidden=torch.randn(t, h, generator=g), aux_hidden=torch.randn(t, h, generator=g)))
+    writer.close()
+    export(tmp_path / "store", tmp_path / "peer", val_fraction=0.25, verifier=str(tiny_target))
+    peer_grad(["--data", str(tmp_path / "peer"), "--out", str(tmp_path / "out"), "--draft-vocab-size", str(VD),
+               "--log-dir", str(tmp_path / "logs")])
+    r = json.loads((tmp_path / "out" / "peer_grad.json").read_text())
+    assert r["same_tokens"] and r["peer_batch"]["documents"] == 7 == len(r["conversations"])
+    assert r["peer"]["frozen"] == sorted(["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                                          "verifier_norm.weight"])
+    same = r["ours"]["ours_peer_mask"]
+    assert same["n_tokens"] == r["peer_batch"]["loss_tokens"]
+    assert same["loss"] == pytest.approx(r["peer"]["loss"], rel=1e-5)
+    assert same["total_norm"] == pytest.approx(r["peer"]["total_norm"], rel=1e-4)
+    assert len(same["grads"]) == len(r["peer"]["trainable"]) == 13
+    for row in same["grads"]:
+        assert row["cos"] > 1 - 1e-6 and row["norm_ratio"] == pytest.approx(1.0, abs=1e-4), row
+    ours = r["ours"]["ours"]  # our own mask: a different set of rows, a different loss
+    assert ours["loss"] != pytest.approx(r["peer"]["loss"], rel=1e-3)
+    init = {row["param"]: row for row in r["init"]}  # the peer's fresh norms are 1; ours copy the target's
+    assert init["norm.weight"]["peer"]["std"] == 0.0 and init["norm.weight"]["peer"]["mean"] == 1.0
