@@ -54,10 +54,17 @@ class Eagle3Config:
     norm_before_residual: bool = False
     norm_output: bool = False
     train_lm_head: bool = True  # False: lm_head stays at the target's rows of the draft vocabulary (speculators' default)
+    # the norms' start (reset_parameters): `target` copies the target's (input_layernorm ← its layer 0's input norm,
+    # norm ← N_f), `ones` sets 1 (speculators' init: HF's default for every norm of its draft)
+    input_norm_init: Literal["target", "ones"] = "target"
+    norm_init: Literal["target", "ones"] = "target"
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:
             object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
+        for key in ("input_norm_init", "norm_init"):
+            if getattr(self, key) not in ("target", "ones"):
+                raise ValueError(f"eagle3 {key}={getattr(self, key)!r}: expected target or ones")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -209,14 +216,15 @@ class Eagle3Head(DraftHead):
     @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
         """Random layer weights (init_random); input_layernorm ← the target's layer-0 input norm (it
-        normalises the same embeddings), norm ← N_f, lm_head ← the target's lm_head rows of the draft
-        vocabulary (call `set_draft_vocab` first); with init=copy, fc passes the last aux layer."""
+        normalises the same embeddings; `input_norm_init: ones`: 1), norm ← N_f (`norm_init: ones`: 1),
+        lm_head ← the target's lm_head rows of the draft vocabulary (call `set_draft_vocab` first); with
+        init=copy, fc passes the last aux layer."""
         gen = torch.Generator().manual_seed(seed)
         init_random(self.fc, gen, self.cfg.init_std)
         init_random(self.midlayer, gen, self.cfg.init_std)
-        if first_input_norm is not None:
+        if first_input_norm is not None and self.cfg.input_norm_init == "target":
             self.midlayer.input_layernorm.weight.copy_(first_input_norm)
-        self.norm.weight.copy_(self.tied.norm_scale)
+        self.norm.weight.copy_(self.tied.norm_scale if self.cfg.norm_init == "target" else 1.0)
         ids = self.draft_ids
         w = self.tied.lm_head if ids is None else self.tied.lm_head[ids.to(self.tied.lm_head.device)]
         self.lm_head.weight.copy_(w)

@@ -402,3 +402,72 @@ def test_peer_trains_the_token_budget_and_its_checkpoint_is_found(tiny_target, t
     assert state["global_step"] == budget["max_steps"]
     tied, args, _ = tied_target(tiny_target)
     assert read_speculators_eagle3(last, tied, args).cfg.draft_vocab_size == VD
+
+
+@pytest.mark.parametrize("setting", ["target", "ones"])
+def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
+    """`input_norm_init` / `norm_init`: `target` starts input_layernorm at the target's layer-0 input norm and
+    norm at N_f (our default); `ones` starts both at 1, as speculators' fresh EAGLE-3 draft does (HF's norm init;
+    experiments/peer_grad.py measured its norms at exactly 1). The rest of the init does not move with it."""
+    tied, args, _ = tied_target(tiny_target)
+    first = torch.full((args.hidden_size,), 0.25)
+    assert not torch.allclose(tied.norm_scale, torch.ones_like(tied.norm_scale))  # else `target` = `ones` here
+
+    def fresh(value):
+        head = build_head({"type": "eagle3", "aux_layers": [1], "draft_vocab_size": VD, "init": "random",
+                           "input_norm_init": value, "norm_init": value}, args, tied)
+        head.reset_parameters(0, first)
+        return head
+
+    head, base = fresh(setting), fresh("target")
+    want_in = first if setting == "target" else torch.ones_like(first)
+    want_norm = tied.norm_scale if setting == "target" else torch.ones_like(first)
+    assert torch.equal(head.midlayer.input_layernorm.weight.detach(), want_in.to(head.dtype))
+    assert torch.equal(head.norm.weight.detach(), want_norm.to(head.dtype))
+    for name, p in head.state_dict().items():
+        if name not in ("midlayer.input_layernorm.weight", "norm.weight"):
+            assert torch.equal(p, base.state_dict()[name]), name
+    assert head.cfg.to_dict()["input_norm_init"] == setting
+    with pytest.raises(ValueError, match="input_norm_init"):
+        build_head({"type": "eagle3", "input_norm_init": "zeros"}, args, tied)
+
+
+def test_peer_grad_our_step_equals_the_peers_on_the_same_weights_and_batch(tiny_target, tmp_path, speculators_env):
+    """experiments/peer_grad.py on a tiny export: speculators' own forward, loss and backward on its first batch
+    (every training conversation packed into one row) against our compute_loss on the same weights and
+    conversations: with its loss mask the loss and every gradient agree; with ours (one token later) they do not
+    quite. The last token of each conversation carries no loss, so the peer's extra last row weighs nothing."""
+    from data.store import Sample, StoreWriter
+    from experiments.peer_data import export
+    from experiments.peer_grad import main as peer_grad
+
+    h, vocab = 64, 512
+    writer = StoreWriter(tmp_path / "store", {"name": "tiny"}, h, dtype="float32",
+                         captured={"hidden": "last_layer_pre_norm", "aux_layers": [1]})
+    g = torch.Generator().manual_seed(0)
+    for i in range(9):
+        t = 9 + i
+        mask = torch.zeros(t, dtype=torch.uint8)
+        mask[2:4] = 1
+        mask[5:t - 1] = 1  # two assistant turns; the last token outside
+        writer.add(Sample(sample_id=f"s{i}", input_ids=torch.randint(0, vocab, (t,), generator=g), loss_mask=mask,
+                          hidden=torch.randn(t, h, generator=g), aux_hidden=torch.randn(t, h, generator=g)))
+    writer.close()
+    export(tmp_path / "store", tmp_path / "peer", val_fraction=0.25, verifier=str(tiny_target))
+    peer_grad(["--data", str(tmp_path / "peer"), "--out", str(tmp_path / "out"), "--draft-vocab-size", str(VD),
+               "--log-dir", str(tmp_path / "logs")])
+    r = json.loads((tmp_path / "out" / "peer_grad.json").read_text())
+    assert r["same_tokens"] and r["peer_batch"]["documents"] == 7 == len(r["conversations"])
+    assert r["peer"]["frozen"] == sorted(["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                                          "verifier_norm.weight"])
+    same = r["ours"]["ours_peer_mask"]
+    assert same["n_tokens"] == r["peer_batch"]["loss_tokens"]
+    assert same["loss"] == pytest.approx(r["peer"]["loss"], rel=1e-5)
+    assert same["total_norm"] == pytest.approx(r["peer"]["total_norm"], rel=1e-4)
+    assert len(same["grads"]) == len(r["peer"]["trainable"]) == 13
+    for row in same["grads"]:
+        assert row["cos"] > 1 - 1e-6 and row["norm_ratio"] == pytest.approx(1.0, abs=1e-4), row
+    ours = r["ours"]["ours"]  # our own mask: a different set of rows, a different loss
+    assert ours["loss"] != pytest.approx(r["peer"]["loss"], rel=1e-3)
+    init = {row["param"]: row for row in r["init"]}  # the peer's fresh norms are 1; ours copy the target's
+    assert init["norm.weight"]["peer"]["std"] == 0.0 and init["norm.weight"]["peer"]["mean"] == 1.0
