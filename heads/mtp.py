@@ -42,10 +42,16 @@ class MTPConfig:
     # (Gemma-3-270M's span 0.19..301: a starting KL of 110 against 6.4). `auto`: ones for a target whose
     # final norm is not Llama's (Gemma's (1 + w)), target for the Llama family (what its results used).
     hnorm_init: Literal["auto", "target", "ones"] = "target"
+    # enorm's start: `target` = the target's layer-0 input norm (it normalises the same embeddings), `ones` = 1.
+    # SmolLM2's layer-0 input norm is ≈ 0 (RMS 0.04), so `target` starts a head that barely sees t_{i+1}
+    # (docs/RESULTS.md §8: EAGLE-3's input_layernorm, the same start)
+    enorm_init: Literal["target", "ones"] = "target"
 
     def __post_init__(self) -> None:
         if self.hnorm_init not in ("auto", "target", "ones"):
             raise ValueError(f"mtp hnorm_init={self.hnorm_init!r}: expected auto, target or ones")
+        if self.enorm_init not in ("target", "ones"):
+            raise ValueError(f"mtp enorm_init={self.enorm_init!r}: expected target or ones")
 
     def to_dict(self) -> dict:
         return {"type": "mtp", **asdict(self)}
@@ -117,7 +123,9 @@ class MTPHead(DraftHead):
             init_random(m, gen, self.cfg.init_std)
             m.hnorm.weight.copy_(self.tied.norm_scale if self._hnorm_from_target() else 1.0)
             m.shared_head.norm.weight.copy_(self.tied.norm_scale)
-            if first_input_norm is not None:
+            if first_input_norm is not None and self.cfg.enorm_init == "target":
                 m.enorm.weight.copy_(first_input_norm)
+            elif self.cfg.enorm_init == "ones":
+                m.enorm.weight.fill_(1.0)
             if self.cfg.init == "copy":
                 m.eh_proj.weight[:, h:].copy_(torch.eye(h))

@@ -393,3 +393,28 @@ def test_packing_batches_fit_the_budget():
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 64 or len(b) == 1 for b in batches)
     assert len(batches) < len(list(TokenBudgetBatches(lengths, 64, shuffle=True, seed=0)))  # fewer, fuller rows
+
+
+@pytest.mark.parametrize("setting", ["target", "ones"])
+def test_mtp_enorm_init_target_or_ones(tiny_target, setting):
+    """`head.enorm_init`: `target` starts each module's enorm at the target's layer-0 input norm (the default),
+    `ones` at 1 (docs/RESULTS.md §8: SmolLM2's layer-0 input norm is ≈ 0, so `target` hides t_{i+1}); nothing
+    else of the init moves with it."""
+    tied, args, _ = tied_target(tiny_target)
+    first = torch.full((args.hidden_size,), 0.25)
+
+    def fresh(value):
+        head = build_head({"type": "mtp", "num_modules": 2, "enorm_init": value}, args, tied)
+        head.reset_parameters(0, first)
+        return head
+
+    head, base = fresh(setting), fresh("target")
+    want = first if setting == "target" else torch.ones_like(first)
+    for m in head.layers:
+        assert torch.equal(m.enorm.weight.detach(), want.to(head.dtype))
+    for name, p in head.state_dict().items():
+        if not name.endswith("enorm.weight"):
+            assert torch.equal(p, base.state_dict()[name]), name
+    assert head.cfg.to_dict()["enorm_init"] == setting
+    with pytest.raises(ValueError, match="enorm_init='zeros': expected target or ones"):
+        build_head({"type": "mtp", "enorm_init": "zeros"}, args, tied)
