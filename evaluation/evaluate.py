@@ -534,7 +534,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     if engine == "vllm":  # the target and the heads served by real vLLM (evaluation/vllm_eval.py)
         from evaluation.vllm_eval import run_vllm_evaluation
 
-        return run_vllm_evaluation(cfg)
+        report = run_vllm_evaluation(cfg)
+        report_to_wandb(cfg, report, write_report(report, Path(ecfg.report)))
+        return report
     if engine != "spechead":
         raise ValueError(f"evaluate.engine={engine!r}: expected spechead (this process's engine) or vllm")
     sampling, batch_size, mode, tree = evaluation_settings(cfg)

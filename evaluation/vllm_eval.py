@@ -164,10 +164,8 @@ def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, 
 
 
 def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
-    """evaluation/evaluate.py `run_evaluation` with `evaluate.engine=vllm` (module docstring): the report has
-    the same shape, each entry's figures from vLLM's counters."""
-    from evaluation.evaluate import write_report
-
+    """evaluation/evaluate.py `run_evaluation` with `evaluate.engine=vllm` (module docstring): the report (which
+    `run_evaluation` writes) has the same shape, each entry's figures from vLLM's counters."""
     check_vllm_evaluation(cfg)
     ecfg = cfg.evaluate
     target_dir = Path(resolve_target_dir(cfg.target))
@@ -214,5 +212,4 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
             log.info("%s (vllm %s): tau=%.3f alpha=[%s] tok/s=%.1f%s", label, res["vllm"], entry["tau"],
                      " ".join(f"{a:.3f}" for a in entry["alpha"]), entry["tokens_per_s"],
                      f"; {entry['speedup_unpaired']:.2f}x plain (unpaired)" if plain is not None else "")
-    write_report(report, Path(ecfg.report))
     return report
