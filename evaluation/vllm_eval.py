@@ -103,6 +103,11 @@ class VLLMRunner:
         return result
 
 
+def rate(res: dict) -> float:
+    """A worker run's new tokens per second of vLLM generation (load excluded)."""
+    return sum(g["new_tokens"] for g in res["groups"]) / max(res["generate_s"], 1e-9)
+
+
 def spec_figures(spec: dict, k: int) -> dict[str, Any]:
     """τ, conditional α_d and the counts from vLLM's counters (module docstring)."""
     drafts, per_pos = int(spec["num_drafts"]), list(spec["accepted_per_pos"])[:k]
@@ -117,14 +122,13 @@ def result_entry(label: str, k: int, res: dict, plain: dict | None, head_kind: s
                  ) -> dict[str, Any]:
     new_tokens = sum(g["new_tokens"] for g in res["groups"])
     entry = {"label": label, "k": k, **spec_figures(res["spec"], k), "new_tokens": new_tokens,
-             "tokens_per_s": new_tokens / max(res["generate_s"], 1e-9), "prompts": len(res["tokens"]),
+             "tokens_per_s": rate(res), "prompts": len(res["tokens"]),
              "per_category_tau": {c: spec_figures(g["spec"], k)["tau"]
                                   for c, g in sorted(zip(res["categories"], res["groups"]))},
              "proposer": head_kind, "engine": "vllm", "vllm": res["vllm"], "served": str(served),
              "vllm_method": method, "vllm_load_s": res["load_s"]}
     if plain is not None:
-        plain_rate = sum(g["new_tokens"] for g in plain["groups"]) / max(plain["generate_s"], 1e-9)
-        entry["speedup_unpaired"] = entry["tokens_per_s"] / plain_rate
+        entry["speedup_unpaired"] = entry["tokens_per_s"] / rate(plain)
         entry["lossless"] = res["tokens"] == plain["tokens"]
     return entry
 
@@ -155,7 +159,7 @@ def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, 
     for k in range(1, top + 1):
         res = runner.run(prompts, {"method": method, "model": str(served), "num_speculative_tokens": k},
                          f"{label} k=auto probe")
-        table.append({"k": k, "tokens_per_s": sum(g["new_tokens"] for g in res["groups"]) / max(res["generate_s"], 1e-9),
+        table.append({"k": k, "tokens_per_s": rate(res),
                       "tau": spec_figures(res["spec"], k)["tau"]})
     best = max(table, key=lambda r: r["tokens_per_s"])
     log.info("evaluate (vllm) %s: k=auto on %d prompts: %s → k=%d", label, len(prompts),
@@ -187,7 +191,7 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
         runner = VLLMRunner(cfg, target_dir, prompts, stops, Path(tmp))
         plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None
         if plain is not None:
-            report["plain_tokens_per_s"] = sum(g["new_tokens"] for g in plain["groups"]) / max(plain["generate_s"], 1e-9)
+            report["plain_tokens_per_s"] = rate(plain)
         for label, path in (ecfg.get("heads") or {}).items():
             if not path:
                 continue

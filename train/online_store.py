@@ -153,13 +153,15 @@ class WriteThrough(L.Callback):
                  self.rank)
         states, samples, budget = self.dm.states, self.dm.store, int(self.dm.batch_tokens)
         batch: list[int] = []
+        tokens = 0
         for k, i in enumerate(missing):
             batch.append(i)
+            tokens += len(samples.samples[i][1])
             nxt = missing[k + 1] if k + 1 < len(missing) else None
-            if nxt is None or sum(len(samples.samples[j][1]) for j in batch) + len(samples.samples[nxt][1]) > budget:
+            if nxt is None or tokens + len(samples.samples[nxt][1]) > budget:
                 rows = collate_packed([samples[j] for j in batch])
                 self.add(batch, states({key: v.to(states.device) for key, v in rows.items()}))
-                batch = []
+                batch, tokens = [], 0
 
     def _assemble(self) -> None:
         try:
