@@ -54,10 +54,11 @@ class Eagle3Config:
     norm_before_residual: bool = False
     norm_output: bool = False
     train_lm_head: bool = True  # False: lm_head stays at the target's rows of the draft vocabulary (speculators' default)
-    # the norms' start (reset_parameters): `target` copies the target's (input_layernorm ← its layer 0's input norm,
-    # norm ← N_f), `ones` sets 1 (speculators' init: HF's default for every norm of its draft)
-    input_norm_init: Literal["target", "ones"] = "target"
-    norm_init: Literal["target", "ones"] = "target"
+    # the norms' start (reset_parameters): `ones` sets 1 (the default; speculators' init, HF's default for every norm
+    # of its draft), `target` copies the target's (input_layernorm ← its layer 0's input norm, norm ← N_f; the
+    # default before issue 28, ≈ 0.045 top-1 and τ below `ones` on SmolLM2: docs/RESULTS.md §8)
+    input_norm_init: Literal["target", "ones"] = "ones"
+    norm_init: Literal["target", "ones"] = "ones"
 
     def __post_init__(self) -> None:
         if self.aux_layers is not None:

@@ -397,8 +397,8 @@ def test_packing_batches_fit_the_budget():
 
 @pytest.mark.parametrize("setting", ["target", "ones"])
 def test_mtp_enorm_init_target_or_ones(tiny_target, setting):
-    """`head.enorm_init`: `target` starts each module's enorm at the target's layer-0 input norm (the default),
-    `ones` at 1 (docs/RESULTS.md §8: SmolLM2's layer-0 input norm is ≈ 0, so `target` hides t_{i+1}); nothing
+    """`head.enorm_init`: `target` starts each module's enorm at the target's layer-0 input norm,
+    `ones` (the default) at 1 (docs/RESULTS.md §8: SmolLM2's layer-0 input norm is ≈ 0, so `target` hides t_{i+1}); nothing
     else of the init moves with it."""
     tied, args, _ = tied_target(tiny_target)
     first = torch.full((args.hidden_size,), 0.25)
@@ -416,5 +416,6 @@ def test_mtp_enorm_init_target_or_ones(tiny_target, setting):
         if not name.endswith("enorm.weight"):
             assert torch.equal(p, base.state_dict()[name]), name
     assert head.cfg.to_dict()["enorm_init"] == setting
+    assert build_head({"type": "mtp"}, args, tied).cfg.enorm_init == "ones"  # the default since issue 28
     with pytest.raises(ValueError, match="enorm_init='zeros': expected target or ones"):
         build_head({"type": "mtp", "enorm_init": "zeros"}, args, tied)

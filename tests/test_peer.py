@@ -407,7 +407,7 @@ def test_peer_trains_the_token_budget_and_its_checkpoint_is_found(tiny_target, t
 @pytest.mark.parametrize("setting", ["target", "ones"])
 def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
     """`input_norm_init` / `norm_init`: `target` starts input_layernorm at the target's layer-0 input norm and
-    norm at N_f (our default); `ones` starts both at 1, as speculators' fresh EAGLE-3 draft does (HF's norm init;
+    norm at N_f; `ones` (the default since issue 28) starts both at 1, as speculators' fresh EAGLE-3 draft does (HF's norm init;
     experiments/peer_grad.py measured its norms at exactly 1). The rest of the init does not move with it."""
     tied, args, _ = tied_target(tiny_target)
     first = torch.full((args.hidden_size,), 0.25)
@@ -428,6 +428,8 @@ def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
         if name not in ("midlayer.input_layernorm.weight", "norm.weight"):
             assert torch.equal(p, base.state_dict()[name]), name
     assert head.cfg.to_dict()["input_norm_init"] == setting
+    default = build_head({"type": "eagle3", "aux_layers": [1], "draft_vocab_size": VD}, args, tied).cfg
+    assert (default.input_norm_init, default.norm_init) == ("ones", "ones")
     with pytest.raises(ValueError, match="input_norm_init"):
         build_head({"type": "eagle3", "input_norm_init": "zeros"}, args, tied)
 
