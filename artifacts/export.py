@@ -162,6 +162,24 @@ def vllm_format(head: Head) -> str:
     return formats[0]
 
 
+def check_servable(fmt: str, version: str, where: str) -> None:
+    """Medusa on vLLM ≥ 0.33 is refused: that release removed it."""
+    if VLLM_METHODS[fmt] == "medusa" and not version.startswith("0.32."):
+        raise ValueError(f"{where}: a medusa head cannot be served by vLLM {version}: vLLM 0.33 removed "
+                         "Medusa (its MedusaModel and model files); evaluate it with spechead's engine or on "
+                         "vLLM 0.32")
+
+
+def vllm_export(head: Head, out_root: Path, target_dir: Path, version: str, where: str,
+                fingerprint: dict | None = None, expected_fingerprint: dict | None = None) -> tuple[Path, str]:
+    """(directory, vLLM `method`): the head written under `out_root/<format>` in the format vLLM serves it in."""
+    fmt = vllm_format(head)
+    check_servable(fmt, version, where)
+    out = Path(out_root) / fmt
+    export_head(head, {fmt: out}, target_dir, fingerprint, expected_fingerprint=expected_fingerprint)
+    return out, VLLM_METHODS[fmt]
+
+
 def default_formats(head: Head) -> list[str]:
     """`export.formats: null`: `native` plus every format an engine serves for this head
     (`servable_formats`); the others only when asked for by name."""

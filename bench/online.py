@@ -176,36 +176,40 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def peak_process(mode: str, args, store: Path) -> float:
-    """Peak RSS (bytes) of a fresh process that sets `mode` up and trains `steps` steps (offline: over
-    `store`, without the target in memory)."""
-    out = subprocess.run([sys.executable, __file__, "--mode", mode, "--samples", str(args.samples),
-                          "--max-length", str(args.max_length), "--steps",
-                          str(args.steps), "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads),
-                          "--store", str(store), "--samples-file", str(store.parent / "samples.json")],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"online: the {mode} memory process failed:\n{out.stderr[-3000:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_rss"])
+def peak_processes(modes: tuple[str, ...], args, store: Path) -> dict[str, float]:
+    """Peak RSS (bytes) of a fresh process per mode that sets it up and trains `steps` steps (offline: over
+    `store`, without the target in memory) — the processes run side by side: each one's peak is its own."""
+    procs = {mode: subprocess.Popen([sys.executable, __file__, "--mode", mode, "--samples", str(args.samples),
+                                     "--max-length", str(args.max_length), "--steps", str(args.steps),
+                                     "--batch-tokens", str(args.batch_tokens), "--threads", str(args.threads),
+                                     "--store", str(store), "--samples-file", str(store.parent / "samples.json")],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for mode in modes}
+    peaks = {}
+    for mode, proc in procs.items():
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            sys.exit(f"online: the {mode} memory process failed:\n{err[-3000:]}")
+        peaks[mode] = float(json.loads(out.strip().splitlines()[-1])["peak_rss"])
+    return peaks
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer samples, steps and pairs (under a minute)")
-    ap.add_argument("--samples", type=int, help="conversations (default 48; --quick 6)")
-    ap.add_argument("--max-length", type=int, help="tokens per conversation at most (default 1024; --quick 384)")
-    ap.add_argument("--steps", type=int, help="training steps per side per pair (default 6; --quick 2)")
-    ap.add_argument("--pairs", type=int, help="pairs (default 3; --quick 2)")
+    ap.add_argument("--samples", type=int, help="conversations (default 48; --quick 4)")
+    ap.add_argument("--max-length", type=int, help="tokens per conversation at most (default 1024; --quick 256)")
+    ap.add_argument("--steps", type=int, help="training steps per side per pair (default 6; --quick 1)")
+    ap.add_argument("--pairs", type=int, help="pairs (default 3; --quick 1)")
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--threads", default="all", help="intra-op threads for every side (default: torch's count)")
     ap.add_argument("--mode", choices=["offline", "online"], help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--samples-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.samples = args.samples or (6 if args.quick else 48)
-    args.max_length = args.max_length or (384 if args.quick else 1024)
-    args.steps = args.steps or (2 if args.quick else 6)
-    pairs = args.pairs or (2 if args.quick else 3)
+    args.samples = args.samples or (4 if args.quick else 48)
+    args.max_length = args.max_length or (256 if args.quick else 1024)
+    args.steps = args.steps or (1 if args.quick else 6)
+    pairs = args.pairs or (1 if args.quick else 3)
     logging.basicConfig(level=logging.WARNING)
     threads = torch.get_num_threads() if args.threads == "all" else int(args.threads)
     args.threads = threads
@@ -240,7 +244,7 @@ def main() -> None:
                           on_pair=lambda i, got: print(f"pair {i + 1}/{pairs}: " + ", ".join(
                               f"{k} {v:.2f} s" for k, v in got.items()), flush=True))
         (bench.store_dir.parent / "samples.json").write_text(json.dumps(bench.samples))
-        peaks = {m: peak_process(m, args, bench.store_dir) for m in ("offline", "online")}
+        peaks = peak_processes(("offline", "online"), args, bench.store_dir)
     if not trained["online"] == trained["online_prefetch"] == trained["offline"]:
         sys.exit(f"online: the sides trained different tokens ({trained})")
     tokens = trained["offline"]

@@ -32,8 +32,9 @@ def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[
 
 
 def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[dict[str, Any]]:
-    """Prompts from a JSONL file: one object per line with `prompt` (a user message) or
-    `messages` / `conversations` (the prompt is everything before the first assistant turn);
+    """Prompts from a JSONL file: one object per line with `prompt` (a user message),
+    `messages` / `conversations` (the prompt is everything before the first assistant turn) or
+    `input_ids` (token ids, taken as they are: engine validation's `engine_val/prompts.jsonl`);
     optional `category` and `id`. A tokenizer without a chat template (a base model) takes `prompt`
     records as the raw text it continues (with its BOS, as data.source=text tokenizes), nothing else."""
     raw = not getattr(tokenizer, "chat_template", None)
@@ -41,6 +42,15 @@ def jsonl_prompts(tokenizer, path: str | Path, num_prompts: int | None) -> list[
     path = Path(path)
     for rec, where in read_jsonl(path):
         n = int(where.rpartition(":")[2])
+        if isinstance(rec, dict) and "input_ids" in rec:  # already tokenized: taken as it is
+            ids = rec["input_ids"]
+            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t
+                                                          for t in ids)):
+                raise ValueError(f"{where}: `input_ids` must be a non-empty list of token ids (non-negative integers)")
+            out.append({"ids": list(ids), "category": str(rec.get("category", "jsonl")), "id": str(rec.get("id", n))})
+            if num_prompts and len(out) >= num_prompts:
+                break
+            continue
         if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             messages = [{"role": "user", "content": rec["prompt"]}]
         elif raw:

@@ -21,21 +21,18 @@ change.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from artifacts.export import VLLM_METHODS, detect_format, export_head, load_any, vllm_format
+from artifacts.export import VLLM_METHODS, check_servable, detect_format, load_any, vllm_export
 from data.conversations import load_tokenizer
 from data.prompts import load_prompts, stop_token_ids
 from data.sources import resolve_target_dir
 from inference_eval.model import target_fingerprint, tied_target
-from inference_eval.vllm_backend import check_vllm_version, vllm_python, vllm_version
+from inference_eval.vllm_backend import vllm_python
+from inference_eval.vllm_spec import VLLMRunner, rate, spec_figures
 
 log = logging.getLogger(__name__)
 
@@ -56,66 +53,6 @@ def check_vllm_evaluation(cfg: Any) -> None:
     if problems:
         raise ValueError("evaluate.engine=vllm: " + "; ".join(problems))
     vllm_python(ecfg.vllm.get("python"), "evaluate.vllm.python", "evaluate.engine=vllm")
-
-
-class VLLMRunner:
-    """One vLLM process per job (a worker run): the prompts, the decoding settings, the environment."""
-
-    def __init__(self, cfg: Any, target_dir: Path, prompts: list[dict[str, Any]], stops: set[int], work: Path) -> None:
-        vcfg = cfg.evaluate.vllm
-        self.python = vllm_python(vcfg.get("python"), "evaluate.vllm.python", "evaluate.engine=vllm")
-        self.work, self.target_dir = work, target_dir
-        self.max_new = int(cfg.evaluate.max_new_tokens)
-        self.base = {"target": str(target_dir), "dtype": cfg.target.dtype, "max_tokens": self.max_new,
-                     "stop_token_ids": sorted(stops), "max_num_seqs": int(cfg.evaluate.get("batch_size", 1)),
-                     "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
-                     "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.9)),
-                     "max_model_len": max(len(p["ids"]) for p in prompts) + self.max_new + 8,
-                     "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vcfg.get("cpu_kvcache_space_gb", 1)),
-                    **{k: str(v) for k, v in (vcfg.get("env") or {}).items()}}
-        self.timeout = float(vcfg.get("startup_timeout_s", 900)) + 60 * len(prompts)
-        self.runs = 0
-        self.version = vllm_version(self.python)
-        check_vllm_version(self.version, "evaluate.engine=vllm")
-
-    def run(self, prompts: list[dict[str, Any]], spec: dict | None, label: str) -> dict:
-        groups: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(p.get("category", "all"), []).append(i)
-        job = {**self.base, "prompts": [p["ids"] for p in prompts], "groups": list(groups.values()),
-               "speculative_config": spec}
-        self.runs += 1
-        job_path, out_path = self.work / f"job-{self.runs}.json", self.work / f"result-{self.runs}.json"
-        job_path.write_text(json.dumps(job))
-        t0 = time.perf_counter()
-        log.info("evaluate (vllm) %s: one vLLM process over %d prompts%s", label, len(prompts),
-                 f", {spec['method']} k={spec['num_speculative_tokens']}" if spec else ", plain decoding")
-        proc = subprocess.run([str(self.python), "-m", "inference_eval.vllm_serve_worker", str(job_path), str(out_path)],
-                              env=self.env, capture_output=True, text=True, timeout=self.timeout,
-                              cwd=str(Path(__file__).resolve().parents[1]))
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"evaluate.engine=vllm: the vLLM process for {label} failed (exit {proc.returncode}); "
-                               f"its last output:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        result = json.loads(out_path.read_text())
-        result["categories"] = list(groups)
-        result["wall_s"] = time.perf_counter() - t0
-        return result
-
-
-def rate(res: dict) -> float:
-    """A worker run's new tokens per second of vLLM generation (load excluded)."""
-    return sum(g["new_tokens"] for g in res["groups"]) / max(res["generate_s"], 1e-9)
-
-
-def spec_figures(spec: dict, k: int) -> dict[str, Any]:
-    """τ, conditional α_d and the counts from vLLM's counters (module docstring)."""
-    drafts, per_pos = int(spec["num_drafts"]), list(spec["accepted_per_pos"])[:k]
-    per_pos += [0] * (k - len(per_pos))
-    reached = [drafts, *per_pos[:-1]]
-    return {"tau": (spec["num_accepted_tokens"] + drafts) / max(drafts, 1),
-            "alpha": [a / r if r else 0.0 for a, r in zip(per_pos, reached)],
-            "target_passes": drafts, "accepted_per_pos": per_pos, "num_drafts": drafts}
 
 
 def result_entry(label: str, k: int, res: dict, plain: dict | None, head_kind: str, served: Path, method: str
@@ -139,17 +76,13 @@ def served_export(label: str, path: str | Path, tied, args, target_dir: Path, ex
     Medusa on vLLM ≥ 0.33 is refused: that release removed it."""
     head = load_any(path, tied, args, expected_fingerprint=expected_fp)
     fmt = detect_format(path)
-    fmt = fmt if fmt in VLLM_METHODS else vllm_format(head)
-    if VLLM_METHODS[fmt] == "medusa" and not version.startswith("0.32."):
-        raise ValueError(f"evaluate.heads.{label}: a medusa head cannot be served by vLLM {version}: vLLM 0.33 removed "
-                         "Medusa (its MedusaModel and model files); evaluate it with evaluate.engine=spechead or on "
-                         "vLLM 0.32")
-    if fmt == detect_format(path):
+    if fmt in VLLM_METHODS:
+        check_servable(fmt, version, f"evaluate.heads.{label}")
         return Path(path), VLLM_METHODS[fmt], head
-    out = out_root / label / fmt
-    export_head(head, {fmt: out}, target_dir, expected_fp)
-    log.info("evaluate (vllm) %s: exported to %s (%s) for vLLM", label, out, fmt)
-    return out, VLLM_METHODS[fmt], head
+    out, method = vllm_export(head, out_root / label, target_dir, version, f"evaluate.heads.{label}",
+                              expected_fingerprint=expected_fp)
+    log.info("evaluate (vllm) %s: exported to %s for vLLM", label, out)
+    return out, method, head
 
 
 def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, top: int, label: str
@@ -188,7 +121,8 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
                               "tensor_parallel_size": int(ecfg.vllm.get("tensor_parallel_size", 1)), "results": {}}
     out_root = Path(cfg.run_dir) / "eval_vllm"
     with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
-        runner = VLLMRunner(cfg, target_dir, prompts, stops, Path(tmp))
+        runner = VLLMRunner(ecfg.vllm, target_dir, cfg.target.dtype, int(ecfg.max_new_tokens),
+                            int(ecfg.get("batch_size", 1)), max(len(p["ids"]) for p in prompts), stops, Path(tmp))
         plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None
         if plain is not None:
             report["plain_tokens_per_s"] = rate(plain)

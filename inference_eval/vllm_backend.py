@@ -170,6 +170,9 @@ class VLLMBackend:
 
     def __init__(self, python: Path, init: dict[str, Any], env: dict[str, str], startup_timeout_s: float = 900,
                  keep: bool = False) -> None:
+        # an unsupported release is refused before the worker starts: it relies on the hidden-states connector's
+        # internals, identical in 0.32 and 0.33 (docs/export.md "vLLM versions")
+        check_vllm_version(vllm_version(python), self.stage)
         self.init = init
         self.keep = keep
         self.aux_layers = tuple(init.get("aux_layers", ()))
@@ -191,11 +194,6 @@ class VLLMBackend:
             self.close()
             raise
         self.info = ready
-        if ready.get("vllm") != VLLM_PIN:
-            import logging
-
-            logging.getLogger(__name__).warning("%s: vllm %s found, spechead is tested with %s", self.stage,
-                                                ready.get("vllm"), VLLM_PIN)
 
     @classmethod
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":

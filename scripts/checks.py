@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 STAGES = {
     "precompute": ("target", "engine_family", "template", "data", "head"),
     "regenerate": ("target", "engine_family", "template", "data"),
-    "train": ("target", "engine_family", "head"),
+    "train": ("target", "engine_family", "head", "validation"),
     "evaluate": ("target", "engine_family", "template", "evaluate"),
     "export": ("target", "engine_family"),
-    "pipeline": ("target", "engine_family", "template", "data", "head", "evaluate_settings"),
+    "pipeline": ("target", "engine_family", "template", "data", "head", "evaluate_settings", "validation"),
 }
 LATER = {"precompute": "training, evaluation and export", "regenerate": "precompute, training and evaluation",
          "train": "training", "evaluate": "evaluation", "export": "export", "pipeline": "the demo's stages"}
@@ -64,10 +64,33 @@ def check_before_work(cfg: Any, stage: str) -> None:
             check_context(cfg, target_dir)
     if "head" in needs and cfg.get("head") is not None:
         check_head(cfg.head)
+    if "validation" in needs:
+        check_engine_validation(cfg)
     if "evaluate" in needs or "evaluate_settings" in needs:
         from evaluation.evaluate import check_evaluation_config
 
         check_evaluation_config(cfg, heads_must_exist="evaluate" in needs)
+
+
+def check_engine_validation(cfg: Any) -> None:
+    """train.engine_validation.engine: spechead or vllm; vllm needs its environment and decodes greedily."""
+    ev = (cfg.get("train") or {}).get("engine_validation") or {}
+    if not ev.get("enabled"):
+        return
+    engine = ev.get("engine", "spechead")
+    if engine not in ("spechead", "vllm"):
+        raise ConfigError(f"train.engine_validation.engine={engine!r}: expected spechead or vllm")
+    if engine == "vllm":
+        if float(ev.get("temperature", 0.0)) > 0:
+            raise ConfigError("train.engine_validation.engine=vllm decodes greedily: set "
+                              "train.engine_validation.temperature=0 (or engine=spechead for sampled τ)")
+        from inference_eval.vllm_backend import vllm_python
+
+        try:
+            vllm_python(((cfg.get("evaluate") or {}).get("vllm") or {}).get("python"), "evaluate.vllm.python",
+                        "train.engine_validation.engine=vllm")
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from e
 
 
 def trains_online(cfg: Any, stage: str) -> bool:
@@ -164,7 +187,8 @@ def _template_needs(stage: str, cfg: Any) -> tuple[str, str] | None:
     path = Path(str(ecfg.get("prompts_path") or ""))
     if ecfg.get("dataset") == "jsonl" and path.is_file():
         for r in jsonl_records(path):
-            if isinstance(r, Record) and not (isinstance(r.value, dict) and isinstance(r.value.get("prompt"), str)):
+            if isinstance(r, Record) and not (isinstance(r.value, dict) and (isinstance(r.value.get("prompt"), str)
+                                                                              or "input_ids" in r.value)):
                 return f"the record at {r.where} (no `prompt` string: a conversation)", fix  # bad lines: when read
     return None
 

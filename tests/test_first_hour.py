@@ -159,6 +159,12 @@ def test_target_paths_templates_and_head_types(tiny_target, tiny_overrides, tmp_
         (["evaluate.dataset=humaneval"], "pipeline", "evaluate.dataset=jsonl evaluate.prompts_path"),
         (["evaluate.k=0"], "pipeline", "evaluate.k=0"),
         (["data.max_length=99999"], "precompute", r"data.max_length=99999 exceeds the target's context"),
+        (["train.engine_validation.engine=hf"], "train", r"train.engine_validation.engine='hf': expected spechead or vllm"),
+        (["train.engine_validation.engine=vllm", "train.engine_validation.temperature=0.7"], "pipeline",
+         r"engine=vllm decodes greedily: set train.engine_validation.temperature=0"),
+        (["train.engine_validation.engine=vllm", f"evaluate.vllm.python={tmp_path / 'no-vllm' / 'python'}"], "train",
+         r"train.engine_validation.engine=vllm: no vLLM environment at .*no-vllm/python \(evaluate.vllm.python\); "
+         r"build it with `make vllm-env`"),
     ]
     for override, stage, words in cases:
         with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=words):

@@ -20,7 +20,7 @@ PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "ev
             "bench")
 ENGINE = ("inference_eval.engine", "inference_eval.paged", "inference_eval.model", "inference_eval.families",
           "inference_eval.scoring", "inference_eval.speculative", "inference_eval")
-TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker",
+TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker", "inference_eval.vllm_spec",
                     "inference_eval.vllm_serve_worker", "inference_eval.vllm_generate_worker", "inference_eval.vllm_plugin",
                     "inference_eval.vllm_mtp")
 # (layer, room): a module may import its own room at its own layer, and any room below

@@ -208,26 +208,71 @@ def test_gap_within_tolerance_passes_strict(store, tiny_target, tmp_path):
     assert "engine_val/failed" not in m and m["step"] == 5
 
 
-@pytest.mark.parametrize("err", [FileNotFoundError("model.safetensors: no such file"),
-                                 torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                 RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8")],
-                         ids=["missing-file", "cuda-oom", "cpu-oom"])
-def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monkeypatch, caplog, err):
+def test_the_decoded_prompts_are_written_for_evaluate_to_read_back(store, tiny_target, tmp_path):
+    """engine_val/prompts.jsonl holds the prompts validation decoded, as token ids; evaluate.dataset=jsonl reads
+    them back unchanged (data/prompts.py `input_ids` records), so the same prompts can be evaluated apart."""
     import train.validation as V
+    from data.prompts import jsonl_prompts
+
+    head = make(tiny_target, "mtp3")
+    cb = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", conversations=1, max_rows=4, depth=1,
+                                                       prompts=2, max_new_tokens=3, plot_dir=tmp_path / "ev"))
+    m = cb.run(*_stub_run(store, head, tmp_path))
+    assert m["engine_val/tau"] >= 1.0
+    want = [V.first_reply_prompt(store[i]["input_ids"], store[i]["loss_mask"]) for i in (0, 1, 2)]
+    got = jsonl_prompts(None, tmp_path / "ev" / "prompts.jsonl", None)
+    assert [p["ids"] for p in got] == [w for w in want if w is not None][:2] and len(got) == 2
+    assert {p["category"] for p in got} == {"held-out"}
+    bad = tmp_path / "bad.jsonl"
+    for line, words in (('{"input_ids": []}', "non-empty list"), ('{"input_ids": [3, -1]}', "non-negative"),
+                        ('{"input_ids": [3, "a"]}', "token ids")):
+        bad.write_text(line + "\n")
+        with pytest.raises(ValueError, match=rf"bad.jsonl:1: `input_ids` must be .*{words}"):
+            jsonl_prompts(None, bad, None)
+
+
+def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monkeypatch, caplog):
+    """A file gone (the target's): no number is wrong, the run goes on with engine_val/failed."""
+    import train.validation as V
+
+    err = FileNotFoundError("model.safetensors: no such file")
 
     def boom(*args, **kwargs):
         raise err
 
-    monkeypatch.setattr(V, "engine_teacher_forced", boom)
     head = make(tiny_target, "mtp3").train()
     cb = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", conversations=1, max_rows=4, depth=1, prompts=0))
-    if isinstance(err, FileNotFoundError):  # the target's files gone: loading it fails
-        monkeypatch.setattr(cb, "_load", boom)
+    monkeypatch.setattr(cb, "_load", boom)  # the target's files gone: loading it fails
     with caplog.at_level("ERROR", logger="train.validation"):
         m = cb.run(*_stub_run(store, head, tmp_path, step=7))
     assert m == {"engine_val/failed": 1.0, "step": 7} and cb.results == [m]
     assert head.training
     assert any("transient" in r.getMessage() and r.exc_info and r.exc_info[1] is err for r in caplog.records)
+
+
+@pytest.mark.parametrize("err", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"),
+                                 MemoryError()],
+                         ids=["cuda-oom", "cpu-oom", "memory-error"])
+@pytest.mark.parametrize("where", ["engine", "load"])
+def test_out_of_memory_ends_the_run_with_the_settings_to_change(store, tiny_target, tmp_path, monkeypatch, err, where):
+    """Out of memory would recur at every interval (a target larger than the device): not retried as a
+    transient, it ends the run with ValidationOutOfMemory naming engine=vllm, target.device and the sizes."""
+    import train.validation as V
+
+    def boom(*args, **kwargs):
+        raise err
+
+    head = make(tiny_target, "mtp3").train()
+    cb = V.EngineValidation(V.EngineValidationSettings(tiny_target, "float32", conversations=1, max_rows=4, depth=1, prompts=0))
+    if where == "load":
+        monkeypatch.setattr(cb, "_load", boom)
+    else:
+        monkeypatch.setattr(V, "engine_teacher_forced", boom)
+    with pytest.raises(V.ValidationOutOfMemory, match=r"at step 7 ran out of memory .*set "
+                       r"train\.engine_validation\.engine=vllm .*tensor_parallel_size.*target\.device=cpu") as info:
+        cb.run(*_stub_run(store, head, tmp_path, step=7))
+    assert info.value.__cause__ is err and cb.results == [] and head.training
 
 
 def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):

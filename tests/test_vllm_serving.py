@@ -289,3 +289,73 @@ def test_evaluate_through_vllm_equals_the_engine(served):
             if "evaluate.plain_baseline=true" in extra:
                 assert got["lossless"] is True and got["speedup_unpaired"] > 0, label
     assert (served["root"] / "eval_vllm_mtp1_eagle3_pruned" / "eval_vllm" / "mtp1" / "mtp-vllm").is_dir()
+
+
+def _validation_rows(run_dir: Path) -> dict[int, dict[str, float]]:
+    """engine_val/* per step from the csv logger's metrics.csv (written by rank 0)."""
+    import csv
+
+    rows: dict[int, dict[str, float]] = {}
+    for f in run_dir.rglob("metrics.csv"):
+        for row in csv.DictReader(f.open()):
+            got = {k: float(v) for k, v in row.items() if k.startswith("engine_val/") and v not in ("", None)}
+            if got:
+                rows.setdefault(int(row["step"]), {}).update(got)
+    return rows
+
+
+def test_training_validates_through_vllm_on_two_ranks(served):
+    """`train.engine_validation.engine=vllm` on 2 ranks (torchrun, gloo; DDP's collective timeout 30 s, shorter
+    than one vLLM run, so a rank waiting for rank 0's validation inside a training collective would fail the
+    run): rank 0 exports the head and real vLLM decodes the held-out prompts at step 10 and at the end; the
+    logged τ, α_d and accepted counts at the end equal a separate `evaluate.engine=vllm` of the saved head on
+    the same prompts (engine_val/prompts.jsonl read back) and spechead's engine's on them."""
+    from tests.test_multiprocess import torchrun
+
+    run_dir = served["root"] / "validate_vllm"
+    timeout = "{_target_:datetime.timedelta,seconds:30}"
+    over = [*served["base"], "head=mtp", f"run_dir={run_dir}", "trainer.accelerator=cpu", "trainer.devices=2",
+            "++trainer.strategy={_target_:lightning.pytorch.strategies.DDPStrategy,timeout:" + timeout + "}",
+            "train.engine_validation.enabled=true", "train.engine_validation.engine=vllm",
+            "train.engine_validation.every_n_steps=10", "train.engine_validation.prompts=4",
+            "train.engine_validation.conversations=2", "train.engine_validation.depth=2",
+            f"train.engine_validation.k={K}", f"train.engine_validation.max_new_tokens={MAX_TOKENS}"]
+    t0 = time.perf_counter()
+    proc = torchrun("scripts.train", over, timeout=1800)
+    took = time.perf_counter() - t0
+    rows = _validation_rows(run_dir)
+    assert sorted(s for s, r in rows.items() if "engine_val/tau" in r) == [10, STEPS], (rows, proc.stdout[-3000:])
+    end = rows[STEPS]
+    assert end["engine_val/vllm_drafts"] > 0 and 0 < end["engine_val/train_acc_d1"] <= 1
+    assert "engine_val/acc_d1" not in end and "engine_val/sim_tau" not in end  # spechead's engine did not run
+    assert (run_dir / "engine_val" / "vllm" / "head" / "mtp-vllm" / "model.safetensors").is_file()
+    prompts = run_dir / "engine_val" / "prompts.jsonl"
+    n = len(prompts.read_text().splitlines())
+    assert 0 < n <= 4  # the held-out conversations' first prompts, at most `prompts` of them
+    head_dir = compose_config(over).head_dir
+    same = ["evaluate.dataset=jsonl", f"evaluate.prompts_path={prompts}", f"evaluate.batch_size={n}",
+            "evaluate.plain_baseline=false"]
+    theirs = _evaluate(served, "vllm", {"validated": head_dir}, K, *same)["results"]["validated"]
+    ours = _evaluate(served, "spechead", {"validated": head_dir}, K, *same)["results"]["validated"]
+    assert theirs["num_drafts"] == ours["target_passes"] == end["engine_val/vllm_drafts"]
+    assert theirs["accepted_per_pos"] == [end[f"engine_val/vllm_accepted_{d}"] for d in range(1, K + 1)]
+    assert sum(theirs["accepted_per_pos"]) > 0  # something accepted: the comparison means something
+    for fig in (theirs, ours):
+        assert fig["tau"] == pytest.approx(end["engine_val/tau"], abs=1e-12)
+        assert fig["alpha"] == pytest.approx([end[f"engine_val/alpha_{d}"] for d in range(1, K + 1)], abs=1e-12)
+    print(f"\n2-rank training with vLLM validation: {took:.0f} s; τ {end['engine_val/tau']:.3f}")
+
+
+def test_tensor_parallel_2_gives_the_counts_of_tp_1(served):
+    """`evaluate.engine=vllm` with `evaluate.vllm.tensor_parallel_size=2` (two vLLM ranks, one core each:
+    VLLM_CPU_OMP_THREADS_BIND, as precompute's backend is run) decodes the same tokens and counts the same
+    drafts and accepted tokens per position as TP=1 — and so as spechead's engine — for the 1-module mtp head."""
+    heads = {"mtp1": served["heads"]["mtp1"]}
+    tp1 = _evaluate(served, "vllm", heads, K, "evaluate.plain_baseline=false")["results"]["mtp1"]
+    tp2 = _evaluate(served, "vllm", heads, K, "evaluate.plain_baseline=false", "evaluate.vllm.tensor_parallel_size=2",
+                    "evaluate.vllm.env={VLLM_CPU_OMP_THREADS_BIND:'0|1'}", "run_dir=" + str(served["root"] / "eval_tp2"))
+    ours = _evaluate(served, "spechead", heads, K, "evaluate.plain_baseline=false")["results"]["mtp1"]
+    assert sum(tp1["accepted_per_pos"]) > 0
+    for key in ("num_drafts", "accepted_per_pos", "new_tokens"):
+        assert tp2[key] == tp1[key], (key, tp2[key], tp1[key])
+    assert tp2["target_passes"] == ours["target_passes"] and tp2["tau"] == pytest.approx(ours["tau"], abs=1e-12)

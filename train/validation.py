@@ -22,21 +22,38 @@ training ends, on global rank 0:
    goes to wandb, or to a PNG beside the run), next to the *simulated* τ = 1 + Σ_d Π_{j≤d} acc_j from
    teacher-forced agreement along the target's own greedy continuation of the same prompts.
 
-Cost is bounded by the number of conversations/prompts, rows per conversation and new tokens.
+Cost is bounded by the number of conversations/prompts, rows per conversation and new tokens. The prompts
+decoded are written to `<run_dir>/engine_val/prompts.jsonl` (token ids), which `evaluate.dataset=jsonl
+evaluate.prompts_path=…` reads back: the same prompts, evaluated apart from training.
+
+`engine: vllm` (targets larger than one device): step 2 runs in real vLLM instead — rank 0 exports the
+current head to `<run_dir>/engine_val/vllm/head/<format>` (the format vLLM serves it in), one vLLM process
+(inference_eval/vllm_spec.py, `evaluate.vllm`'s settings: tensor_parallel_size over the node's GPUs,
+gpu_memory_utilization, the environment) decodes the prompts greedily with it, and τ and α_d come from
+vLLM's own counters (`engine_val/tau`, `engine_val/alpha_d`, `engine_val/vllm_accepted_d`,
+`engine_val/vllm_drafts`). spechead's engine does not load the target, so step 1 keeps only what the stored
+(or online) states give: the training forward's scores on the held-out rows (`engine_val/train_acc_d`,
+`engine_val/train_kl_d`, `engine_val/loss` from them); no simulated τ, no lossless check (vLLM's output is
+not compared with plain decoding here; evaluation does that). Every rank frees its cached device memory
+before rank 0 starts vLLM; the other ranks wait on the gloo barrier below, not in a training collective.
 
 Failures. A result that can only come from a bug raises a `ValidationBug` (an AssertionError carrying
 its figures in `.figures`) out of the callback and so out of `trainer.fit`: speculative output that
 differs from plain greedy output with a float32 target (`LosslessViolation`: the engine is not
 lossless), and, in strict mode, an engine-vs-training gap above tolerance (`EngineTrainingGap`).
-Transient failures — out of memory (torch's OOM errors, MemoryError, an allocator's "can't allocate")
-and OSError (a missing or unreadable file, a full disk) — do not make any number wrong: they are logged
-with their traceback, reported as `engine_val/failed = 1`, and training goes on. Any other exception
-is an error in the validation or engine code (the same code that serves the head) and propagates.
+Running out of memory (torch's OOM errors, MemoryError, an allocator's "can't allocate") is not retried:
+it would fail again at every interval (a target larger than the device), so it ends the run with
+`ValidationOutOfMemory`, whose message names the settings that fit it (`engine: vllm` with tensor
+parallelism, the target on the CPU, fewer prompts). Transient failures — OSError (a missing or unreadable
+file, a full disk) — do not make any number wrong: they are logged with their traceback, reported as
+`engine_val/failed = 1`, and training goes on. Any other exception is an error in the validation or engine
+code (the same code that serves the head) and propagates.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +62,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from core.files import atomic_write_bytes
 from core.progress import Progress
 from heads.unroll import unroll
 from inference_eval.engine import engine_generate
@@ -73,14 +91,36 @@ class EngineTrainingGap(ValidationBug):
     the same rows by more than the tolerance."""
 
 
-def is_transient(err: BaseException) -> bool:
-    """Failures that leave every number right and may not recur: out of memory, the file system."""
-    if isinstance(err, ValidationBug):
-        return False
-    if isinstance(err, (MemoryError, OSError, torch.OutOfMemoryError)):
+class ValidationOutOfMemory(RuntimeError):
+    """Validation ran out of memory: it would at every interval, so the run ends with the settings to change."""
+
+
+def is_oom(err: BaseException) -> bool:
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     msg = str(err)
     return isinstance(err, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Failures that leave every number right and may not recur: the file system (not out of memory:
+    `is_oom`, which would recur at every interval)."""
+    return isinstance(err, OSError) and not isinstance(err, ValidationBug)
+
+
+def oom_advice(err: BaseException, step: int, engine: str, dtype: str, device: str) -> str:
+    """What to set when validation ran out of memory."""
+    if engine == "vllm":
+        fix = ("raise evaluate.vllm.tensor_parallel_size (the target over more GPUs), or lower "
+               "evaluate.vllm.gpu_memory_utilization if training's memory is in the way, or "
+               "train.engine_validation.prompts / max_new_tokens")
+    else:
+        fix = ("set train.engine_validation.engine=vllm (the target sharded by vLLM over the node's GPUs: "
+               "evaluate.vllm.tensor_parallel_size), or target.device=cpu (slow), or fewer "
+               "train.engine_validation.prompts / conversations / max_new_tokens")
+    return (f"engine validation at step {step} ran out of memory ({type(err).__name__}: {str(err)[:300]}) with "
+            f"the {dtype} target on {device} ({engine}'s engine); it would again at every interval: {fix}; or "
+            f"train.engine_validation.enabled=false")
 
 
 @dataclass
@@ -219,9 +259,16 @@ class EngineValidationSettings:
     device: str | None = "auto"  # target.device: where the engine runs (auto: rank 0's GPU, else the CPU)
     wait_timeout_s: float = 86400.0
     progress_log_s: float | None = None  # seconds between progress lines (core/progress.py); None: none
+    engine: str = "spechead"  # spechead | vllm: where step 2 decodes (module docstring)
+    vllm: dict | None = None  # engine=vllm: evaluate.vllm's settings (inference_eval/vllm_spec.py VLLMRunner)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_dir", Path(self.target_dir))
+        if self.engine not in ("spechead", "vllm"):
+            raise ValueError(f"train.engine_validation.engine={self.engine!r}: expected spechead or vllm")
+        if self.engine == "vllm" and self.temperature > 0:
+            raise ValueError("train.engine_validation.engine=vllm decodes greedily: set "
+                             "train.engine_validation.temperature=0 (or engine=spechead for sampled τ)")
         if self.plot_dir is not None:
             object.__setattr__(self, "plot_dir", Path(self.plot_dir))
 
@@ -240,7 +287,16 @@ class EngineValidationSettings:
                    plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
                    top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
                    device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
-                   wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=progress_log_s)
+                   wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=progress_log_s,
+                   engine=str(ev.get("engine", "spechead")), vllm=vllm_settings(cfg))
+
+
+def vllm_settings(cfg: Any) -> dict | None:
+    """evaluate.vllm as a plain dict (resolved), for engine=vllm."""
+    from omegaconf import OmegaConf
+
+    section = cfg.get("evaluate", {}).get("vllm") if cfg.get("evaluate") else None
+    return OmegaConf.to_container(section, resolve=True) if section is not None else None
 
 
 class EngineValidation(L.Callback):
@@ -250,6 +306,7 @@ class EngineValidation(L.Callback):
         self.s = settings
         self.strict = settings.is_strict  # an engine-vs-training gap above tolerance fails the run
         self._target, self._stops = target, None
+        self._runner = None  # engine=vllm: the vLLM job runner, made at the first validation
         self._last_step = -1
         self.results: list[dict[str, float]] = []
         # Validation runs on global rank 0 only. The other ranks must not wait for it inside the next
@@ -284,19 +341,24 @@ class EngineValidation(L.Callback):
 
             self._target = LlamaForCausalLM.from_pretrained(self.s.target_dir, dtype=DTYPES[self.s.target_dtype],
                                                             device=resolve_device(self.s.device))
+        return self._target
+
+    def _stop_ids(self) -> set[int]:
         if self._stops is None:
             from transformers import AutoTokenizer
 
             from data.prompts import stop_token_ids
 
             self._stops = stop_token_ids(AutoTokenizer.from_pretrained(self.s.target_dir))
-        return self._target
+        return self._stops
 
     def run(self, trainer, pl_module) -> dict[str, float] | None:
         self._last_step = trainer.global_step
         try:
             # sharded (FSDP2, ZeRO-3): every rank gathers the whole head together; rank 0 scores that copy
             head = whole_head(trainer, pl_module.head)
+            if self.s.engine == "vllm" and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # every rank: what training cached is vLLM's to use while it runs
             return self._run(trainer, pl_module, head) if trainer.is_global_zero else None
         finally:
             if self._wait_group is not None:  # the other ranks wait here, not in a training collective
@@ -307,22 +369,26 @@ class EngineValidation(L.Callback):
     def _run(self, trainer, pl_module, head: torch.nn.Module) -> dict[str, float]:
         dm = trainer.datamodule
         was_training = head.training
-        try:  # loading the target can fail transiently too (a missing file, out of memory)
-            log.info("engine validation at step %d: %d held-out conversations teacher-forced, %d prompts decoded "
-                     "(k=%d, %d new tokens)", trainer.global_step, self.s.conversations, self.s.prompts, self.s.k,
-                     self.s.max_new_tokens)
-            device = self._load().device
+        device = "cpu"
+        try:  # loading the target can fail transiently too (a missing file)
+            log.info("engine validation at step %d (%s): %d held-out conversations teacher-forced, %d prompts "
+                     "decoded (k=%d, %d new tokens)", trainer.global_step, self.s.engine, self.s.conversations,
+                     self.s.prompts, self.s.k, self.s.max_new_tokens)
+            device = self._load().device if self.s.engine == "spechead" else torch.device("cpu")
             if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
                 head = copy.deepcopy(head).to(device, torch.float32)
             head.eval()
             # the data module's samples with their states (online: computed); any module with a store: its records
             samples = getattr(dm, "sample_with_states", None) or dm.store.__getitem__
-            metrics = self.evaluate(head, samples, dm.val_idx)
+            metrics = self.evaluate(head, samples, dm.val_idx, trainer.global_step)
         except Exception as err:
+            if is_oom(err):
+                raise ValidationOutOfMemory(oom_advice(err, trainer.global_step, self.s.engine,
+                                                       self.s.target_dtype, str(device))) from err
             if not is_transient(err):  # a bug (ValidationBug: with its figures): fail the run
                 log.error("engine validation at step %d: %s: %s", trainer.global_step, type(err).__name__, err)
                 raise
-            # out of memory, a file: no number is wrong; report it loudly and go on
+            # a file: no number is wrong; report it loudly and go on
             log.exception("engine validation failed at step %d (transient: %s); training continues",
                           trainer.global_step, type(err).__name__)
             metrics = {"engine_val/failed": 1.0}
@@ -335,22 +401,66 @@ class EngineValidation(L.Callback):
         self._plot(trainer, metrics)
         return metrics
 
-    def evaluate(self, head, sample_with_states, val_idx: list[int]) -> dict[str, float]:
+    def evaluate(self, head, sample_with_states, val_idx: list[int], step: int = 0) -> dict[str, float]:
         """`sample_with_states(i)`: held-out sample i with its target states (train/data.py: the store's
         record, or online the target's forward over it)."""
-        target = self._load()
+        target = self._load() if self.s.engine == "spechead" else None
         depth = min(self.s.depth, head.max_depth or self.s.depth)
         k = min(self.s.k, head.max_depth or self.s.k)
         n_conv = len(val_idx[: self.s.conversations])
         bar = Progress(n_conv + min(self.s.prompts, len(val_idx)), "engine validation", "item", bar=False,
                        every_s=self.s.progress_log_s)
         eng, ref, prompts = self._teacher_forced(target, head, sample_with_states, val_idx, depth, bar)
-        m = self._depth_metrics(eng, ref)
+        m = self._depth_metrics(eng, ref) if target is not None else self._store_metrics(ref)
         if prompts:
-            m |= self._decoded(target, head, prompts, k)
+            self._write_prompts(prompts)
+            m |= self._decoded(target, head, prompts, k) if target is not None else self._vllm_decoded(head, prompts, k, step)
             bar.update(len(prompts), stage="decoded", tau=round(m["engine_val/tau"], 3))
         bar.close()
         log.info("engine validation: %s", " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in m.items()))
+        return m
+
+    def _write_prompts(self, prompts: list[list[int]]) -> None:
+        """The decoded prompts as token ids, for `evaluate.dataset=jsonl` (module docstring)."""
+        if self.s.plot_dir is None:
+            return
+        self.s.plot_dir.mkdir(parents=True, exist_ok=True)
+        lines = "".join(json.dumps({"input_ids": p, "category": "held-out", "id": str(i)}) + "\n"
+                        for i, p in enumerate(prompts))
+        atomic_write_bytes(self.s.plot_dir / "prompts.jsonl", lines.encode())
+
+    def _store_metrics(self, ref: list[DepthScores]) -> dict[str, float]:
+        """engine=vllm: the training forward's scores per depth on the held-out rows, and their loss."""
+        m: dict[str, float] = {}
+        total = 0.0
+        for d, r in enumerate(ref):
+            n = max(r.n, 1)
+            m[f"engine_val/train_acc_d{d + 1}"] = r.acc
+            m[f"engine_val/train_kl_d{d + 1}"] = r.kl / n
+            total += self.s.depth_decay ** d * (self.s.w_hidden * r.reg + self.s.w_kl * r.kl) / n
+        m["engine_val/loss"] = total
+        return m
+
+    def _vllm_decoded(self, head, prompts: list[list[int]], k: int, step: int) -> dict[str, float]:
+        """τ and α_d of greedy speculative decoding of the prompts in real vLLM, from its counters."""
+        from artifacts.export import vllm_export
+        from inference_eval.vllm_spec import VLLMRunner, spec_figures
+
+        work = (self.s.plot_dir or Path(".")) / "vllm"
+        work.mkdir(parents=True, exist_ok=True)
+        if self._runner is None:
+            self._runner = VLLMRunner(self.s.vllm or {}, self.s.target_dir, self.s.target_dtype, self.s.max_new_tokens,
+                                      len(prompts), max(len(p) for p in prompts), self._stop_ids(), work,
+                                      what="train.engine_validation.engine=vllm")
+        served, method = vllm_export(head, work / "head", self.s.target_dir, self._runner.version,
+                                     "train.engine_validation.engine=vllm")
+        res = self._runner.run([{"ids": p} for p in prompts],
+                               {"method": method, "model": str(served), "num_speculative_tokens": k}, f"step {step}")
+        fig = spec_figures(res["spec"], k)
+        m = {"engine_val/tau": fig["tau"], "engine_val/vllm_drafts": float(fig["num_drafts"]),
+             "engine_val/vllm_new_tokens": float(sum(g["new_tokens"] for g in res["groups"]))}
+        m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(fig["alpha"])})
+        m.update({f"engine_val/vllm_accepted_{d + 1}": float(a) for d, a in enumerate(fig["accepted_per_pos"])})
         return m
 
     def _teacher_forced(self, target, head, sample_with_states, val_idx: list[int], depth: int, bar
@@ -369,9 +479,10 @@ class EngineValidation(L.Callback):
             if i not in val_idx[: self.s.conversations]:
                 continue
             rows = select_rows(sample["loss_mask"], self.s.max_rows)
-            for d, s in enumerate(engine_teacher_forced(target, head, sample["input_ids"], sample["loss_mask"],
-                                                        depth, rows, self.s.normed_regression)):
-                eng[d].add(s)
+            if target is not None:  # engine=vllm: the training forward's scores only
+                for d, s in enumerate(engine_teacher_forced(target, head, sample["input_ids"], sample["loss_mask"],
+                                                            depth, rows, self.s.normed_regression)):
+                    eng[d].add(s)
             for d, s in enumerate(training_forward_scores(head, sample, depth, rows, self.s.normed_regression)):
                 ref[d].add(s)
             bar.update(1, stage="teacher-forced")
@@ -413,14 +524,14 @@ class EngineValidation(L.Callback):
     def _decoded(self, target, head, prompts: list[list[int]], k: int) -> dict[str, float]:
         """τ, α_d and the simulated τ of greedy speculative decoding over the prompts (lossless checked);
         with a temperature, τ and α_d of sampled decoding too."""
-        spec = speculative_scores(target, head, prompts, k, self.s.max_new_tokens, self._stops, self.s.normed_regression,
+        spec = speculative_scores(target, head, prompts, k, self.s.max_new_tokens, self._stop_ids(), self.s.normed_regression,
                                   strict=target.dtype == torch.float32)
         m = {"engine_val/tau": spec["tau"], "engine_val/lossless_mismatch": spec["mismatches"],
              "engine_val/sim_tau": spec["sim_tau"], "engine_val/tau_gap": spec["sim_tau"] - spec["tau"]}
         m.update({f"engine_val/alpha_{d + 1}": a for d, a in enumerate(spec["alpha"])})
         if self.s.temperature > 0:  # the configured temperature too: drafts accepted by rejection sampling
             sampling = Sampling(self.s.temperature, self.s.top_p, self.s.top_k, torch.Generator().manual_seed(self.s.seed))
-            total = engine_decode(target, head, prompts, k, self.s.max_new_tokens, self._stops, sampling)[1].stats
+            total = engine_decode(target, head, prompts, k, self.s.max_new_tokens, self._stop_ids(), sampling)[1].stats
             m["engine_val/tau_sampled"] = total.tau
             m.update({f"engine_val/alpha_sampled_{d + 1}": a for d, a in enumerate(total.alpha)})
         return m
@@ -437,7 +548,8 @@ class EngineValidation(L.Callback):
         fig, ax = plt.subplots(figsize=(4, 3))
         ax.bar(range(1, len(alphas) + 1), alphas)
         ax.set(xlabel="draft position d", ylabel="α_d", ylim=(0, 1),
-               title=f"step {metrics['step']}: τ={metrics['engine_val/tau']:.2f} (sim {metrics['engine_val/sim_tau']:.2f})")
+               title=f"step {metrics['step']}: τ={metrics['engine_val/tau']:.2f} " + (
+                   f"(sim {metrics['engine_val/sim_tau']:.2f})" if "engine_val/sim_tau" in metrics else f"({self.s.engine})"))
         fig.tight_layout()
         logger = trainer.logger
         if type(logger).__name__ == "WandbLogger":
