@@ -224,3 +224,42 @@ def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_pa
     killed.write_bytes(b"".join(lines[:4]) + lines[4][:10])  # the first group of 4, then a cut line
     _, stats = regenerate(compose_config([*common, "regenerate.backend=vllm", f"regenerate.out={killed}"]))
     assert stats.skipped_done == 4 and killed.read_bytes() == full
+
+
+def test_evaluate_through_vllm_with_tensor_parallel_2_counts_as_tp_1(stores, overrides, tmp_path):
+    """`evaluate.engine=vllm` with `evaluate.vllm.tensor_parallel_size=2` (two vLLM ranks, one core each:
+    VLLM_CPU_OMP_THREADS_BIND) counts the same drafts, accepted tokens per position and new tokens as TP=1, and
+    both the τ of spechead's engine, on the tiny target (its 2 attention heads split over the ranks; SmolLM2's 9
+    cannot be). Its greedy output repeats one token; an `mtp` head at its start with `hnorm_init: ones` drafts the
+    target's own next-token prediction, so drafts are accepted and the comparison is not between zeros."""
+    from evaluation.evaluate import run_evaluation
+    from train.run import run_training
+    from train.validation import first_reply_prompt
+
+    store = FeatureStore(stores["engine"])
+    prompts = tmp_path / "prompts.jsonl"
+    ids = [p for p in (first_reply_prompt(store[i]["input_ids"], store[i]["loss_mask"]) for i in range(len(store))) if p]
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in ids[:6]))
+    untrained = tmp_path / "untrained"
+    train = [*overrides, f"store_dir={stores['engine']}", f"run_dir={tmp_path / 'run'}", "head=mtp",
+             "head.hnorm_init=ones", "trainer.max_steps=1", "trainer.max_epochs=-1", "trainer.precision=32-true",
+             "train.data.batch_tokens=256", "train.engine_validation.enabled=false", f"train.untrained_dir={untrained}"]
+    run_training(compose_config(train))
+    results = {}
+    for label, extra in (("spechead", ["evaluate.engine=spechead"]), ("tp1", ["evaluate.engine=vllm"]),
+                         ("tp2", ["evaluate.engine=vllm", "evaluate.vllm.tensor_parallel_size=2",
+                                  "evaluate.vllm.env={VLLM_CPU_OMP_THREADS_BIND:'0|1'}"])):
+        cfg = compose_config([*train, f"run_dir={tmp_path / label}", "evaluate.dataset=jsonl",
+                              f"evaluate.prompts_path={prompts}", "evaluate.k=3", "evaluate.max_new_tokens=24",
+                              "evaluate.batch_size=6", "evaluate.plain_baseline=false", "evaluate.simulated_tau=false",
+                              "evaluate.heads.trained=null", "evaluate.heads.untrained=null",
+                              f"+evaluate.heads.mtp={untrained}", *extra])
+        results[label] = run_evaluation(cfg)["results"]["mtp"]
+    ours, tp1, tp2 = results["spechead"], results["tp1"], results["tp2"]
+    print(f"\nTP=1 {tp1['accepted_per_pos']} of {tp1['num_drafts']} drafts; TP=2 {tp2['accepted_per_pos']} "
+          f"of {tp2['num_drafts']}; spechead τ {ours['tau']:.4f}")
+    assert sum(tp1["accepted_per_pos"]) > 0  # something accepted: the comparison means something
+    for key in ("num_drafts", "accepted_per_pos", "new_tokens"):
+        assert tp2[key] == tp1[key], (key, tp2[key], tp1[key])
+    assert tp1["target_passes"] == ours["target_passes"] and tp1["new_tokens"] == ours["new_tokens"]
+    assert tp2["tau"] == pytest.approx(ours["tau"], abs=1e-12)

@@ -345,17 +345,3 @@ def test_training_validates_through_vllm_on_two_ranks(served):
         assert fig["alpha"] == pytest.approx([end[f"engine_val/alpha_{d}"] for d in range(1, K + 1)], abs=1e-12)
     print(f"\n2-rank training with vLLM validation: {took:.0f} s; τ {end['engine_val/tau']:.3f}")
 
-
-def test_tensor_parallel_2_gives_the_counts_of_tp_1(served):
-    """`evaluate.engine=vllm` with `evaluate.vllm.tensor_parallel_size=2` (two vLLM ranks, one core each:
-    VLLM_CPU_OMP_THREADS_BIND, as precompute's backend is run) decodes the same tokens and counts the same
-    drafts and accepted tokens per position as TP=1 — and so as spechead's engine — for the 1-module mtp head."""
-    heads = {"mtp1": served["heads"]["mtp1"]}
-    tp1 = _evaluate(served, "vllm", heads, K, "evaluate.plain_baseline=false")["results"]["mtp1"]
-    tp2 = _evaluate(served, "vllm", heads, K, "evaluate.plain_baseline=false", "evaluate.vllm.tensor_parallel_size=2",
-                    "evaluate.vllm.env={VLLM_CPU_OMP_THREADS_BIND:'0|1'}", "run_dir=" + str(served["root"] / "eval_tp2"))
-    ours = _evaluate(served, "spechead", heads, K, "evaluate.plain_baseline=false")["results"]["mtp1"]
-    assert sum(tp1["accepted_per_pos"]) > 0
-    for key in ("num_drafts", "accepted_per_pos", "new_tokens"):
-        assert tp2[key] == tp1[key], (key, tp2[key], tp1[key])
-    assert tp2["target_passes"] == ours["target_passes"] and tp2["tau"] == pytest.approx(ours["tau"], abs=1e-12)
