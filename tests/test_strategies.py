@@ -352,7 +352,7 @@ def test_ranks_wait_for_rank0s_validation_without_a_collective_timeout(tiny_over
 
     from train.validation import EngineValidation
 
-    def slow(self, head, store, val_idx):
+    def slow(self, head, store, val_idx, step=0):
         time.sleep(6)
         return {"engine_val/tau": 1.0}
 

@@ -188,14 +188,14 @@ def test_vllm_memory_setting_fits_the_job_before_vllm_starts(tiny_target, overri
     cfg = compose_config([*overrides, "precompute.backend=vllm", "precompute.vllm.gpu_memory_utilization=0.5"])
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 gives vLLM 0.5 GB of each 1.0 GB GPU"):
         vllm_backend.VLLMBackend.from_config(cfg, cfg.target.path, torch.float32)
-    # and an unsupported vLLM release is refused before a worker starts (precompute; regeneration the same class)
-    monkeypatch.setattr(vllm_backend, "_gpu_bytes", lambda: None)
+    # and an unsupported vLLM release is refused before a worker starts (precompute; regeneration the same class;
+    # the constructor, not from_config, which would hand back the module's kept worker)
     monkeypatch.setattr(vllm_backend, "vllm_version", lambda python: "0.31.2")
     monkeypatch.setattr(vllm_backend.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
-    cfg = compose_config([*overrides, "precompute.backend=vllm"])
-    with pytest.raises(ValueError, match=r"precompute.backend=vllm: vLLM 0.31.2 is not supported; spechead runs on "
-                                         r"vLLM 0.32.x and 0.33.x"):
-        vllm_backend.VLLMBackend.from_config(cfg, cfg.target.path, torch.float32)
+    for cls in (vllm_backend.VLLMBackend, vllm_backend.VLLMGenerator):
+        with pytest.raises(ValueError, match=rf"{cls.stage}: vLLM 0.31.2 is not supported; spechead runs on "
+                                             r"vLLM 0.32.x and 0.33.x"):
+            cls(VLLM_PYTHON, {}, {})
 
 
 def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_path):
