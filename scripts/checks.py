@@ -77,13 +77,14 @@ def check_engine_validation(cfg: Any) -> None:
     ev = (cfg.get("train") or {}).get("engine_validation") or {}
     if not ev.get("enabled"):
         return
+    from train.validation import check_engine
+
     engine = ev.get("engine", "spechead")
-    if engine not in ("spechead", "vllm"):
-        raise ConfigError(f"train.engine_validation.engine={engine!r}: expected spechead or vllm")
+    try:
+        check_engine(engine, float(ev.get("temperature", 0.0)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if engine == "vllm":
-        if float(ev.get("temperature", 0.0)) > 0:
-            raise ConfigError("train.engine_validation.engine=vllm decodes greedily: set "
-                              "train.engine_validation.temperature=0 (or engine=spechead for sampled τ)")
         from inference_eval.vllm_backend import vllm_python
 
         try:

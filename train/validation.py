@@ -91,6 +91,15 @@ class EngineTrainingGap(ValidationBug):
     the same rows by more than the tolerance."""
 
 
+def check_engine(engine: str, temperature: float) -> None:
+    """train.engine_validation.engine: spechead or vllm, and vllm decodes greedily (ValueError naming the fix)."""
+    if engine not in ("spechead", "vllm"):
+        raise ValueError(f"train.engine_validation.engine={engine!r}: expected spechead or vllm")
+    if engine == "vllm" and temperature > 0:
+        raise ValueError("train.engine_validation.engine=vllm decodes greedily: set "
+                         "train.engine_validation.temperature=0 (or engine=spechead for sampled τ)")
+
+
 class ValidationOutOfMemory(RuntimeError):
     """Validation ran out of memory: it would at every interval, so the run ends with the settings to change."""
 
@@ -264,11 +273,7 @@ class EngineValidationSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_dir", Path(self.target_dir))
-        if self.engine not in ("spechead", "vllm"):
-            raise ValueError(f"train.engine_validation.engine={self.engine!r}: expected spechead or vllm")
-        if self.engine == "vllm" and self.temperature > 0:
-            raise ValueError("train.engine_validation.engine=vllm decodes greedily: set "
-                             "train.engine_validation.temperature=0 (or engine=spechead for sampled τ)")
+        check_engine(self.engine, self.temperature)
         if self.plot_dir is not None:
             object.__setattr__(self, "plot_dir", Path(self.plot_dir))
 
@@ -295,8 +300,8 @@ def vllm_settings(cfg: Any) -> dict | None:
     """evaluate.vllm as a plain dict (resolved), for engine=vllm."""
     from omegaconf import OmegaConf
 
-    section = cfg.get("evaluate", {}).get("vllm") if cfg.get("evaluate") else None
-    return OmegaConf.to_container(section, resolve=True) if section is not None else None
+    section = (cfg.get("evaluate") or {}).get("vllm")
+    return None if section is None else OmegaConf.to_container(section, resolve=True)
 
 
 class EngineValidation(L.Callback):
@@ -432,14 +437,16 @@ class EngineValidation(L.Callback):
     def _store_metrics(self, ref: list[DepthScores]) -> dict[str, float]:
         """engine=vllm: the training forward's scores per depth on the held-out rows, and their loss."""
         m: dict[str, float] = {}
-        total = 0.0
         for d, r in enumerate(ref):
-            n = max(r.n, 1)
             m[f"engine_val/train_acc_d{d + 1}"] = r.acc
-            m[f"engine_val/train_kl_d{d + 1}"] = r.kl / n
-            total += self.s.depth_decay ** d * (self.s.w_hidden * r.reg + self.s.w_kl * r.kl) / n
-        m["engine_val/loss"] = total
+            m[f"engine_val/train_kl_d{d + 1}"] = r.kl / max(r.n, 1)
+        m["engine_val/loss"] = self._loss(ref)
         return m
+
+    def _loss(self, scores: list[DepthScores]) -> float:
+        """The training loss over per-depth scores: Σ_d γ^(d-1) (w_hidden·reg + w_kl·kl) / rows."""
+        return sum(self.s.depth_decay ** d * (self.s.w_hidden * e.reg + self.s.w_kl * e.kl) / max(e.n, 1)
+                   for d, e in enumerate(scores))
 
     def _vllm_decoded(self, head, prompts: list[list[int]], k: int, step: int) -> dict[str, float]:
         """τ and α_d of greedy speculative decoding of the prompts in real vLLM, from its counters."""
@@ -492,7 +499,6 @@ class EngineValidation(L.Callback):
         """engine_val/* per depth and the loss; a top-1 gap between the two paths beyond `tolerance` is
         an EngineTrainingGap (strict) or a warning."""
         m: dict[str, float] = {}
-        total = 0.0
         gaps = []  # depths whose engine-vs-training top-1 gap exceeds the tolerance
         for d, (e, r) in enumerate(zip(eng, ref)):
             n = max(e.n, 1)
@@ -502,7 +508,6 @@ class EngineValidation(L.Callback):
             m[f"engine_val/train_acc_d{d + 1}"] = r.acc
             m[f"engine_val/train_kl_d{d + 1}"] = r.kl / max(r.n, 1)
             m[f"engine_val/gap_acc_d{d + 1}"] = abs(e.acc - r.acc)
-            total += self.s.depth_decay ** d * (self.s.w_hidden * e.reg + self.s.w_kl * e.kl) / n
             if abs(e.acc - r.acc) > self.s.tolerance:
                 gaps.append({"depth": d + 1, "engine_acc": e.acc, "train_acc": r.acc, "gap": abs(e.acc - r.acc),
                              "engine_rows": e.n, "train_rows": r.n, "engine_kl": e.kl / n,
@@ -518,7 +523,7 @@ class EngineValidation(L.Callback):
             if self.strict:
                 raise EngineTrainingGap(msg, tolerance=self.s.tolerance, dtype=str(self.s.target_dtype), gaps=gaps)
             log.warning("%s", msg)
-        m["engine_val/loss"] = total
+        m["engine_val/loss"] = self._loss(eng)
         return m
 
     def _decoded(self, target, head, prompts: list[list[int]], k: int) -> dict[str, float]:
