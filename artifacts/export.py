@@ -146,7 +146,7 @@ def servable_formats(head: Head) -> list[str]:
 
 # the speculative `method` vLLM serves each format with (docs/export.md's matrix; always pass it: vLLM guesses
 # from the path otherwise). mtp-vllm goes through vLLM's eagle3 method with spechead's plugin; medusa-vllm
-# needs vLLM ≤ 0.32; draft-hf is vLLM's draft_model method, which no test here has run
+# needs vLLM ≤ 0.32; draft-hf is vLLM's draft_model method (tests/test_vllm_serving.py serves it)
 VLLM_METHODS = {"mtp-vllm": "eagle3", "eagle1-vllm": "eagle", "eagle3": "eagle3", "medusa-vllm": "medusa",
                 DRAFT_HF: "draft_model", SPECULATORS_EAGLE3: "eagle3"}
 

@@ -257,18 +257,22 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     lengths = [len(ids) for _, ids, _ in samples]
     todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
     device = model.device
-    # an out-of-process backend (vllm) batches by itself: one batch in flight
-    workers = 1 if hasattr(model, "hidden_states") else resolve_workers(workers, device)
+    # an out-of-process backend (vllm): its batches do not depend on how many are in flight (it runs them one
+    # after another), and `in_flight` of them wait in its queue, so it starts the next while this process
+    # reads the last one's states and writes the store
+    remote = hasattr(model, "hidden_states")
+    workers = int(getattr(model, "in_flight", 1)) if remote else resolve_workers(workers, device)
     aux_layers = tuple(writer.aux_layers)
     packed = bool(getattr(model, "supports_packing", False))
-    jobs = [(w, batch) for w, window in enumerate(plan_batches(lengths, batch_tokens, min_batches=workers, packed=packed))
-            for batch in window if not all(samples[i][0] in done for i in batch)]
+    plan = plan_batches(lengths, batch_tokens, min_batches=1 if remote else workers, packed=packed)
+    jobs = [(w, batch) for w, window in enumerate(plan) for batch in window
+            if not all(samples[i][0] in done for i in batch)]
     t0 = time.perf_counter()
     bar = Progress(todo_tokens, "precompute", "tok", bar=progress, every_s=progress_log_s, unit_scale=True)
     out = _WindowWriter(writer, samples, done)
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="precompute") if workers > 1 else None
-    if pool is not None and device.type == "cpu":
+    if pool is not None and device.type == "cpu" and not remote:
         torch.set_num_threads(max(1, threads // workers))
     try:
         hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -285,7 +289,8 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-            torch.set_num_threads(threads)
+            if not remote:
+                torch.set_num_threads(threads)
         bar.close(failed=sys.exc_info()[0] is not None)
     writer.close()
     return PrecomputeStats(samples=out.count, tokens=out.tokens, loss_tokens=out.loss_tokens,

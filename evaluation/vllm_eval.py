@@ -7,7 +7,8 @@ Per configured head: the head is exported to the format vLLM serves for it (arti
 is) under `<run_dir>/eval_vllm/<label>/`, and one vLLM process (`inference_eval/vllm_serve_worker.py` in
 the vLLM environment, `evaluate.vllm.python`) decodes the prompts greedily with it — category by category,
 so that vLLM's own counters (`LLM.get_metrics()`: drafts, accepted tokens per position) give τ and α_d per
-category. With `plain_baseline`, one more process decodes them plainly. `k: auto` probes k = 1..auto_max_k
+category. `evaluate.vllm.data_parallel_size` > 1 runs that many vLLM processes at once, each on its own GPUs
+(or cores) and a share of every category's prompts; their counters are summed (inference_eval/vllm_spec.py). With `plain_baseline`, one more process decodes them plainly. `k: auto` probes k = 1..auto_max_k
 on the first `auto_prompts` prompts, one vLLM process per k, and keeps the fastest.
 
 From vLLM's counters: τ = (accepted + drafts) / drafts (tokens per target verification pass: the
@@ -123,6 +124,7 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
         runner = VLLMRunner(ecfg.vllm, target_dir, cfg.target.dtype, int(ecfg.max_new_tokens),
                             int(ecfg.get("batch_size", 1)), max(len(p["ids"]) for p in prompts), stops, Path(tmp))
+        report["data_parallel_size"] = runner.replicas
         plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None
         if plain is not None:
             report["plain_tokens_per_s"] = rate(plain)

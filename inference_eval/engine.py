@@ -714,13 +714,24 @@ class PagedDraftModelProposer(ChainProposer):
       (and d_k when all k were accepted) — which fills its cache and gives the next round's d_1.
     So a speculative round costs k draft passes and one target pass. After a plain step, a prefill or
     a preemption, positions ≥ `fed` are fed first (varlen) in the next round, at one pass more.
-    `passes` counts the draft's forward passes."""
+    `passes` counts the draft's forward passes.
+
+    Schedule: vLLM's `draft_model` (the default, `speculate_beside_prefill=True`; read in 0.32: the step that
+    prefills a request drafts for it too — gpu_model_runner.py `propose_draft_token_ids` passes the prompt's
+    tokens when the step verifies no drafts, and llm_base_proposer.py `set_inputs_first_pass` appends the
+    token sampled from the prefill, so the draft's first pass covers t_0..t_m and gives d_1): the step that
+    admits a request runs a speculative round for the whole batch, whose propose feeds the newcomer's prompt
+    and first token (the `stale` feed). Every sequence drafts in every step, and the per-position acceptance
+    counts and verification passes equal vLLM's (tests/test_vllm_serving.py, the `draft_lm` row).
+    `speculate_beside_prefill=False` is the seed's schedule: the step that prefills a request decodes the
+    whole batch plainly, so the token after the first is never drafted (one more pass per request)."""
 
     capture_layers = ()
-    speculate_beside_prefill = False
+    speculate_beside_prefill = True
 
-    def __init__(self, draft) -> None:
+    def __init__(self, draft, speculate_beside_prefill: bool = True) -> None:
         self.draft = draft
+        self.speculate_beside_prefill = speculate_beside_prefill
         self.passes = 0
 
     def attach(self, engine: Engine) -> None:

@@ -9,6 +9,12 @@ the engine backend stores (tests/test_vllm_backend.py compares the two stores). 
 the states through vLLM's `extract_hidden_states` speculative method and a KV connector of ours
 (see the worker's docstring); `tensor_parallel_size` shards the target over that many devices.
 
+Requests are pipelined: `submit` writes a request line and returns a future at once; a reader thread
+resolves the futures in request order (the worker answers in order). Precompute keeps
+`precompute.vllm.in_flight` batches queued this way (data/precompute.py), so vLLM starts the next batch while
+this process reads the last one's states and writes the store. A worker that dies fails every pending
+future with its log's tail.
+
 The worker (its process group: vLLM's engine core and tensor-parallel workers) ends when the
 backend is closed, when this process exits (atexit), or — if this process dies without running
 atexit — when its stdin closes or, on Linux, by a parent-death signal.
@@ -17,6 +23,7 @@ atexit — when its stdin closes or, on Linux, by a parent-death signal.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import math
 import os
@@ -25,6 +32,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,6 +41,7 @@ import torch
 
 from core.safetensors_io import checkpoint_files, read_safetensors_header
 from heads.registry import resolve_aux_layers
+from inference_eval.vllm_worker import read_sample_states
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
@@ -91,6 +100,46 @@ def replica_devices(tensor_parallel_size: int, environ: dict[str, str], gpus: in
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(rank * tp, (rank + 1) * tp))}
 
 
+def replica_env(replica: int, replicas: int, tensor_parallel_size: int, gpus: int, cores: int,
+                setting: str) -> dict[str, str]:
+    """Data-parallel replicas inside one stage (`evaluate.vllm.data_parallel_size`,
+    `regenerate.vllm.data_parallel_size`): replica r's vLLM process gets GPUs [r·tp, (r+1)·tp)
+    (CUDA_VISIBLE_DEVICES); on a CPU, its share of the cores, one group per tensor-parallel rank
+    (VLLM_CPU_OMP_THREADS_BIND, e.g. "0|1" / "2|3" for 2 replicas × TP 2 on 4 cores). One replica: nothing (vLLM
+    chooses). Too few GPUs or cores is an error naming `setting`."""
+    tp = int(tensor_parallel_size)
+    if replicas <= 1:
+        return {}
+    if gpus:
+        if replicas * tp > gpus:
+            raise ValueError(f"{setting}={replicas} replicas × tensor_parallel_size={tp} need {replicas * tp} GPUs, "
+                             f"{gpus} are visible: lower {setting}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(replica * tp, (replica + 1) * tp))}
+    per_rank = cores // (replicas * tp)
+    if per_rank < 1:
+        raise ValueError(f"{setting}={replicas} replicas × tensor_parallel_size={tp} need {replicas * tp} CPU cores, "
+                         f"{cores} are usable: lower {setting}")
+    first = replica * tp * per_rank
+    groups = [(first + t * per_rank, first + (t + 1) * per_rank - 1) for t in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(a) if a == b else f"{a}-{b}" for a, b in groups)}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), the CPU replicas' share to split."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def data_parallel_size(vcfg: Any, setting: str) -> int:
+    value = int(vcfg.get("data_parallel_size", 1) or 1)
+    if value < 1:
+        raise ValueError(f"{setting}={value}: expected a whole number ≥ 1 (vLLM replicas, each over "
+                         "tensor_parallel_size devices)")
+    return value
+
+
 def worker_env(vcfg: Any, tensor_parallel_size: int) -> dict[str, str]:
     """A vLLM worker's environment: this one, spechead importable, the CPU build's KV-cache space, this
     replica's GPUs (`replica_devices`) and the config's `env`."""
@@ -104,6 +153,14 @@ def checkpoint_parameters(target_dir: str | Path) -> int:
     """Elements of every tensor in a checkpoint directory's safetensors files (headers only)."""
     headers = [read_safetensors_header(f, validate=False)[0] for f in checkpoint_files(Path(target_dir))]
     return sum(math.prod(t["shape"]) for h in headers for name, t in h.items() if name != "__metadata__")
+
+
+def in_flight(setting: Any) -> int:
+    """`precompute.vllm.in_flight`: batches queued in the worker at once (≥ 1; 1 = one at a time)."""
+    value = int(setting)
+    if value < 1:
+        raise ValueError(f"precompute.vllm.in_flight={setting!r}: expected a whole number ≥ 1")
+    return value
 
 
 # what vLLM needs beside the weights shard, per GPU: CUDA context, activations of a prefill batch, a
@@ -169,7 +226,9 @@ class VLLMBackend:
     stage = "precompute.backend=vllm"
 
     def __init__(self, python: Path, init: dict[str, Any], env: dict[str, str], startup_timeout_s: float = 900,
-                 keep: bool = False) -> None:
+                 keep: bool = False, wait: bool = True) -> None:
+        """Starts the worker from this thread (the worker's parent-death signal follows the thread that
+        started it) and, with `wait`, waits for its ready line; else `await_ready` does."""
         # an unsupported release is refused before the worker starts: it relies on the hidden-states connector's
         # internals, identical in 0.32 and 0.33 (docs/export.md "vLLM versions")
         check_vllm_version(vllm_version(python), self.stage)
@@ -180,20 +239,30 @@ class VLLMBackend:
         self.tmp = tempfile.TemporaryDirectory(prefix="spechead-vllm-")
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "wb")
-        self._lock = threading.Lock()
-        self._count = 0
+        self._send = threading.Lock()  # one request line at a time on the worker's stdin
+        self._pending: collections.deque[tuple[Future, str]] = collections.deque()  # in request order
+        self.in_flight = 1  # batches precompute keeps queued (precompute.vllm.in_flight; set by from_config)
+        self.max_pending = 0  # the most requests queued at once (tests/test_vllm_backend.py)
         self.proc = subprocess.Popen([str(python), "-m", self.worker_module, json.dumps(init)],
                                      cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, start_new_session=True)
         atexit.register(self.close)
+        self.startup_timeout_s = startup_timeout_s
+        if wait:
+            self.await_ready()
+
+    def await_ready(self) -> None:
+        """The worker's ready line (its start, vLLM's load), then the reader thread of the replies."""
         try:
-            ready = self._reply(startup_timeout_s, "start")
+            ready = self._reply(self.startup_timeout_s, "start")
             if not ready.get("ready"):
                 raise VLLMWorkerError(f"the vLLM worker failed to start:\n{ready.get('error', '')}{self._tail()}")
         except BaseException:
             self.close()
             raise
         self.info = ready
+        self._reader = threading.Thread(target=self._read_replies, name="vllm-replies", daemon=True)
+        self._reader.start()
 
     @classmethod
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
@@ -222,13 +291,15 @@ class VLLMBackend:
         with _LOCK:
             live = _LIVE.get(key)
             if live is not None and live.alive:
+                live.in_flight = in_flight(vcfg.get("in_flight", 2))
                 return live
             for other in list(_LIVE.values()):  # one kept worker at a time
                 other.close(force=True)
             backend = cls(python, init, env, float(vcfg.get("startup_timeout_s", 900)), keep=keep)
             if keep:
                 _LIVE[key] = backend
-            return backend
+        backend.in_flight = in_flight(vcfg.get("in_flight", 2))
+        return backend
 
     @property
     def alive(self) -> bool:
@@ -258,32 +329,62 @@ class VLLMBackend:
 
     def hidden_states(self, batch: list[list[int]], aux_layers: tuple[int, ...]
                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(H [n, H], aux [n, K·H] or None) of each token list of `batch`, in batch order."""
-        from safetensors.torch import load_file
-
+        """(H [n, H], aux [n, K·H] or None) of each token list of `batch`, in batch order. Thread-safe: calls
+        from several threads queue their batches in the worker (the next starts as soon as vLLM finishes one)."""
         if tuple(aux_layers) != self.aux_layers:
             raise ValueError(f"the store captures aux layers {list(aux_layers)}, the vLLM worker was started for "
                              f"{list(self.aux_layers)}")
-        with self._lock:
-            self._count += 1
-            out = Path(self.tmp.name) / f"batch-{self._count}.safetensors"
-            self.request({"batch": [list(map(int, ids)) for ids in batch], "out": str(out)}, "a batch")
-            data = load_file(out)
-            out.unlink()
-        return [(data[f"hidden.{j}"], data[f"aux.{j}"] if aux_layers else None)
-                for j in range(len(batch))]
+        batch = [list(map(int, ids)) for ids in batch]
+        files = self.request({"batch": batch}, "a batch")["files"]
+        if len(files) != len(batch):
+            raise VLLMWorkerError(f"the vLLM worker answered {len(files)} files for a batch of {len(batch)}")
+        layer_ids, layers = list(self.info["layer_ids"]), int(self.init["num_hidden_layers"])
+        return [read_sample_states(f, ids, layer_ids, layers, list(self.aux_layers)) for f, ids in zip(files, batch)]
+
+    def submit(self, req: dict, what: str) -> Future:
+        """Send one request line; its reply (a dict) arrives in the returned future, in request order. A failed
+        request, or a worker that is gone, sets a VLLMWorkerError."""
+        future: Future = Future()
+        with self._send:
+            if not self.alive:
+                raise VLLMWorkerError(f"the vLLM worker is gone (exit {self.proc.returncode}) before {what}{self._tail()}")
+            self._pending.append((future, what))
+            self.max_pending = max(self.max_pending, len(self._pending))
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError) as e:  # ValueError: stdin closed by close()
+                self._pending.remove((future, what))
+                raise VLLMWorkerError(f"the vLLM worker is gone{self._tail()}") from e
+        return future
 
     def request(self, req: dict, what: str) -> dict:
-        """One request line to the worker and its reply (held under `_lock` by the caller); a failed one raises."""
-        try:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError as e:
-            raise VLLMWorkerError(f"the vLLM worker is gone{self._tail()}") from e
-        reply = self._reply(None, what)
-        if not reply.get("ok"):
-            raise VLLMWorkerError(f"the vLLM worker failed on {what}:\n{reply.get('error')}")
-        return reply
+        """One request and its reply (`submit`, waited for); a failed one raises."""
+        return self.submit(req, what).result()
+
+    def _read_replies(self) -> None:
+        """The reader thread: each reply line resolves the oldest pending request; at EOF (the worker gone)
+        every pending request fails with the log's tail."""
+        for line in self.proc.stdout:
+            if not line.strip():
+                continue
+            with self._send:
+                future, what = self._pending.popleft()
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                future.set_exception(VLLMWorkerError(f"the vLLM worker answered {what} with a line that is not "
+                                                     f"JSON: {line[:200]!r}"))
+                continue
+            if reply.get("ok"):
+                future.set_result(reply)
+            else:
+                future.set_exception(VLLMWorkerError(f"the vLLM worker failed on {what}:\n{reply.get('error')}"))
+        code = self.proc.wait()
+        with self._send:
+            pending, self._pending = list(self._pending), collections.deque()
+        for future, what in pending:
+            future.set_exception(VLLMWorkerError(f"the vLLM worker exited (code {code}) during {what}{self._tail()}"))
 
     def release(self) -> None:
         """The end of a precompute: close the worker unless it is kept (`precompute.vllm.keep_worker`)."""
@@ -347,13 +448,60 @@ class VLLMGenerator(VLLMBackend):
                     vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype, tp,
                     _gpu_bytes()),
                 "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        return cls(python, init, worker_env(vcfg, tp), float(vcfg.get("startup_timeout_s", 900)))
+        replicas = data_parallel_size(vcfg, "regenerate.vllm.data_parallel_size")
+        if replicas == 1:
+            return cls(python, init, worker_env(vcfg, tp), float(vcfg.get("startup_timeout_s", 900)))
+        gpus, cores = torch.cuda.device_count(), usable_cores()
+        envs = [{**worker_env(vcfg, tp), **replica_env(r, replicas, tp, gpus, cores, "regenerate.vllm.data_parallel_size"),
+                 **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}} for r in range(replicas)]
+        return VLLMReplicas([cls(python, init, env, float(vcfg.get("startup_timeout_s", 900)), wait=False)
+                             for env in envs])
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:
         """Each prompt's reply token ids (its stop token last when it stopped on one), in prompt order."""
+        return self.submit_generation(prompts, max_tokens, stop_ids, temperature, top_p, top_k, seeds).result()["tokens"]
+
+    def submit_generation(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float,
+                          top_p: float, top_k: int, seeds: list[int] | None) -> Future:
+        """`generate_ids`' request, sent without waiting: its reply's `tokens` arrive in the future."""
         req = {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": int(max_tokens),
                "stop_token_ids": sorted(int(t) for t in stop_ids), "temperature": float(temperature),
                "top_p": float(top_p), "top_k": int(top_k), "seeds": seeds}
-        with self._lock:
-            return self.request(req, "a batch of prompts")["tokens"]
+        return self.submit(req, "a batch of prompts")
+
+
+class VLLMReplicas:
+    """Data-parallel regeneration (`regenerate.vllm.data_parallel_size` > 1): one VLLMGenerator per replica,
+    each on its own GPUs or cores (`replica_env`), started together; a batch of prompts is cut into one
+    contiguous slice per replica, the slices generate at the same time, and the replies come back in prompt
+    order. Each prompt keeps its own seed, so a reply does not depend on the replica that made it. The workers are
+    started from the calling thread: a worker's parent-death signal fires when the thread that started it ends."""
+
+    def __init__(self, replicas: list[VLLMGenerator]) -> None:
+        """`replicas`: generators whose workers are starting (`wait=False`): they load side by side, and each
+        is waited for here; one that fails closes them all."""
+        self.replicas = replicas
+        try:
+            for g in replicas:
+                g.await_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.info = replicas[0].info
+
+    def generate_ids(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:
+        n, r = len(prompts), len(self.replicas)
+        bounds = [n * i // r for i in range(r + 1)]
+        futures = [(a, b, g.submit_generation(prompts[a:b], max_tokens, stop_ids, temperature, top_p, top_k,
+                                              seeds[a:b] if seeds is not None else None))
+                   for g, a, b in zip(self.replicas, bounds, bounds[1:]) if b > a]
+        out: list[list[int]] = []
+        for _, _, future in futures:
+            out.extend(future.result()["tokens"])
+        return out
+
+    def close(self) -> None:
+        for g in self.replicas:
+            g.close()

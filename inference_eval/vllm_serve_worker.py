@@ -65,6 +65,10 @@ def run(job: dict) -> dict:
     groups, spec_on = [], bool(job.get("speculative_config"))
     for group in job.get("groups") or [list(range(len(prompts)))]:
         before = spec_counters(llm) if spec_on else None
+        if not group:  # a category with no prompt for this replica (evaluate.vllm.data_parallel_size)
+            groups.append({"spec": counter_delta(before, before) if spec_on else None, "generate_s": 0.0,
+                           "new_tokens": 0})
+            continue
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in group], params, use_tqdm=False)
         seconds = time.perf_counter() - t0

@@ -20,11 +20,18 @@ pinning, and writes one safetensors file per request as the example does.
 Protocol: the first argument is a JSON object (model, dtype, aux_layers, tensor_parallel_size,
 max_model_len, ...). Replies are JSON lines on the original stdout (the process's fd 1 is pointed at
 stderr before vLLM is imported, so vLLM's own output cannot corrupt the protocol): first
-`{"ready": true, ...}`, then one line per request. A request is a JSON line on stdin,
-`{"batch": [[token ids], ...], "out": "<file>"}`; the reply `{"ok": true}` means `<file>` (a
-safetensors file) holds `hidden.<j>` [n_j, H] and, with aux layers, `aux.<j>` [n_j, K·H] for each
-sample j of the batch, in float32 or the compute dtype. Errors reply `{"ok": false, "error": ...}`.
-EOF on stdin ends the process.
+`{"ready": true, "layer_ids": [...], ...}`, then one line per request, in request order. A request is a
+JSON line on stdin, `{"batch": [[token ids], ...]}`; the reply `{"ok": true, "files": [...]}` names, per
+sample of the batch, the safetensors file the connector writes (`hidden_states` [n, len(layer_ids), H],
+`token_ids` [n]) and its `.lock`, held exclusively until the file is complete: the reader takes a shared
+lock, reads, and removes both (`read_sample_states`). Errors reply `{"ok": false, "error": ...}`. EOF on
+stdin ends the process.
+
+Off the critical path: the connector copies a finished request's states out of vLLM's cache at once and
+writes the file on a thread of its own, so the next requests' forward passes do not wait for the disk; the
+worker hands the file names back without reading them, so it is ready for the next request as soon as
+vLLM returns, and a caller keeps several requests queued on its stdin (inference_eval/vllm_backend.py,
+`precompute.vllm.in_flight`). The states go through one file: written by the connector, read by spechead.
 """
 
 from __future__ import annotations
@@ -63,15 +70,14 @@ if ExampleHiddenStatesConnector is not None:
 
     class SpecheadHiddenStatesConnector(ExampleHiddenStatesConnector):
         """ExampleHiddenStatesConnector whose copy out of the hidden-state cache is synchronous and
-        unpinned (the CPU build has no pinned memory and no CUDA streams): the file is written, and
-        its lock released, before `get_finished` reports the request."""
+        unpinned (the CPU build has no pinned memory and no CUDA streams) and whose file is written on the
+        connector's writer thread, off the engine's step: the request is reported finished once its states
+        are copied; the reader waits on the file's lock, which the writer releases when the file is complete."""
 
         def _submit_async_write(self, pending) -> None:
             if not self._is_tp_rank_zero:
                 return
             import fcntl
-
-            from safetensors.torch import save_file
 
             assert self._kv_cache is not None
             block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
@@ -79,6 +85,7 @@ if ExampleHiddenStatesConnector is not None:
             slots = (offsets[None, :] + block_ids[:, None] * self._block_size).flatten()
             slots = slots.to(self._kv_cache.device)
             states = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
+            # a copy the cache's next owner cannot overwrite: the copy is done when this returns
             tensors = {"hidden_states": states.to("cpu").contiguous().clone(),
                        "token_ids": pending.token_ids.clone()}
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
@@ -86,19 +93,34 @@ if ExampleHiddenStatesConnector is not None:
             if lock_fd is None and self.use_lock:
                 lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            try:
-                tmp = pending.filename + ".tmp"
-                save_file(tensors, tmp)
-                os.replace(tmp, pending.filename)
-            finally:
-                if lock_fd is not None:
-                    os.close(lock_fd)
+            assert pending.req_id not in self._req_futures, "another KV transfer with the same req_id"
+            future = self._executor.submit(_write_file, tensors, pending.filename, lock_fd)
+            self._req_futures[pending.req_id] = future
+            future.add_done_callback(lambda f, req_id=pending.req_id: self._on_write_done(req_id, f))
             self._req_copy_events[pending.req_id] = _Done()
 
 
-def _read_states(path: str) -> "torch.Tensor":
+def _write_file(tensors: dict, filename: str, lock_fd: int | None) -> None:
+    """The connector's writer thread: the file (atomically), then the lock released."""
+    from safetensors.torch import save_file
+
+    try:
+        tmp = filename + ".tmp"
+        save_file(tensors, tmp)
+        os.replace(tmp, filename)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)  # releases LOCK_EX: a reader waiting on LOCK_SH goes on
+
+
+def read_sample_states(path: str, ids: list[int], layer_ids: list[int], num_layers: int,
+                       aux_layers: list[int]) -> tuple["torch.Tensor", "torch.Tensor | None"]:
+    """One sample's states from the connector's file (waiting on its lock until the writer is done), checked
+    against the tokens sent: (H [n, H] — the last layer's pre-norm output —, aux [n, K·H] or None); the file
+    and its lock are removed. Runs in spechead's process (inference_eval/vllm_backend.py)."""
     import fcntl
 
+    import torch
     from safetensors.torch import load_file
 
     with open(path + ".lock") as lf:  # the connector holds LOCK_EX until the file is written
@@ -109,7 +131,15 @@ def _read_states(path: str) -> "torch.Tensor":
             os.remove(p)
         except FileNotFoundError:
             pass
-    return data
+    states, token_ids = data["hidden_states"], data["token_ids"]
+    if token_ids.tolist() != list(ids):
+        raise RuntimeError(f"{path}: vLLM cached states for other tokens than sent")
+    if states.shape[:2] != (len(ids), len(layer_ids)):
+        raise RuntimeError(f"{path}: states {tuple(states.shape)}, expected ({len(ids)}, {len(layer_ids)}, H)")
+    at = {layer: k for k, layer in enumerate(layer_ids)}
+    hidden = states[:, at[num_layers]].contiguous()
+    aux = torch.cat([states[:, at[i]] for i in aux_layers], dim=-1).contiguous() if aux_layers else None
+    return hidden, aux
 
 
 class Worker:
@@ -145,29 +175,21 @@ class Worker:
                                 "kv_connector_extra_config": {"shared_storage_path": self.tmp}},
             **kwargs)
 
-    def run(self, batch: list[list[int]]) -> dict:
+    def run(self, batch: list[list[int]]) -> list[str]:
+        """The batch through vLLM (one token generated per sample, the states cached on the way): the file
+        the connector writes for each sample, in batch order."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in batch], params,
                                  use_tqdm=False)
-        tensors = {}
-        for j, (ids, out) in enumerate(zip(batch, outs)):
+        files = []
+        for j, out in enumerate(outs):
             path = (out.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for sample {j} ({out.kv_transfer_params})")
-            data = _read_states(path)
-            states, token_ids = data["hidden_states"], data["token_ids"]
-            if token_ids.tolist() != list(ids):
-                raise RuntimeError(f"sample {j}: vLLM cached states for other tokens than sent")
-            if states.shape[:2] != (len(ids), len(self.layer_ids)):
-                raise RuntimeError(f"sample {j}: states {tuple(states.shape)}, expected ({len(ids)}, "
-                                   f"{len(self.layer_ids)}, H)")
-            at = {layer: k for k, layer in enumerate(self.layer_ids)}
-            tensors[f"hidden.{j}"] = states[:, at[self.num_layers]].contiguous()
-            if self.aux_layers:
-                tensors[f"aux.{j}"] = torch.cat([states[:, at[i]] for i in self.aux_layers], dim=-1).contiguous()
-        return tensors
+            files.append(path)
+        return files
 
 
 def _die_with_parent() -> None:
@@ -226,16 +248,6 @@ def serve(start, ready: dict, handle) -> None:
             reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
 
 
-def _write_states(worker: "Worker", req: dict) -> dict:
-    from safetensors.torch import save_file
-
-    tensors = worker.run(req["batch"])
-    tmp = req["out"] + ".tmp"
-    save_file(tensors, tmp)
-    os.replace(tmp, req["out"])
-    return {}
-
-
 def main() -> None:
     import shutil
 
@@ -246,7 +258,8 @@ def main() -> None:
         return workers[0]
 
     try:
-        serve(start, lambda w: {"torch": torch.__version__, "layer_ids": w.layer_ids}, _write_states)
+        serve(start, lambda w: {"torch": torch.__version__, "layer_ids": w.layer_ids, "tmp": w.tmp},
+              lambda w, req: {"files": w.run(req["batch"])})
     finally:
         for worker in workers:
             shutil.rmtree(worker.tmp, ignore_errors=True)

@@ -17,7 +17,7 @@ from artifacts.checkpoint import TargetMismatchError, load_native, save_native
 from heads.registry import build_head
 from heads.draft_lm import DraftLMHead
 from artifacts.draft_hf import read_target_layers
-from inference_eval.engine import PagedDraftModelProposer, engine_generate
+from inference_eval.engine import PagedDraftModelProposer, engine_generate, engine_run
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import DraftModelProposer
 from tests.helpers import generate_plain, generate_speculative
@@ -106,6 +106,59 @@ def test_greedy_speculative_equals_plain_batch1_and_batch8(setup, k):
     # engine's draft-model schedule decodes the step of a prefill plainly)
     ref = [generate_speculative(target, DraftModelProposer(head), p, k, 20) for p in prompts]
     assert [o for o, _ in ref] == reference and sum(s.accepted[0] for _, s in ref) > 0
+
+
+@torch.inference_mode()
+def _every_step_reference(target, draft, prompt: list[int], k: int, n: int) -> tuple[list[int], dict]:
+    """Greedy speculative decoding of one prompt by full recomputation (no KV cache, no scheduler) on vLLM's
+    draft-model schedule: the first token from the prompt, then a round in every step — the draft's k greedy
+    tokens after all committed tokens, the target's argmax over them, the longest matching prefix and the
+    target's token after it. New tokens and the counts vLLM's metrics give."""
+    toks = list(prompt)
+    toks.append(int(target(torch.tensor([toks])).logits[0, -1].argmax()))
+    out, accepted, reached, steps = [toks[-1]], [0] * k, [0] * k, 0
+    while len(out) < n:
+        drafts: list[int] = []
+        for _ in range(k):
+            drafts.append(int(draft(torch.tensor([toks + drafts])).logits[0, -1].argmax()))
+        g = target(torch.tensor([toks + drafts])).logits[0, -k - 1:].argmax(-1).tolist()
+        a = 0
+        while a < k and drafts[a] == g[a]:
+            a += 1
+        for d in range(min(a + 1, k)):
+            reached[d] += 1
+            accepted[d] += int(d < a)
+        steps += 1
+        toks += drafts[:a] + [g[a]]
+        out += drafts[:a] + [g[a]]
+    return out[:n], {"accepted": accepted, "reached": reached, "steps": steps}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_vllm_schedule_drafts_in_every_step(setup, k):
+    """The draft-model proposer's default schedule is vLLM's `draft_model` one (inference_eval/engine.py
+    PagedDraftModelProposer): the step that prefills a request drafts for it too, so in a batch joining at
+    different steps each request's acceptance counts and verification passes equal a cache-free loop that
+    drafts in every step — the figures vLLM's metrics give. The seed's schedule
+    (`speculate_beside_prefill=False`) decodes the token after the first plainly: fewer first-position
+    drafts, and on these prompts fewer accepted."""
+    target, head, prompts, reference = setup["target"], setup["head"], setup["prompts"], setup["reference"]
+    ref = [_every_step_reference(target, head, p, k, 20) for p in prompts]
+    assert [o for o, _ in ref] == reference
+    results, eng = engine_run(target, prompts, 20, proposer=head, k=k, max_batch=8, arrivals=ARRIVALS)
+    assert [r.tokens for r in results] == reference
+    for r, (_, want) in zip(results, ref):
+        assert {"accepted": r.stats.accepted, "reached": r.stats.reached, "steps": r.stats.steps} == want
+    # the seed's schedule (batch 1): one plain pass per request, and other counts (the test tells them apart)
+    seed, _ = engine_run(target, prompts, 20, proposer=PagedDraftModelProposer(head, speculate_beside_prefill=False),
+                         k=k, max_batch=1)
+    assert [r.stats.steps - r.stats.reached[0] for r in seed] == [1] * len(prompts)
+    assert [(r.stats.accepted, r.stats.steps) for r in seed] != [(w["accepted"], w["steps"]) for _, w in ref]
+    # the target drafting for itself: every draft accepted from the prefill's step on (no plain step)
+    full = PagedDraftModelProposer(target.truncated(target.args.num_hidden_layers))
+    out, eng = engine_generate(target, prompts[:1], 4 * (k + 1) + 1, proposer=full, k=k)
+    assert out == [reference[0][: 4 * (k + 1) + 1]]
+    assert eng.stats.accepted == eng.stats.reached == [4] * k and eng.stats.steps == 4
 
 
 def test_training_raises_acceptance(setup):

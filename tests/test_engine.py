@@ -213,12 +213,13 @@ def test_draft_model_batch(varied, reference):
 def test_draft_model_schedule_pass_counts(varied, reference):
     """Per speculative round k draft passes and one target pass: d_1 comes from the logits carried
     from the last round (no pass), d_2..d_k take k-1, and one pass after acceptance feeds the bonus
-    token. The first round also feeds the prompt; a step that prefills a request decodes plainly."""
+    token. The first round also feeds the prompt; under the seed's schedule (`speculate_beside_prefill=False`;
+    the default is vLLM's, tests/test_draft_lm.py) a step that prefills a request decodes plainly."""
     from inference_eval.engine import PagedDraftModelProposer
 
     target, _, prompts, *_ = varied
     for k in (1, 2, 3):
-        prop = PagedDraftModelProposer(target.truncated(1))
+        prop = PagedDraftModelProposer(target.truncated(1), speculate_beside_prefill=False)
         eng = Engine(target, prop, k=k, max_batch=2, max_seq_len=80)
         kinds = []
         for name in ("_decode", "_chain_round"):
@@ -231,7 +232,7 @@ def test_draft_model_schedule_pass_counts(varied, reference):
         assert prop.passes == 1 + rounds * k, (k, prop.passes, rounds)
         assert res[rid].tokens == reference[3] and eng.stats.steps == rounds + 1
     # a newcomer's prefill makes the whole batch decode plainly in that step
-    prop = PagedDraftModelProposer(target.truncated(1))
+    prop = PagedDraftModelProposer(target.truncated(1), speculate_beside_prefill=False)
     eng = Engine(target, prop, k=2, max_batch=2, max_seq_len=80)
     kinds = []
     for name in ("_decode", "_chain_round"):

@@ -271,12 +271,32 @@ def test_torchrun_two_nodes_train_like_one(tiny_overrides, tmp_path):
         torch.testing.assert_close(saved[k], v, atol=1e-5, rtol=1e-4, msg=k)
 
 
-# ---- DeepSpeed ZeRO-3: the preset's config through deepspeed.initialize ---------------------------------
-def deepspeed_job(overrides: list[str], steps: int, out_dir: str) -> None:
+# ---- DeepSpeed ZeRO-2/3: the preset's config through deepspeed.initialize --------------------------------
+RESUME_AT = 4  # the DeepSpeed job saves its checkpoint after this step; a second job resumes from it
+VAL_AT = 5  # and runs the product's in-loop engine validation after this one
+
+
+class _StubTrainer:
+    """What EngineValidation reads of Lightning's Trainer, for a loop that Lightning does not run (DeepSpeed on
+    CPU): the step, the ranks, the data module; no logger (the figures come back from `run`)."""
+
+    logger = None
+
+    def __init__(self, rank: int, world_size: int, dm, root: str) -> None:
+        self.global_rank, self.world_size, self.is_global_zero = rank, world_size, rank == 0
+        self.datamodule, self.default_root_dir, self.global_step = dm, root, 0
+
+
+def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | None = None) -> None:
     """One rank of a torchrun job (`python -m tests.test_multiprocess deepspeed …`): the preset's
     DeepSpeed config (fp32 here: this CPU has no fast bf16) through `deepspeed.initialize` — Lightning's
     DeepSpeedStrategy refuses a CPU accelerator — on the module's own optimizer and loss, this rank's
-    batches as Lightning would give them; then the save path of train/run.py (`whole_head_state`)."""
+    batches as Lightning would give them. As Lightning's DeepSpeed strategy does: the engine's own
+    (collective) `save_checkpoint` after step RESUME_AT, and the product's in-loop engine validation
+    (train/validation.py EngineValidation: every rank gathers the head, rank 0 scores it while the other waits
+    on the validation's own barrier) after step VAL_AT; at the end the save path of train/run.py
+    (`whole_head_state`). `resume`: a checkpoint directory: load it (`load_checkpoint`) and run the steps
+    after RESUME_AT on the same batches."""
     import deepspeed
     from hydra.utils import instantiate
 
@@ -286,6 +306,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str) -> None:
     from train.module import DraftHeadModule
     from tests.test_strategies import _Loss
     from train.strategies import whole_head_state
+    from train.validation import EngineValidation, EngineValidationSettings
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 90 s JIT build, not needed on gloo
     deepspeed.init_distributed(dist_backend="gloo")
@@ -311,18 +332,34 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str) -> None:
     dm = FeatureDataModule(cfg.store_dir, None, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")
     loader = dm._loader(dm.train_idx, shuffle=True, num_replicas=2, rank=rank)
+    trainer = _StubTrainer(rank, 2, dm, out_dir)
+    validation = EngineValidation(EngineValidationSettings.from_run_config(cfg, cfg.target.path))
+    validation.setup(trainer, module, "fit")  # the waiting ranks' gloo group (its timeout: wait_timeout_s)
 
     def batches():
         for epoch in range(steps):
             loader.batch_sampler.set_epoch(epoch)
             yield from loader
 
-    losses = []
-    for _, b in zip(range(steps), batches()):
+    first = 0
+    if resume is not None:
+        path, client = engine.load_checkpoint(resume, tag=f"step{RESUME_AT}")
+        assert path is not None, f"no DeepSpeed checkpoint under {resume}"
+        first = int(client["global_step"])
+    losses, validated = [], []
+    for step, b in zip(range(steps), batches()):
+        if step < first:  # the batches before the checkpoint: drawn, not trained (the sampler's order)
+            continue
         loss = engine(b)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
+        trainer.global_step = step + 1
+        if trainer.global_step == RESUME_AT and resume is None:
+            engine.save_checkpoint(str(Path(out_dir) / "ckpt"), tag=f"step{RESUME_AT}",
+                                   client_state={"global_step": RESUME_AT})
+        if trainer.global_step == VAL_AT and resume is None:
+            validated.append(validation.run(trainer, module))  # a deadlock: the barrier's timeout fails the job
 
     class _Rank:
         is_global_zero = rank == 0
@@ -331,13 +368,14 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str) -> None:
     state = whole_head_state(_Rank(), head)  # None when the head is whole on every rank (ZeRO-2): save it as is
     if state is None and rank == 0:
         state = {k: v.detach().clone() for k, v in head.state_dict().items()}
-    record = {"losses": losses, "stage": engine.zero_optimization_stage(), "partitioned": partitioned,
-              "optimizer": type(ds_opt).__name__}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    record = {"losses": losses, "first_step": first, "stage": engine.zero_optimization_stage(),
+              "partitioned": partitioned, "optimizer": type(ds_opt).__name__, "validated": validated}
+    name = "resumed" if resume is not None else "full"
+    Path(out_dir, f"{name}-rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / "head.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / f"{name}-head.safetensors"))
 
 
 @pytest.mark.parametrize("preset, head", [("8xh100", []), ("8xh100_zero3", []),
@@ -349,11 +387,16 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     Lightning's strategy would build it; Lightning itself refuses a CPU accelerator): under ZeRO-3 every
     parameter partitioned; 10 steps whose losses equal one process on the same global batches, and the
     head gathered for the save (every rank together) equal to that process's head. EAGLE-3 uses its own
-    lm_head outside a module call: the KL must still see the whole matrix."""
+    lm_head outside a module call: the KL must still see the whole matrix. In-loop engine validation after
+    step 5 finishes on the gathered head (a deadlock fails on the barrier's 120 s timeout) and agrees with the
+    training forward (strict, float32); a job resumed from DeepSpeed's own checkpoint of step 4 continues the
+    same curve to the same head."""
     out = tmp_path / "deepspeed"
     out.mkdir()
     overrides = [*_overrides([*tiny_overrides, *head], preset, out, STEPS), "trainer.accelerator=cpu",
-                 "train.engine_validation.enabled=false"]
+                 "train.engine_validation.prompts=1", "train.engine_validation.conversations=1",
+                 "train.engine_validation.max_new_tokens=4", "train.engine_validation.wait_timeout_s=120",
+                 f"run_dir={tmp_path / 'run'}"]
     cfg = compose_config(overrides)
     run_precompute(cfg)
     from artifacts.checkpoint import save_native
@@ -364,17 +407,33 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     dm.setup("fit")  # the EAGLE-3 draft vocabulary comes from the training split, as in run_training
     save_native(init_head(cfg, Path(cfg.target.path), dm), cfg.train.untrained_dir)
     torchrun("tests.test_multiprocess", ["deepspeed", json.dumps(overrides), str(STEPS), str(out)], timeout=600)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((out / f"full-rank{r}.json").read_text()) for r in range(2)]
     stage = 3 if preset == "8xh100_zero3" else 2
     assert all(r["stage"] == stage and r["partitioned"] == (stage == 3) for r in ranks), ranks
     ref_losses, ref_state, _ = _reference(cfg, Path(cfg.store_dir), Path(cfg.train.untrained_dir), STEPS)
+    assert len({round(a, 6) for a, _ in ref_losses}) == STEPS  # the curve moves: the comparison is not vacuous
     for r in range(2):
         assert ranks[r]["losses"] == pytest.approx([a[r] for a in ref_losses], rel=1e-5, abs=1e-6), r
-    saved = load_file(out / "head.safetensors")
+    saved = load_file(out / "full-head.safetensors")
     assert saved.keys() == ref_state.keys()
     for k, v in ref_state.items():
         torch.testing.assert_close(saved[k], v, atol=1e-5, rtol=1e-4, msg=k)
+    # validation: rank 0 scored the gathered head (τ ≥ 1, the engine's top-1 = the training forward's), rank 1 waited
+    (val0,), (val1,) = ranks[0]["validated"], ranks[1]["validated"]
+    assert val1 is None and val0["step"] == VAL_AT and val0["engine_val/tau"] >= 1.0, val0
+    assert val0["engine_val/acc_d1"] == pytest.approx(val0["engine_val/train_acc_d1"], abs=1e-6), val0
+
+    # resume from DeepSpeed's checkpoint of step 4 (partitioned optimizer state under ZeRO-3) to step 10
+    torchrun("tests.test_multiprocess", ["deepspeed", json.dumps(overrides), str(STEPS), str(out), str(out / "ckpt")],
+             timeout=600)
+    rest = [json.loads((out / f"resumed-rank{r}.json").read_text()) for r in range(2)]
+    for r in range(2):
+        assert rest[r]["first_step"] == RESUME_AT
+        assert rest[r]["losses"] == pytest.approx([a[r] for a in ref_losses[RESUME_AT:]], rel=1e-5, abs=1e-6), r
+    resumed = load_file(out / "resumed-head.safetensors")
+    for k, v in ref_state.items():
+        torch.testing.assert_close(resumed[k], v, atol=1e-5, rtol=1e-4, msg=k)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["deepspeed"]:
-    deepspeed_job(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    deepspeed_job(json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

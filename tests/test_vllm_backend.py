@@ -123,6 +123,30 @@ def test_resume_after_an_interruption_gives_the_same_store(stores, overrides, tm
     assert json.loads((store_dir / "manifest.json").read_text()) == json.loads((stores["vllm"] / "manifest.json").read_text())
 
 
+def test_batches_in_flight_queue_in_the_worker_and_give_the_same_store(stores, overrides, tmp_path):
+    """issue 29: with `precompute.vllm.in_flight=2` (the default, which made the module's store) two batches
+    wait in the worker at once — the backend counts the most requests queued — and the store is byte for
+    byte the one written with one batch at a time, whose queue never holds more than one."""
+    from inference_eval import vllm_backend
+
+    def store_bytes(root: Path) -> dict[str, bytes]:  # the manifest and the shards (not a reader's verified stamp)
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in [root / "manifest.json", *(root / "shards").iterdir()]}
+
+    stores_bytes = {}
+    for n in (1, 2):
+        out = tmp_path / f"in_flight_{n}"
+        for kept in vllm_backend._LIVE.values():
+            kept.max_pending = 0
+        run_precompute(compose_config([*overrides, "precompute.backend=vllm", f"store_dir={out}",
+                                       f"precompute.vllm.in_flight={n}"]))
+        (live,) = vllm_backend._LIVE.values()  # the module's kept worker, reused
+        assert live.in_flight == n and live.max_pending == n, (n, live.max_pending)
+        stores_bytes[n] = store_bytes(out)
+    assert len(stores_bytes[1]) > 3 and stores_bytes[1] == stores_bytes[2] == store_bytes(stores["vllm"])
+    # every file the connector wrote was read and removed
+    assert [p for p in Path(live.info["tmp"]).rglob("*") if p.is_file()] == []
+
+
 def test_two_ranks_merge_into_a_single_runs_store(stores, overrides, tmp_path):
     store_dir = tmp_path / "ranked"
     for rank in (0, 1):
@@ -201,15 +225,18 @@ def test_vllm_memory_setting_fits_the_job_before_vllm_starts(tiny_target, overri
 def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_path):
     """regenerate.backend=vllm (inference_eval/vllm_generate_worker.py) writes the engine backend's replies
     (float32, greedy), record for record, with `backend: vllm` in their settings — so the cache keeps the two
-    apart — and a run killed after its first group, in the middle of a line, resumes to the same file."""
+    apart —, two data-parallel replicas write the same file as one, and a run killed after its first group, in
+    the middle of a line, resumes to the same file."""
     from data.regenerate import regenerate, regenerated_path
 
     common = [*overrides, "regenerate.max_new_tokens=10", "regenerate.batch_size=4"]
     outs = {}
-    for backend in ("engine", "vllm"):
-        outs[backend], stats = regenerate(compose_config([*common, f"regenerate.backend={backend}",
-                                                          f"regenerate.out={tmp_path / backend}.jsonl"]))
+    for name, extra in (("engine", ["regenerate.backend=engine"]), ("vllm", ["regenerate.backend=vllm"]),
+                        ("vllm_dp2", ["regenerate.backend=vllm", "regenerate.vllm.data_parallel_size=2"])):
+        outs[name], stats = regenerate(compose_config([*common, *extra, f"regenerate.out={tmp_path / name}.jsonl"]))
         assert stats.conversations > 4 and stats.tokens > 0
+    # two vLLM replicas at once (one core each), each batch split between them: the same file
+    assert outs["vllm_dp2"].read_bytes() == outs["vllm"].read_bytes()
     eng, vll = ([json.loads(line) for line in outs[b].read_text().splitlines()] for b in ("engine", "vllm"))
     assert [r["conversations"] for r in vll] == [r["conversations"] for r in eng]
     assert sum(r["regenerated"]["new_tokens"] for r in vll) > 0
@@ -228,7 +255,8 @@ def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_pa
 
 def test_evaluate_through_vllm_with_tensor_parallel_2_counts_as_tp_1(stores, overrides, tmp_path):
     """`evaluate.engine=vllm` with `evaluate.vllm.tensor_parallel_size=2` (two vLLM ranks, one core each:
-    VLLM_CPU_OMP_THREADS_BIND) counts the same drafts, accepted tokens per position and new tokens as TP=1, and
+    VLLM_CPU_OMP_THREADS_BIND) — and with `evaluate.vllm.data_parallel_size=2` (two vLLM processes at once, half
+    the prompts each, counters summed) — counts the same drafts, accepted tokens per position and new tokens as TP=1, and
     both the τ of spechead's engine, on the tiny target (its 2 attention heads split over the ranks; SmolLM2's 9
     cannot be). Its greedy output repeats one token; an `mtp` head at its start with `hnorm_init: ones` drafts the
     target's own next-token prediction, so drafts are accepted and the comparison is not between zeros."""
@@ -248,18 +276,21 @@ def test_evaluate_through_vllm_with_tensor_parallel_2_counts_as_tp_1(stores, ove
     results = {}
     for label, extra in (("spechead", ["evaluate.engine=spechead"]), ("tp1", ["evaluate.engine=vllm"]),
                          ("tp2", ["evaluate.engine=vllm", "evaluate.vllm.tensor_parallel_size=2",
-                                  "evaluate.vllm.env={VLLM_CPU_OMP_THREADS_BIND:'0|1'}"])):
+                                  "evaluate.vllm.env={VLLM_CPU_OMP_THREADS_BIND:'0|1'}"]),
+                         # two replicas at once, one core each (replica_env binds them), 3 prompts each
+                         ("dp2", ["evaluate.engine=vllm", "evaluate.vllm.data_parallel_size=2"])):
         cfg = compose_config([*train, f"run_dir={tmp_path / label}", "evaluate.dataset=jsonl",
                               f"evaluate.prompts_path={prompts}", "evaluate.k=3", "evaluate.max_new_tokens=24",
                               "evaluate.batch_size=6", "evaluate.plain_baseline=false", "evaluate.simulated_tau=false",
                               "evaluate.heads.trained=null", "evaluate.heads.untrained=null",
                               f"+evaluate.heads.mtp={untrained}", *extra])
         results[label] = run_evaluation(cfg)["results"]["mtp"]
-    ours, tp1, tp2 = results["spechead"], results["tp1"], results["tp2"]
+    ours, tp1, tp2, dp2 = results["spechead"], results["tp1"], results["tp2"], results["dp2"]
     print(f"\nTP=1 {tp1['accepted_per_pos']} of {tp1['num_drafts']} drafts; TP=2 {tp2['accepted_per_pos']} "
-          f"of {tp2['num_drafts']}; spechead τ {ours['tau']:.4f}")
+          f"of {tp2['num_drafts']}; DP=2 {dp2['accepted_per_pos']} of {dp2['num_drafts']}; spechead τ {ours['tau']:.4f}")
     assert sum(tp1["accepted_per_pos"]) > 0  # something accepted: the comparison means something
-    for key in ("num_drafts", "accepted_per_pos", "new_tokens"):
+    for key in ("num_drafts", "accepted_per_pos", "new_tokens", "per_category_tau"):
         assert tp2[key] == tp1[key], (key, tp2[key], tp1[key])
+        assert dp2[key] == tp1[key], (key, dp2[key], tp1[key])
     assert tp1["target_passes"] == ours["target_passes"] and tp1["new_tokens"] == ours["new_tokens"]
     assert tp2["tau"] == pytest.approx(ours["tau"], abs=1e-12)

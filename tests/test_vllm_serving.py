@@ -7,8 +7,8 @@ engine's (`engine_generate`, the head read back from the same export, float32) �
 whose eh_proj is zeroed loads silently; only that comparison catches it, which is tested too.
 
 Cost on 2 cores (the session fixture prints its timings with `-s`): 45 ShareGPT conversations (≤ 256
-tokens) precomputed once in float32 with EAGLE-3's aux layers (≈ 40 s), seven heads trained 20 steps of 512
-tokens each (50-90 s per head: the 49k-token vocabulary dominates a step), one vLLM process per served config
+tokens) precomputed once in float32 with EAGLE-3's aux layers (≈ 40 s), the heads trained 20 steps of 512
+tokens each (50-90 s per head: the 49k-token vocabulary dominates a step; eight with the draft LM), one vLLM process per served config
 (load ≈ 40-50 s, 8 processes, at most one beside the training), spechead's engine on the same prompts per head.
 With `make speculators-env`, also the peer's EAGLE-3 (speculators 0.9's own trainer, 20 steps of 512 tokens, ≈ 3 min),
 served as speculators wrote it. Measured: 14.5 min for the module before the EAGLE-3.1 and peer rows (853 s in the
@@ -53,6 +53,9 @@ HEADS = {
     "eagle3_31": (["head=eagle3", "head.draft_vocab_size=8192", f"head.aux_layers={AUX}", "head.norm_before_fc=true",
                    "head.norm_before_residual=true", "head.norm_output=true"], "eagle3", "eagle3", K),  # EAGLE-3.1 norms
     "medusa": (["head=medusa", f"head.num_heads={K}", f"train.module.depth={K}"], "medusa-vllm", "medusa", K),
+    # a separate draft LM (the target's first 2 layers, trained): vLLM's draft_model method, the engine's
+    # draft-model proposer on vLLM's schedule (it drafts in the step that prefills a request too)
+    "draft_lm": (["head=draft_lm", "head.num_layers=2", "train.module.depth=1"], "draft-hf", "draft_model", K),
 }
 
 
@@ -268,11 +271,12 @@ def _evaluate(served, engine: str, heads: dict[str, Path], k: int, *extra: str) 
 def test_evaluate_through_vllm_equals_the_engine(served):
     """`evaluate.engine=vllm` (evaluation/vllm_eval.py: the heads exported and served by real vLLM, figures
     from its counters) reports the τ, α_d, verification passes, new tokens and τ per category that
-    `evaluate.engine=spechead` reports on the same prompts — mtp with 1 and 2 modules, eagle3 — and decodes
-    what plain vLLM decodes."""
+    `evaluate.engine=spechead` reports on the same prompts — mtp with 1 and 2 modules, eagle3, draft_lm (vLLM's
+    draft_model method) — and decodes what plain vLLM decodes."""
     runs = [({"mtp1": served["heads"]["mtp1"], "eagle3_pruned": served["heads"]["eagle3_pruned"]}, K,
              ["evaluate.plain_baseline=true"]),
-            ({"mtp2": served["heads"]["mtp2"]}, 2, ["evaluate.plain_baseline=false"])]
+            ({"mtp2": served["heads"]["mtp2"], "draft_lm": served["heads"]["draft_lm"]}, 2,
+             ["evaluate.plain_baseline=false"])]
     for heads, k, extra in runs:
         ours = _evaluate(served, "spechead", heads, k, "evaluate.plain_baseline=false")
         theirs = _evaluate(served, "vllm", heads, k, *extra)
