@@ -419,3 +419,32 @@ def test_mtp_enorm_init_target_or_ones(tiny_target, setting):
     assert build_head({"type": "mtp"}, args, tied).cfg.enorm_init == "ones"  # the default since issue 28
     with pytest.raises(ValueError, match="enorm_init='zeros': expected target or ones"):
         build_head({"type": "mtp", "enorm_init": "zeros"}, args, tied)
+
+
+def test_loss_on_all_trains_every_real_token(tiny_overrides, tiny_target):
+    """`train.module.loss_on: all`: the loss runs over every real token's row, the user turns and template
+    tokens too — the same loss as the store's loss mask replaced by `valid`; `assistant` (the default) keeps
+    the mask; an unknown value is refused naming the setting."""
+    from data.precompute import run_precompute
+    from data.store import FeatureStore
+    from tests.conftest import compose_config
+    from train.data import FeatureDataModule, collate
+    from train.module import DraftHeadModule
+    from train.run import init_head
+
+    cfg = compose_config(tiny_overrides)
+    store = FeatureStore(run_precompute(cfg)[0])
+    dm = FeatureDataModule(cfg.store_dir, None, batch_tokens=1024, val_fraction=0.2)
+    dm.setup("fit")
+    head = init_head(cfg, tiny_target, dm)
+    batch = collate([store[i] for i in range(4)])
+    every = DraftHeadModule(head, kl_chunk_size=64, loss_on="all").compute_loss(batch)
+    masked = DraftHeadModule(head, kl_chunk_size=64).compute_loss(batch)
+    n_all = int(batch["valid"][:, 2:].sum())
+    n_mask = int((batch["loss_mask"] & batch["valid"])[:, 2:].sum())
+    assert int(every["n_count_d1"]) == n_all > n_mask == int(masked["n_count_d1"])
+    as_if_all = DraftHeadModule(head, kl_chunk_size=64).compute_loss({**batch, "loss_mask": batch["valid"].clone()})
+    torch.testing.assert_close(every["loss"], as_if_all["loss"], rtol=0, atol=0)
+    assert abs(float(every["loss"]) - float(masked["loss"])) > 1e-4
+    with pytest.raises(ValueError, match="train.module.loss_on"):
+        DraftHeadModule(head, loss_on="replies")

@@ -111,3 +111,32 @@ def test_hidden_regression_normed_ignores_scale():
     x = torch.randn(5, 8)
     assert float(hidden_regression(3.0 * x, x, normed=True)) < 1e-10
     assert float(hidden_regression(3.0 * x, x, normed=False)) > 0.1
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("student", ["frozen", "sub-vocab"])
+def test_fused_kl_with_teacher_temperature_matches_naive(temperature, student):
+    """`train.module.kl_temperature` T: the teacher is softmax(W F_t / T). float64 against autograd through
+    the naive KL with the teacher's logits divided by T, values and gradients; T moves the KL (asserted),
+    not the agreement count (the teacher's argmax is T's), and T ≤ 0 is refused naming the setting."""
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 29, 12, 150
+    w = torch.randn(v, h, generator=g, dtype=torch.float64)
+    ids = torch.randperm(v, generator=g)[:40] if student == "sub-vocab" else None
+    x = torch.randn(n, h, generator=g, requires_grad=True, dtype=torch.float64)
+    t = torch.randn(n, h, generator=g, dtype=torch.float64)
+    t_rows = (lambda z: z) if ids is None else (lambda z: z[:, ids])  # noqa: E731
+    s_fn = (lambda z: F.linear(z, w)) if ids is None else (lambda z: F.linear(z, w[ids]))  # noqa: E731
+    ref = naive_kl(x, t, s_fn, lambda z: t_rows(F.linear(z, w)), teacher_temperature=temperature)
+    (gx_ref,) = torch.autograd.grad(ref, [x])
+    ws = None if ids is None else w[ids]
+    got, agree = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids,
+                                 teacher_temperature=temperature)
+    (gx,) = torch.autograd.grad(2.0 * got, [x])
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-9)
+    torch.testing.assert_close(gx, 2.0 * gx_ref, rtol=1e-9, atol=1e-12)
+    plain, agree_plain = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids)
+    assert abs(float(plain) - float(got)) > 0.05 * float(plain)
+    assert int(agree) == int(agree_plain)
+    with pytest.raises(ValueError, match="kl_temperature"):
+        fused_linear_kl(x, t, w, teacher_temperature=0.0)

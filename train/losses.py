@@ -38,7 +38,7 @@ class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                 student_weight: torch.Tensor | None, student_ids: torch.Tensor | None, chunk_size: int,
-                mm_dtype: torch.dtype, softcap: float | None):
+                mm_dtype: torch.dtype, softcap: float | None, temperature: float):
         w = weight.to(mm_dtype)
         ws = w if student_weight is None else student_weight.to(mm_dtype)
         acc = torch.promote_types(student.dtype, torch.float32)  # softmax arithmetic: fp32 at least
@@ -57,6 +57,8 @@ class _FusedLinearKL(torch.autograd.Function):
                 slope = 1 - s * s if (grad is not None or grad_w is not None) else None
                 s = s.mul_(softcap)
                 t_full = t_full.div_(softcap).tanh_().mul_(softcap)
+            if temperature != 1.0:  # the teacher sharpened (< 1) or flattened (> 1); its argmax unchanged
+                t_full = t_full.div_(temperature)
             s_top = s.argmax(-1)
             if student_ids is None:
                 t = t_full
@@ -91,13 +93,13 @@ class _FusedLinearKL(torch.autograd.Function):
         grad, grad_w = ctx.saved_tensors
         g_s = (grad * grad_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         g_w = (grad_w * grad_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return g_s, None, None, g_w, None, None, None, None
+        return g_s, None, None, g_w, None, None, None, None, None
 
 
 def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                     chunk_size: int = 512, student_weight: torch.Tensor | None = None,
-                    student_ids: torch.Tensor | None = None, softcap: float | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    student_ids: torch.Tensor | None = None, softcap: float | None = None,
+                    teacher_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over rows of KL(softmax(W teacher) || softmax(W_s student)) and the count of top-1
     agreements, for post-norm features [N, H] and the target's frozen projection W [V, H].
 
@@ -107,35 +109,41 @@ def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.
     rows (renormalised over them) and agreement compares target ids with the teacher's full argmax.
     `softcap` c: both sides' logits are the target family's capped c·tanh(l / c) (Gemma 2 style
     `final_logit_softcapping`; heads/base.py `TiedTarget.cap_logits`), and the gradient carries the
-    cap's slope. Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), softmax
-    arithmetic in fp32."""
+    cap's slope. `teacher_temperature` T: the teacher is softmax(logits / T) (T < 1 sharpens it towards its
+    argmax, T → 0 is cross-entropy on the target's greedy token; agreement is unchanged). Matmuls run in the
+    autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
     if softcap is not None and not softcap > 0:
         raise ValueError(f"logit softcap {softcap!r}: expected a positive number or None")
+    if not teacher_temperature > 0:
+        raise ValueError(f"train.module.kl_temperature={teacher_temperature!r}: expected a positive number")
     sw = student_weight if student_weight is not None and student_weight is not weight else None
     return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
-                                _matmul_dtype(student), None if softcap is None else float(softcap))
+                                _matmul_dtype(student), None if softcap is None else float(softcap),
+                                float(teacher_temperature))
 
 
 def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,
-             teacher_logits_fn: Callable) -> torch.Tensor:
+             teacher_logits_fn: Callable, teacher_temperature: float = 1.0) -> torch.Tensor:
     """Reference: full [N, V] logits at once, autograd through everything (what the fused loss must equal)."""
     s = student_logits_fn(student)
-    t = teacher_logits_fn(teacher)
+    t = teacher_logits_fn(teacher) / teacher_temperature
     acc = torch.promote_types(s.dtype, torch.float32)
     s, t = s.to(acc), t.to(acc)
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum")
 
 
 def depth_terms(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, normed: bool = True,
-                chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                chunk_size: int = 512, teacher_temperature: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The training loss's terms for head states `preds` [N, H] at draft depth `depth` against the target
     states `teacher` [N, H] they estimate (H_{i+d}): (Σ hidden regression — 0 for heads without one
     (eagle3, medusa) —, Σ KL to the target's distribution, top-1 agreements). Sums over the N rows. The
-    one definition the training step, the held-out scores and in-loop validation all use."""
+    one definition the training step, the held-out scores and in-loop validation all use (the scores at the
+    teacher's own temperature 1; training at `train.module.kl_temperature`)."""
     reg_target = head.regression_target(teacher)
     reg = (hidden_regression(preds, reg_target, normed) if reg_target is not None
            else preds.new_zeros((), dtype=torch.float32))
     kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head,
                                 chunk_size, student_weight=head.lm_head_weight, student_ids=head.draft_ids,
-                                softcap=head.tied.conventions.logit_softcap)
+                                softcap=head.tied.conventions.logit_softcap, teacher_temperature=teacher_temperature)
     return reg, kl, agree

@@ -23,14 +23,25 @@ from train.losses import depth_terms
 from train.optim import build_optimizer, lr_multiplier
 
 
+# the positions trained on: `assistant` = the store's loss mask (the assistant replies, what the engine drafts
+# in serving); `all` = every real token of the conversation, the user turns and template tokens too (their
+# states are stored anyway: more supervised rows per stored token)
+LOSS_ON = ("assistant", "all")
+
+
 class DraftHeadModule(L.LightningModule):
     def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
-                 muon_momentum: float = 0.95, muon_weight_decay: float = 0.1) -> None:
+                 muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
+                 kl_temperature: float = 1.0) -> None:
         super().__init__()
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
+        if not kl_temperature > 0:
+            raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
         self.head = head
         # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
         self.head.gradient_checkpointing = gradient_checkpointing
@@ -72,7 +83,7 @@ class DraftHeadModule(L.LightningModule):
         """Σ_d γ^(d-1) · (w_hidden · SmoothL1 + w_kl · KL) / n_d over the unrolled depths d = 1..D.
 
         Row i of depth d estimates H_{i+d}; its teacher is softmax(W_lm N_f(H_{i+d})), which
-        predicts t_{i+d+1}, so its loss mask is that of t_{i+d+1}."""
+        predicts t_{i+d+1}, so its loss mask is that of t_{i+d+1} (`loss_on: all`: every real token)."""
         hp = self.hparams
         hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
@@ -86,12 +97,13 @@ class DraftHeadModule(L.LightningModule):
         sim_tau, survive = 1.0, 1.0
         for d, pred in enumerate(outs, start=1):
             rows = max(t - d - 1, 0)
-            mask = loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
+            mask = valid[:, d + 1:] if hp.loss_on == "all" else loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
             if segments is not None:  # row i and its target t_{i+d+1} must be one sample
                 mask = mask & (segments[:, d + 1:] == segments[:, :rows])
             n = mask.sum()
             sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
-            reg, kl, agree = depth_terms(self.head, sel_pred, sel_tgt, d, hp.normed_regression, hp.kl_chunk_size)
+            reg, kl, agree = depth_terms(self.head, sel_pred, sel_tgt, d, hp.normed_regression, hp.kl_chunk_size,
+                                         hp.kl_temperature)
             n_safe = n.clamp(min=1)
             total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
             acc = agree.float() / n_safe
