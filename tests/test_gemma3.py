@@ -271,7 +271,7 @@ def test_tied_target_follows_gemma(tmp_path, cap):
         assert out.logits.abs().max() > 2.0 and tied.conventions.logit_softcap == cap
     tied, args, parts = tied_target(tmp_path / "g")
     torch.testing.assert_close(parts.first_input_norm, 1 + model.model.layers[0].input_layernorm.weight)
-    head = build_head({"type": "mtp"}, args, tied)
+    head = build_head({"type": "mtp", "hnorm_init": "target"}, args, tied)  # hnorm from N_f: Gemma's (1 + w)
     head.reset_parameters(0, parts.first_input_norm)
     torch.testing.assert_close(head.layers[0].hnorm.weight, 1 + model.model.norm.weight)
     h = out.hidden[:, :-1]

@@ -32,8 +32,10 @@ def test_shapes_and_frozen_parts(head, tiny_target):
     assert not any(k.startswith("tied") for k in head.state_dict())
     assert {"layers.0.enorm.weight", "layers.0.hnorm.weight", "layers.0.eh_proj.weight",
             "layers.0.layer.input_layernorm.weight", "layers.0.shared_head.norm.weight"} <= set(head.state_dict())
-    # hnorm and the final norm start from the target's N_f; eh_proj's hidden half is the identity
-    assert torch.equal(head.layers[0].hnorm.weight, head.tied.norm_weight)
+    # hnorm starts at 1 (`hnorm_init: ones`, the default), the final norm from the target's N_f; eh_proj's
+    # hidden half is the identity
+    assert torch.equal(head.layers[0].hnorm.weight, torch.ones_like(head.tied.norm_weight))
+    assert torch.equal(head.layers[0].shared_head.norm.weight, head.tied.norm_weight)
     assert torch.equal(head.layers[0].eh_proj.weight[:, args.hidden_size:], torch.eye(args.hidden_size))
     loss = head.logits(out).logsumexp(-1).sum()
     loss.backward()
