@@ -448,3 +448,5 @@ def test_loss_on_all_trains_every_real_token(tiny_overrides, tiny_target):
     assert abs(float(every["loss"]) - float(masked["loss"])) > 1e-4
     with pytest.raises(ValueError, match="train.module.loss_on"):
         DraftHeadModule(head, loss_on="replies")
+    with pytest.raises(ValueError, match="train.module.kl_temperature"):  # refused before training starts
+        DraftHeadModule(head, kl_temperature=0.0)

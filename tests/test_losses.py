@@ -118,7 +118,7 @@ def test_hidden_regression_normed_ignores_scale():
 def test_fused_kl_with_teacher_temperature_matches_naive(temperature, student):
     """`train.module.kl_temperature` T: the teacher is softmax(W F_t / T). float64 against autograd through
     the naive KL with the teacher's logits divided by T, values and gradients; T moves the KL (asserted),
-    not the agreement count (the teacher's argmax is T's), and T ≤ 0 is refused naming the setting."""
+    not the agreement count (the teacher's argmax is T's), and T ≤ 0 is refused."""
     g = torch.Generator().manual_seed(5)
     n, h, v = 29, 12, 150
     w = torch.randn(v, h, generator=g, dtype=torch.float64)
@@ -138,5 +138,5 @@ def test_fused_kl_with_teacher_temperature_matches_naive(temperature, student):
     plain, agree_plain = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids)
     assert abs(float(plain) - float(got)) > 0.05 * float(plain)
     assert int(agree) == int(agree_plain)
-    with pytest.raises(ValueError, match="kl_temperature"):
+    with pytest.raises(ValueError, match="teacher temperature"):
         fused_linear_kl(x, t, w, teacher_temperature=0.0)

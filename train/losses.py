@@ -115,7 +115,7 @@ def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.
     if softcap is not None and not softcap > 0:
         raise ValueError(f"logit softcap {softcap!r}: expected a positive number or None")
     if not teacher_temperature > 0:
-        raise ValueError(f"train.module.kl_temperature={teacher_temperature!r}: expected a positive number")
+        raise ValueError(f"teacher temperature {teacher_temperature!r}: expected a positive number")
     sw = student_weight if student_weight is not None and student_weight is not weight else None
     return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
                                 _matmul_dtype(student), None if softcap is None else float(softcap),
