@@ -20,6 +20,7 @@ from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
 from data.sources import resolve_target_dir
 from data.store import DTYPES, FeatureStore
+from evaluation.tau_stats import tau_standard_error
 from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
                                   round_cost)
 from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint, tied_from_model, tied_target
@@ -40,10 +41,23 @@ class EvalResult:
     tokens_per_s: float
     per_category_tau: dict[str, float]
     prompts: int
+    # [target passes, tokens emitted] per prompt, in prompt order, and τ's standard error over prompts
+    # (evaluation/tau_stats.py): what a paired comparison of two heads on the same prompts reads
+    per_prompt: list[list[int]] | None = None
+    tau_se: float | None = None
 
     def summary(self) -> str:
         a = " ".join(f"{x:.3f}" for x in self.alpha)
-        return f"{self.label}: tau={self.tau:.3f} alpha=[{a}] tok/s={self.tokens_per_s:.1f} ({self.prompts} prompts)"
+        se = f"±{self.tau_se:.3f}" if self.tau_se is not None else ""
+        return (f"{self.label}: tau={self.tau:.3f}{se} alpha=[{a}] tok/s={self.tokens_per_s:.1f} "
+                f"({self.prompts} prompts)")
+
+
+def prompt_counts(stats: list[SpecStats]) -> dict[str, Any]:
+    """EvalResult's per_prompt and tau_se from each prompt's own counters."""
+    per_prompt = [[s.steps, s.emitted] for s in stats]
+    return {"per_prompt": per_prompt, "tau_se": tau_standard_error(per_prompt) if any(p[0] for p in per_prompt)
+            else None}
 
 
 def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
@@ -77,7 +91,8 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
             outputs.append(r.tokens)
     return EvalResult(label=label, k=eng.k, tau=eng.stats.tau, alpha=eng.stats.alpha, target_passes=eng.stats.steps,
                       new_tokens=sum(len(r.tokens) for r in results), tokens_per_s=statistics.median(speeds),
-                      per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts))
+                      per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts),
+                      **prompt_counts([r.stats for r in results]))
 
 
 PLAIN = "<plain decoding>"  # evaluate_paired's own side (a label no configured proposer takes)
@@ -133,7 +148,8 @@ def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict
         return EvalResult(label=name, k=st.k, tau=st.tau, alpha=st.alpha, target_passes=st.steps,
                           new_tokens=sum(len(x.tokens) for x in results[name]),
                           tokens_per_s=sum(tokens[name]) / sum(seconds[name]),
-                          per_category_tau={c: v.tau for c, v in sorted(by_cat.items())}, prompts=len(prompts))
+                          per_category_tau={c: v.tau for c, v in sorted(by_cat.items())}, prompts=len(prompts),
+                          **prompt_counts([x.stats for x in results[name]]))
 
     def rate(name: str) -> list[float]:
         return [n / t for n, t in zip(tokens[name], seconds[name])]
@@ -640,7 +656,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         return format(r[key], fmt) if r.get(key) is not None else "–"
 
     for label, r in results.items():
-        lines.append(f"| {label} | {r.get('proposer', 'head')} | {r['tau']:.3f} | {opt(r, 'simulated_tau', '.3f')} | "
+        se = f" ± {r['tau_se']:.3f}" if r.get("tau_se") is not None else ""
+        lines.append(f"| {label} | {r.get('proposer', 'head')} | {r['tau']:.3f}{se} | {opt(r, 'simulated_tau', '.3f')} | "
                      + " | ".join(f"{a:.3f}" for a in r["alpha"])
                      + f" | {r['tokens_per_s']:.1f} | "
                      + (f"{r['speedup_unpaired']:.2f} (unpaired)" if r.get("speedup_unpaired") is not None

@@ -82,4 +82,5 @@ def evaluate_point(pc: DictConfig, label: str, k: int | str, fingerprint: dict[s
     report, reused = cached_evaluation(ec, f"the {label} k={k} evaluation", fingerprint)
     r = report["results"][label]
     return {"tau": r["tau"], "alpha": r["alpha"], "tokens_per_s": r["tokens_per_s"], "speedup": r.get("speedup"),
-            "per_category_tau": r.get("per_category_tau"), "prompts": report["prompts"], "cached": reused}
+            "per_category_tau": r.get("per_category_tau"), "prompts": report["prompts"], "cached": reused,
+            "tau_se": r.get("tau_se"), "per_prompt": r.get("per_prompt")}

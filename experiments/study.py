@@ -301,8 +301,13 @@ def markdown(summary: dict[str, Any]) -> str:
         acc = p["heldout"]["acc"] + [math.nan] * (depth - len(p["heldout"]["acc"]))
         lines.append(f"| {p['variant']} | {p['seed']} | {p['train_tokens']:,} | {p['epochs']:.2f} | {p['steps']} | "
                      f"{p['train_seconds'] or 0:.0f} | " + " | ".join("–" if math.isnan(a) else f"{a:.3f}" for a in acc)
-                     + " | " + " | ".join(f"{p['tau'][k]['tau']:.3f}" if k in p["tau"] else "–" for k in ks) + " |")
+                     + " | " + " | ".join(tau_cell(p["tau"][k]) if k in p["tau"] else "–" for k in ks) + " |")
     return "\n".join(lines) + "\n"
+
+
+def tau_cell(v: dict[str, Any]) -> str:
+    """τ, with its standard error over prompts when the evaluation recorded one (evaluation/tau_stats.py)."""
+    return f"{v['tau']:.3f}" + (f" ± {v['tau_se']:.3f}" if v.get("tau_se") is not None else "")
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

@@ -541,5 +541,13 @@ def test_evaluate_paired_rotates_the_sides_and_keeps_the_outputs(varied, monkeyp
     ref = ev.evaluate_batched(target, PagedHeadProposer(head), items, 2, 12, set(), 1, outputs=single)
     assert outputs == single and res.tau == pytest.approx(ref.tau) and res.alpha == pytest.approx(ref.alpha)
     assert res.per_category_tau == pytest.approx(ref.per_category_tau) and res.new_tokens == ref.new_tokens
+    # per-prompt counts (evaluation/tau_stats.py reads them): the same in both runs, adding up to τ
+    from evaluation.tau_stats import tau_standard_error
+    assert res.per_prompt == ref.per_prompt and len(ref.per_prompt) == len(items)
+    assert sum(s for s, _ in ref.per_prompt) == ref.target_passes
+    assert sum(e for _, e in ref.per_prompt) / ref.target_passes == pytest.approx(ref.tau)
+    assert ref.tau_se == pytest.approx(tau_standard_error(ref.per_prompt)) and ref.tau_se > 0
+    # plain decoding: one token per pass after the prefill's first (12 new tokens, 11 passes counted)
+    assert plain.per_prompt == [[11, 11]] * len(items) and plain.tau_se == 0.0
     assert ev.groups_of(24, 4, 8) == [list(range(i, i + 8)) for i in (0, 8, 16)]  # each group fills a batch of 8
     assert ev.groups_of(5, 2) == [[0, 1], [2, 3, 4]] and ev.groups_of(1, 4) == [[0]]
