@@ -37,12 +37,17 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
 
 def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
            aux: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-           segments: torch.Tensor | None = None) -> list[torch.Tensor]:
+           segments: torch.Tensor | None = None, detach: bool = False) -> list[torch.Tensor]:
     """hidden [B, T, H] (target H_0..H_{T-1}), input_ids [B, T], aux [B, T, K·H] or None →
     [Ĥ^1, …, Ĥ^D], each [B, T-1, H]; row i of Ĥ^d estimates H_{i+d}. Packed rows pass `positions`
     (restarting at 0 in each sample) and `segments` (sample index per token): attention then stays
-    inside each sample, and rows whose i+d crosses into the next sample are garbage the loss masks."""
+    inside each sample, and rows whose i+d crosses into the next sample are garbage the loss masks.
+    `detach`: Ĥ^{d-1} enters depth d as a constant, so depth d's loss trains depth d's pass and not,
+    through its input, the passes before it (the values are the same)."""
     if hasattr(head, "unroll"):
+        if detach:
+            raise ValueError(f"{type(head).__name__} unrolls its own way: train.module.detach_depths applies to the "
+                             "heads with the shared unroll (mtp, eagle1, eagle3)")
         if getattr(head, "packed_unroll", False):  # attends across rows (draft_lm): needs the packing metadata
             return head.unroll(hidden, input_ids, depth, aux, positions, segments)
         return head.unroll(hidden, input_ids, depth, aux)
@@ -64,7 +69,7 @@ def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
             # module d's own cache: its pass over (H_j, t_{j+1}) at every position, causal
             _, base = _step(head, head.fuse(target_state, head.embed(next_tokens), d), base_pos, None, [], d, mask)
             extras = []
-        x = head.fuse(state, head.embed(tokens), d)
+        x = head.fuse(state.detach() if detach and d > 1 else state, head.embed(tokens), d)
         state, kv = _step(head, x, base_pos + (d - 1), base, extras, d, mask)
         if base is None:
             base = kv

@@ -194,6 +194,41 @@ def test_separate_modules_differ_from_one_reused_module(tiny_target):
         unroll(head, hidden, ids, 4)
 
 
+@pytest.mark.parametrize("name", ["mtp3", "eagle3"])
+def test_detached_depths_keep_the_values_and_cut_the_gradient_into_earlier_passes(tiny_target, name):
+    """`train.module.detach_depths`: the unroll's values are unchanged; depth 2's loss no longer reaches
+    depth 1's pass through Ĥ^1 — with separate modules (mtp3) module 1 gets no gradient from it at all,
+    with one reused module (eagle3) only what depth 2's own pass and shared cache give; depth 1's own
+    gradient is the same. Heads that unroll their own way refuse it."""
+    head = make(tiny_target, name)
+    hidden, aux, ids = inputs(head, 8)
+    params = [p for p in head.parameters() if p.requires_grad]
+
+    def grads(depth_loss: int, detach: bool) -> list[torch.Tensor]:
+        head.zero_grad()
+        outs = unroll(head, hidden, ids, 3, aux, detach=detach)
+        outs[depth_loss - 1].square().sum().backward()
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    with torch.no_grad():
+        for a, b in zip(unroll(head, hidden, ids, 3, aux), unroll(head, hidden, ids, 3, aux, detach=True)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(grads(1, False), grads(1, True)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    full, cut = grads(2, False), grads(2, True)
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(full, cut))
+    if name == "mtp3":
+        first = {id(p) for p in head.layers[0].parameters()}
+        for p, a, b in zip(params, full, cut):
+            if id(p) in first:
+                assert float(b.abs().max()) == 0.0
+        assert max(float(a.abs().max()) for p, a in zip(params, full) if id(p) in first) > 0
+    if name == "eagle3":
+        medusa = make(tiny_target, "medusa")
+        with pytest.raises(ValueError, match="detach_depths"):
+            unroll(medusa, hidden, ids, 2, detach=True)
+
+
 @torch.no_grad()
 def test_medusa_heads_predict_further_positions(tiny_target):
     head = make(tiny_target, "medusa")

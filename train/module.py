@@ -36,7 +36,7 @@ class DraftHeadModule(L.LightningModule):
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
-                 kl_temperature: float = 1.0) -> None:
+                 kl_temperature: float = 1.0, detach_depths: bool = False) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
@@ -91,7 +91,7 @@ class DraftHeadModule(L.LightningModule):
         aux = batch.get("aux_hidden")
         segments = batch.get("segments")  # packed rows (train/data.py collate_packed)
         outs = unroll(self.head, hidden, ids, hp.depth, aux.to(self.head.dtype) if aux is not None else None,
-                      batch.get("positions"), segments)
+                      batch.get("positions"), segments, detach=hp.get("detach_depths", False))
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
