@@ -74,9 +74,28 @@ def store_fingerprint(store_dir: str | Path) -> str | None:
     return sha256_file(manifest) if manifest.exists() else None
 
 
+# Settings added after results were cached, with the value that does what the code did before them: a key
+# leaves them out at that value, so a head trained before the setting existed is still found
+ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
+    ("train", "module", "detach_depths"): False,
+}
+
+
+def _without_added_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    for path, neutral in ADDED_SETTINGS.items():
+        node = config
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node and _canonical(node[path[-1]]) == _canonical(neutral):
+            del node[path[-1]]
+    return config
+
+
 def training_key(cfg: DictConfig, store_dir: str | Path) -> dict[str, Any]:
-    """What a trained head depends on: its config and the store it was trained on."""
-    return {"config": config_sections(cfg, TRAIN_SECTIONS), "store_manifest_sha256": store_fingerprint(store_dir)}
+    """What a trained head depends on: its config (less ADDED_SETTINGS at their neutral values) and the
+    store it was trained on."""
+    return {"config": _without_added_defaults(config_sections(cfg, TRAIN_SECTIONS)),
+            "store_manifest_sha256": store_fingerprint(store_dir)}
 
 
 def evaluation_key(cfg: DictConfig, target_fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:

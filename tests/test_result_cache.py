@@ -55,6 +55,11 @@ def test_keys_follow_config_store_and_checkpoint(tiny_overrides, tmp_path):
     assert a == cache.training_key(compose_config(tiny_overrides), store)
     assert a != cache.training_key(compose_config(tiny_overrides + ["train.module.lr=2e-3"]), store)
     assert a["config"]["train"]["module"]["lr"] == 1e-3  # resolved values, not interpolations
+    # a setting added later leaves the key at its neutral value (a head trained before it is still found)
+    assert "detach_depths" not in a["config"]["train"]["module"]
+    assert cache.training_key(compose_config(tiny_overrides + ["train.module.detach_depths=false"]), store) == a
+    cut = cache.training_key(compose_config(tiny_overrides + ["train.module.detach_depths=true"]), store)
+    assert cut != a and cut["config"]["train"]["module"]["detach_depths"] is True
     (store / "manifest.json").write_text('{"shards": [1, 2]}')
     assert a != cache.training_key(cfg, store)
 
