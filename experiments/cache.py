@@ -77,6 +77,8 @@ def store_fingerprint(store_dir: str | Path) -> str | None:
 # Settings added after results were cached, with the value that does what the code did before them: a key
 # leaves them out at that value, so a head trained before the setting existed is still found
 ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
+    ("train", "module", "loss_on"): "assistant",
+    ("train", "module", "kl_temperature"): 1.0,
     ("train", "module", "detach_depths"): False,
 }
 
@@ -89,6 +91,14 @@ def _without_added_defaults(config: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, dict) and path[-1] in node and _canonical(node[path[-1]]) == _canonical(neutral):
             del node[path[-1]]
     return config
+
+
+def _normalised(key: Any) -> Any:
+    """A recorded key as today's code writes it: its config without ADDED_SETTINGS at their neutral values
+    (a key recorded before a setting lacks it; one recorded after writes it out)."""
+    if isinstance(key, dict) and isinstance(key.get("config"), dict):
+        return {**key, "config": _without_added_defaults(json.loads(_canonical(key["config"])))}
+    return key
 
 
 def training_key(cfg: DictConfig, store_dir: str | Path) -> dict[str, Any]:
@@ -137,7 +147,8 @@ def lookup(result: str | Path, key: dict[str, Any], what: str) -> dict[str, Any]
         except (OSError, ValueError, KeyError, TypeError) as e:
             why, rec = f"unreadable key file {kfile} ({e})", None
         if rec is not None:
-            if _canonical(stored) != _canonical(key):
+            stored = _normalised(stored)
+            if _canonical(stored) != _canonical(_normalised(key)):
                 diffs = _differences(stored, key)
                 why = f"{result} was made with other inputs: {', '.join(diffs[:8])}" + (
                     f" and {len(diffs) - 8} more" if len(diffs) > 8 else "")

@@ -56,10 +56,19 @@ def test_keys_follow_config_store_and_checkpoint(tiny_overrides, tmp_path):
     assert a != cache.training_key(compose_config(tiny_overrides + ["train.module.lr=2e-3"]), store)
     assert a["config"]["train"]["module"]["lr"] == 1e-3  # resolved values, not interpolations
     # a setting added later leaves the key at its neutral value (a head trained before it is still found)
-    assert "detach_depths" not in a["config"]["train"]["module"]
+    assert not {"detach_depths", "loss_on", "kl_temperature"} & set(a["config"]["train"]["module"])
+    assert cache.training_key(compose_config(tiny_overrides + ["train.module.kl_temperature=0.5"]), store) != a
     assert cache.training_key(compose_config(tiny_overrides + ["train.module.detach_depths=false"]), store) == a
     cut = cache.training_key(compose_config(tiny_overrides + ["train.module.detach_depths=true"]), store)
     assert cut != a and cut["config"]["train"]["module"]["detach_depths"] is True
+    # a key recorded while the setting was written out at its neutral value still matches
+    written = json.loads(json.dumps(a))
+    written["config"]["train"]["module"].update(loss_on="assistant", kl_temperature=1.0, detach_depths=False)
+    result = tmp_path / "result.json"
+    result.write_text("{}")
+    cache.record(result, written)
+    assert cache.lookup(result, a, "the result") is not None
+    assert cache.lookup(result, cut, "the result") is None  # another setting: recomputed
     (store / "manifest.json").write_text('{"shards": [1, 2]}')
     assert a != cache.training_key(cfg, store)
 
