@@ -147,9 +147,9 @@ def lookup(result: str | Path, key: dict[str, Any], what: str) -> dict[str, Any]
         except (OSError, ValueError, KeyError, TypeError) as e:
             why, rec = f"unreadable key file {kfile} ({e})", None
         if rec is not None:
-            stored = _normalised(stored)
-            if _canonical(stored) != _canonical(_normalised(key)):
-                diffs = _differences(stored, key)
+            stored, wanted = _normalised(stored), _normalised(key)
+            if _canonical(stored) != _canonical(wanted):
+                diffs = _differences(stored, wanted)  # the log names real differences, not neutral additions
                 why = f"{result} was made with other inputs: {', '.join(diffs[:8])}" + (
                     f" and {len(diffs) - 8} more" if len(diffs) > 8 else "")
             elif rec.get("result_sha256") != dir_fingerprint(result):
