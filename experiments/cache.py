@@ -80,6 +80,7 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "loss_on"): "assistant",
     ("train", "module", "kl_temperature"): 1.0,
     ("train", "module", "detach_depths"): False,
+    ("train", "module", "clip_scope"): "all",
 }
 
 

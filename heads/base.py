@@ -115,6 +115,11 @@ class DraftHead(nn.Module):
         """The deepest draft step the head defines (None: unbounded, a reused module)."""
         return None
 
+    def depth_modules(self) -> list[nn.Module]:
+        """The head's modules of its own per draft depth (module d drafts depth d); [] when one module
+        serves every depth. `train.module.clip_scope: module` clips each one's gradient by its own norm."""
+        return []
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """What `features` are projected with: the target's frozen lm_head unless the head has its own."""

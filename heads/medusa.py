@@ -68,6 +68,9 @@ class MedusaHead(DraftHead):
     def num_cache_layers(self) -> int:
         return 0
 
+    def depth_modules(self) -> list[nn.Module]:
+        return list(self.blocks)
+
     def features(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
         return hidden  # no final norm: vLLM applies the lm_head to the block output
 

@@ -88,6 +88,9 @@ class MTPHead(DraftHead):
     def max_depth(self) -> int | None:
         return len(self.layers) if len(self.layers) > 1 else None
 
+    def depth_modules(self) -> list[nn.Module]:
+        return list(self.layers) if self.separate_modules else []
+
     def module(self, depth: int) -> MTPModule:
         return self.layers[self.cache_layer(depth)]
 

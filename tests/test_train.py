@@ -168,3 +168,59 @@ def test_heldout_split_follows_split_seed_not_seed(tiny_overrides, tmp_path):
     assert recorded[0]["heldout_ids"] == recorded[1]["heldout_ids"] and recorded[0]["split_seed"] == 0
     assert recorded[0]["heldout_sha256"] == heldout_ids_digest(recorded[1]["heldout_ids"])
     assert len(recorded[0]["heldout_ids"]) == round(0.2 * recorded[0]["store_samples"])
+
+
+def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_overrides, tiny_target):
+    """`train.module.clip_scope: module` with `detach_depths`: through real Lightning steps whose clipping binds
+    (gradient_clip_val 0.05), module 1 of a 3-module head trained at depth 3 ends equal to a 1-module head trained
+    at depth 1 from the same start on the same batches; with the whole gradient clipped together (`all`) the
+    other depths' gradients scale module 1's steps and it ends elsewhere. A bad scope and DeepSpeed are refused."""
+    import lightning as L
+    import pytest
+    from torch.utils.data import DataLoader
+
+    from data.store import FeatureStore
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    store = FeatureStore(store_dir)
+    batches = [collate([store[i], store[i + 1]]) for i in (0, 2, 4, 0, 2)]
+
+    def fit(num_modules: int, depth: int, scope: str):
+        head = init_head(compose_config(tiny_overrides + [f"head.num_modules={num_modules}"]), tiny_target)
+        start = {k: v.clone() for k, v in head.layers[0].state_dict().items()}
+        module = DraftHeadModule(head, lr=3e-3, warmup_steps=0, kl_chunk_size=16, depth=depth, depth_decay=1.0,
+                                 detach_depths=depth > 1, clip_scope=scope)
+        trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), gradient_clip_val=0.05, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
+        assert trainer.global_step == len(batches)
+        return start, head
+
+    start1, alone = fit(1, 1, "all")
+    start3, per_module = fit(3, 3, "module")
+    _, together = fit(3, 3, "all")
+    for key, value in start1.items():  # one start: module 1 draws the generator's first numbers either way
+        torch.testing.assert_close(start3[key], value, atol=0, rtol=0)
+    moved = max(float((p - start1[k]).abs().max()) for k, p in alone.layers[0].state_dict().items())
+    assert moved > 1e-3
+    for key, value in alone.layers[0].state_dict().items():
+        torch.testing.assert_close(per_module.layers[0].state_dict()[key], value, atol=1e-6, rtol=1e-5)
+    apart = max(float((together.layers[0].state_dict()[k] - v).abs().max())
+                for k, v in alone.layers[0].state_dict().items())
+    assert apart > 1e-4, apart
+    for d in (1, 2):  # the deeper modules trained too
+        assert any(float((p - q).abs().max()) > 1e-4 for p, q in
+                   zip(per_module.layers[d].state_dict().values(), together.layers[d].state_dict().values()))
+    groups = DraftHeadModule(per_module, clip_scope="module").clip_groups()
+    assert [len(g) for g in groups] == [len(list(m.parameters())) for m in per_module.layers]
+
+    with pytest.raises(ValueError, match="clip_scope='layer'"):
+        DraftHeadModule(alone, clip_scope="layer")
+    module = DraftHeadModule(alone, clip_scope="module")
+
+    class DeepSpeedStrategy:  # stands for Lightning's: DeepSpeed refuses a CPU-only machine
+        pass
+
+    module.trainer = type("T", (), {"strategy": DeepSpeedStrategy()})()
+    with pytest.raises(ValueError, match="DeepSpeed clips the whole gradient"):
+        module.setup("fit")

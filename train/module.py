@@ -23,6 +23,12 @@ from train.losses import depth_terms
 from train.optim import build_optimizer, lr_multiplier
 
 
+# whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
+# `module` = each of the head's per-depth modules (head.depth_modules(): mtp with num_modules > 1, medusa's blocks)
+# by its own norm, the rest of the head as one more group — with `detach_depths`, module 1 then trains exactly as
+# a depth-1 head alone would (the other depths' gradients no longer scale its steps)
+CLIP_SCOPES = ("all", "module")
+
 # the positions trained on: `assistant` = the store's loss mask (the assistant replies, what the engine drafts
 # in serving); `all` = every real token of the conversation, the user turns and template tokens too (their
 # states are stored anyway: more supervised rows per stored token)
@@ -36,10 +42,12 @@ class DraftHeadModule(L.LightningModule):
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
-                 kl_temperature: float = 1.0, detach_depths: bool = False) -> None:
+                 kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all") -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
+        if clip_scope not in CLIP_SCOPES:
+            raise ValueError(f"train.module.clip_scope={clip_scope!r}: expected one of {CLIP_SCOPES}")
         if not kl_temperature > 0:
             raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
         self.head = head
@@ -47,6 +55,10 @@ class DraftHeadModule(L.LightningModule):
         self.head.gradient_checkpointing = gradient_checkpointing
         self.save_hyperparameters(ignore=["head"])
         self._t_last: float | None = None
+        if clip_scope == "module":
+            # set on the instance, not the class: Lightning's DeepSpeed strategy warns whenever this hook is
+            # overridden (it clips inside its engine), and setup() refuses `module` there
+            self.configure_gradient_clipping = self._clip_each_module
         # The frozen target tensors (E, W_lm, N_f: gigabytes for a 128k vocabulary) are identical on
         # every rank and never change: DDP must neither broadcast them at wrap time nor before each
         # step (its `broadcast_buffers`). DDP's own ignore list keeps them out of both.
@@ -163,6 +175,31 @@ class DraftHeadModule(L.LightningModule):
             self.log(f"val/{key}", total / max(n, 1.0), prog_bar=key == "acc_d1", sync_dist=False)
 
     # ---- optimisation -----------------------------------------------------------------------------
+    def clip_groups(self) -> list[list[torch.nn.Parameter]]:
+        """`clip_scope: module`'s groups: each per-depth module's trainable tensors, then the rest of the head's."""
+        groups, seen = [], set()
+        for m in self.head.depth_modules():
+            group = [p for p in m.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in group)
+            groups.append(group)
+        rest = [p for p in self.head.parameters() if p.requires_grad and id(p) not in seen]
+        return [g for g in groups + [rest] if g]
+
+    def _clip_each_module(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"train.module.clip_scope=module clips by norm; trainer.gradient_clip_algorithm="
+                             f"{gradient_clip_algorithm!r} (set it to norm, or clip_scope to all)")
+        for group in self.clip_groups():
+            torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], float(gradient_clip_val))
+
+    def setup(self, stage: str) -> None:
+        if self.hparams.get("clip_scope", "all") == "module" and self.trainer is not None:
+            if "deepspeed" in type(self.trainer.strategy).__name__.lower():
+                raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
+                                 "engine; use clip_scope=all with a DeepSpeed strategy")
+
     def configure_optimizers(self):
         hp = self.hparams
         opt = build_optimizer(self.head, hp.optimizer, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
