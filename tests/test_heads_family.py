@@ -485,3 +485,33 @@ def test_loss_on_all_trains_every_real_token(tiny_overrides, tiny_target):
         DraftHeadModule(head, loss_on="replies")
     with pytest.raises(ValueError, match="train.module.kl_temperature"):  # refused before training starts
         DraftHeadModule(head, kl_temperature=0.0)
+
+
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "medusa"])
+def test_clip_scope_module_bounds_each_depth_module_by_its_own_norm(tiny_target, name):
+    """`train.module.clip_scope: module`: one group per module of its own depth (mtp's modules, medusa's blocks), the
+    whole head as one group when one module serves every depth (eagle3); each group's gradient norm is cut to the
+    clip value on its own, so a group under it keeps its gradient whatever the others' size."""
+    from train.module import DraftHeadModule
+
+    head = make(tiny_target, name)
+    module = DraftHeadModule(head, clip_scope="module")
+    groups = module.clip_groups()
+    expected = head.layers if name == "mtp3" else head.blocks if name == "medusa" else [head]
+    assert [len(g) for g in groups] == [len(list(m.parameters())) for m in expected]
+    g = torch.Generator().manual_seed(0)
+    for i, group in enumerate(groups):  # the first group small, the others large
+        for p in group:
+            p.grad = torch.randn(p.shape, generator=g) * (1e-4 if i == 0 and len(groups) > 1 else 10.0)
+    small = [p.grad.clone() for p in groups[0]]
+    module.configure_gradient_clipping(None, 0.5, "norm")
+    norms = [float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grp])))
+             for grp in groups]
+    if len(groups) > 1:
+        for p, before in zip(groups[0], small):
+            torch.testing.assert_close(p.grad, before, atol=0, rtol=0)
+        assert all(abs(n - 0.5) < 1e-4 for n in norms[1:]), norms
+    else:
+        assert abs(norms[0] - 0.5) < 1e-4, norms
+    with pytest.raises(ValueError, match="clips by norm"):
+        module.configure_gradient_clipping(None, 0.5, "value")
