@@ -5,7 +5,9 @@ That is memory-bound work, and MKL's GEMM does it poorly: at SmolLM2's shapes it
 10-15 GB/s where this machine streams 27-40. `skinny_linear` reads each weight row once, keeps it
 in L1 while it meets every input row (register blocks of 2 weight rows × 8 input rows from 8 rows
 on, 4 × 4/2/1 below) and prefetches the rows ahead into L2. SmolLM2 decode steps (2 threads) take
-a third less time at batch 8 and an eighth less at batch 1 (docs/engine.md).
+a third less time at batch 8 and an eighth less at batch 1 (docs/engine.md). Without AVX-512 the
+16-lane sums run as two 8-lane halves (same values, bit for bit): GCC's own lowering of the 64-byte
+vector spilled there and made the kernel 4-5x slower than torch at 4-48 rows on an AVX2 EPYC.
 
 Every output is one dot product in a fixed order (16-lane partial sums over k, a fixed-order tree
 over the lanes, then the tail): row i of a batch is bit-identical to row i computed alone, whatever
@@ -46,6 +48,7 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline float lanes(v16 a) {  /* fixed-order tree over the 16 lanes */
     v8 lo, hi; memcpy(&lo, &a, 32); memcpy(&hi, (const char *)&a + 32, 32);
     v8 s8 = lo + hi;
@@ -68,6 +71,7 @@ static inline __attribute__((always_inline)) void rows_block(
         const float *pf, const float *bias, float *out, int64_t n_out, int64_t n0) {
     const float *xs[8];
     for (int q = 0; q < Q; ++q) xs[q] = x + (r + q) * k;
+#ifdef __AVX512F__
     v16 a[4][8];
     for (int p = 0; p < P; ++p)
         for (int q = 0; q < Q; ++q) a[p][q] = (v16){0};
@@ -81,6 +85,28 @@ static inline __attribute__((always_inline)) void rows_block(
             for (int p = 0; p < P; ++p) a[p][q] += wv[p] * xv;
         }
     }
+#else
+    /* Without AVX-512 a 16-lane vector is two 8-lane registers, and GCC's lowering of the 64-byte type
+       spills (measured on an AVX2 EPYC: 4-5x slower than torch at 4-48 rows). The same 16 lanes, kept
+       as explicit halves: every lane sums the same products in the same order, so the result is
+       bit-identical to the branch above. */
+    v8 lo[4][8], hi[4][8];
+    for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) { lo[p][q] = (v8){0}; hi[p][q] = (v8){0}; }
+    for (int64_t i = 0; i < kv; i += 16) {
+        if (pf)
+            for (int p = 0; p < P; ++p) __builtin_prefetch(pf + p * k + i, 0, 2);
+        v8 wl[4], wh[4];
+        for (int p = 0; p < P; ++p) { wl[p] = ld8(ws[p] + i); wh[p] = ld8(ws[p] + i + 8); }
+        for (int q = 0; q < Q; ++q) {
+            v8 xl = ld8(xs[q] + i), xh = ld8(xs[q] + i + 8);
+            for (int p = 0; p < P; ++p) { lo[p][q] += wl[p] * xl; hi[p][q] += wh[p] * xh; }
+        }
+    }
+    v16 a[4][8];
+    for (int p = 0; p < P; ++p)
+        for (int q = 0; q < Q; ++q) { memcpy(&a[p][q], &lo[p][q], 32); memcpy((char *)&a[p][q] + 32, &hi[p][q], 32); }
+#endif
     for (int p = 0; p < P; ++p)
         for (int q = 0; q < Q; ++q)
             out[(r + q) * n_out + n0 + p] = finish(a[p][q], ws[p], xs[q], kv, k, bias, n0 + p);

@@ -376,6 +376,13 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / f"{name}-head.safetensors"))
+    # every rank leaves together and tears its groups down (the validation's gloo group too): a rank that
+    # exits while the other still saves can abort in a C++ destructor ("terminate called without an active
+    # exception", seen once in `make test`), and torchrun then fails the job
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("preset, head", [("8xh100", []), ("8xh100_zero3", []),

@@ -99,3 +99,24 @@ def test_replica_results_merge_into_one_workers():
     assert [g["new_tokens"] for g in got["groups"]] == [3, 2]
     assert [g["generate_s"] for g in got["groups"]] == [1.5, 0.5]
     assert (got["load_s"], got["generate_s"]) == (6.0, 2.0)
+
+
+def test_the_serve_worker_runs_vllm_in_process_on_a_cpu_build_with_one_rank(monkeypatch):
+    """inference_eval/vllm_serve_worker.py: one rank without CUDA → engine core in this process (saves two
+    vLLM imports per served config); tensor parallelism or CUDA → vLLM's separate processes; the job's
+    "in_process" and an explicit VLLM_ENABLE_V1_MULTIPROCESSING win, in that order. (The serving tests
+    run the in-process path against spechead's engine: tests/test_vllm_serving.py.)"""
+    import torch
+
+    from inference_eval.vllm_serve_worker import in_process
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert in_process({}, {}) is True
+    assert in_process({"tensor_parallel_size": 1}, {}) is True
+    assert in_process({"tensor_parallel_size": 2}, {}) is False
+    assert in_process({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}) is False
+    assert in_process({"tensor_parallel_size": 2}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) is True
+    assert in_process({"in_process": False}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) is False
+    assert in_process({"in_process": True, "tensor_parallel_size": 2}, {}) is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert in_process({}, {}) is False
