@@ -44,7 +44,7 @@ endif
 demo: $(STAMP)
 	$(PY) -m scripts.pipeline $(ARGS)
 
-# the suite, except the real-vLLM serving matrix (≈ 19 min: every export format trained, served and
+# the suite, except the real-vLLM serving matrix (≈ 30 min on 2 cores: every export format trained, served and
 # compared by real vLLM), which `make test-serving` runs; CI (.ci/run) runs both
 SERVING_TESTS := tests/test_vllm_serving.py
 
