@@ -16,8 +16,8 @@ result: {"tokens": [[ids]], "spec": {"num_drafts", "num_draft_tokens", "num_acce
 In process: on vLLM's CPU build with one tensor-parallel rank the engine core and its worker run inside
 this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's uniprocess executor) instead of two more
 processes that each import vLLM again: a served config on 2 cores loads in ≈ 24 s instead of ≈ 66 s and
-decodes the same tokens with the same counters (tests/test_vllm_serving.py compares both with spechead's
-engine). On CUDA and with tensor parallelism vLLM's own default (separate processes) stays; an
+decoded the same tokens with the same counters as the separate-process path (measured once on the
+serving test's mtp1 job); tests/test_vllm_serving.py holds this path to spechead's engine exactly. On CUDA and with tensor parallelism vLLM's own default (separate processes) stays; an
 explicit VLLM_ENABLE_V1_MULTIPROCESSING in the environment or "in_process" in the job wins.
 
 Greedy (temperature 0), no prefix caching (evaluation/vllm_eval.py and the serving tests use it). The
