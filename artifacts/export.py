@@ -50,7 +50,6 @@ from artifacts.validate import (
     EAGLE1_ARCH,
     EAGLE3_ARCH,
     MTP_VLLM_ARCH,
-    MTP_VLLM_MAX_MODULES,
     check_export,
     read_json,
     target_embed_and_head,
@@ -127,7 +126,7 @@ def engine_format_blocker(head: Head) -> str | None:
 
 def servable_formats(head: Head) -> list[str]:
     """The engine formats an engine serves for this head on its target, without loss: eagle1-vllm only when
-    fc has no non-zero bias, mtp-vllm for one or two modules on a target without q/k norms. None for a
+    fc has no non-zero bias, mtp-vllm on a target without q/k norms. None for a
     target whose tied tensors follow other conventions than Llama's (Gemma 3: E·√H, (1 + w) final norm):
     the engines' draft classes apply Llama's, and no export of such a head is validated yet."""
     if engine_format_blocker(head) is not None:
@@ -138,7 +137,7 @@ def servable_formats(head: Head) -> list[str]:
             continue
         if fmt == "eagle1-vllm" and _nonzero_bias(head):
             continue
-        if fmt == "mtp-vllm" and (len(head.layers) > MTP_VLLM_MAX_MODULES or head.args.qk_norm):
+        if fmt == "mtp-vllm" and head.args.qk_norm:
             continue
         formats.append(fmt)
     return formats
@@ -350,9 +349,6 @@ def write_mtp_vllm(head: MTPHead, out: Path, target_dir: Path) -> None:
     head's own tensors under its own names (`layers.{d}.enorm.weight`, `layers.{d}.layer.self_attn.q_proj.weight`,
     ...). No embed_tokens / lm_head: vLLM shares the target's."""
     n, a = len(head.layers), head.args
-    if n > MTP_VLLM_MAX_MODULES:
-        raise ValueError(f"mtp-vllm export refused: {n} separate MTP modules; vLLM's draft loop reproduces spechead's "
-                         f"per-module KV caches exactly only up to {MTP_VLLM_MAX_MODULES} (docs/export.md)")
     if a.qk_norm:
         raise ValueError("mtp-vllm export: the plugin's decoder layer is Llama's (no q/k norm; a Qwen3 target)")
     tcfg = read_json(target_dir / "config.json")

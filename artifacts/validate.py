@@ -46,7 +46,6 @@ from inference_eval.families import args_from_hf_config
 FORMATS = ("native", "eagle1-vllm", "eagle1-sglang", "mtp-stitched", "mtp-standalone", "mtp-vllm", "eagle3",
            "medusa-vllm", "draft-hf")
 MTP_VLLM_ARCH = "Eagle3SpecheadMTPForCausalLM"  # = inference_eval/vllm_plugin.py MTP_ARCH (tests/test_export.py)
-MTP_VLLM_MAX_MODULES = 2  # the plugin reproduces spechead's per-module KV caches exactly up to 2 (its docstring)
 EAGLE1_ARCH = {"eagle1-vllm": "LlamaForCausalLM", "eagle1-sglang": "LlamaForCausalLMEagle"}
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 class ExportValidationError(ValueError):
@@ -404,7 +403,7 @@ def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], targ
 def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
                     tcfg: dict[str, Any] | None, problems: list[str]) -> None:
     """The plugin's contract: its architecture, a Llama config with `num_hidden_layers` = the modules
-    (1..MTP_VLLM_MAX_MODULES), the one aux id L = the target's layer count (top-level and in eagle_config,
+    (≥ 1), the one aux id L = the target's layer count (top-level and in eagle_config,
     use_aux_hidden_state true: vLLM then passes the pre-norm H), `draft_vocab_size` = `vocab_size`, no
     EAGLE-3.1 flags, and exactly the head's tensors `layers.{d}.*` (no embed_tokens / lm_head: shared)."""
     if cfg.get("architectures") != [MTP_VLLM_ARCH]:
@@ -413,8 +412,8 @@ def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: P
     if cfg.get("model_type") != "llama":
         problems.append(f"model_type must be 'llama', got {cfg.get('model_type')!r}")
     n = cfg.get("num_hidden_layers")
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MTP_VLLM_MAX_MODULES:
-        problems.append(f"num_hidden_layers (the MTP modules) must be 1..{MTP_VLLM_MAX_MODULES}, got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        problems.append(f"num_hidden_layers (the MTP modules) must be an integer ≥ 1, got {n!r}")
         return
     if cfg.get("tie_word_embeddings") is not False:
         problems.append(f"tie_word_embeddings must be false, got {cfg.get('tie_word_embeddings')!r}")

@@ -157,6 +157,13 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         return self.decoder(depth)(x, cos, sin, unrolled=(base, extras, mask))
 
+    def keys_unrolled(self, x: torch.Tensor, positions: torch.Tensor, depth: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (k, v) that depth `depth`'s decoder writes for the fused input `x` at `positions`, without
+        its attention or MLP (heads/unroll.py: a deeper module's keys of an earlier draft step)."""
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.decoder(depth)(x, cos, sin, kv_only=True)
+
     def logits(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
         return self.tied.cap_logits(linear(self.features(hidden, depth), self.lm_head_weight))
 

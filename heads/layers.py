@@ -381,9 +381,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-                attn_mask: torch.Tensor | None = None, unrolled: tuple | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, unrolled: tuple | None = None,
+                kv_only: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`unrolled=(base, extras, mask)`: one depth of the training-time test (forward_unrolled) —
-        through the module call, so that FSDP and ZeRO-3 gather this layer's sharded weights around it."""
+        through the module call, so that FSDP and ZeRO-3 gather this layer's sharded weights around it.
+        `kv_only`: only the (k, v) this layer would write for `x` (RoPE applied), for the training-time
+        test's keys of a module that does not answer this depth (heads/unroll.py)."""
+        if kv_only:
+            h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+            return self.self_attn.project(h, cos, sin)[1:]
         if unrolled is not None:
             return self.forward_unrolled(x, cos, sin, *unrolled)
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x

@@ -8,9 +8,11 @@ One module computes, for position i, from the target state H_i and the next toke
 
 Ĥ stands in for H_{i+1} at the next depth. `num_modules: 1` reuses one module at every depth.
 `num_modules: D` keeps D modules, module d at depth d (DeepSeek-V3 style), each with its own KV cache:
-module d's cache holds its own pass over the target's states (H_j, t_{j+1}) at committed positions j,
-and its depth-d query attends those plus its own key. The training unroll (heads/unroll.py) and the
-engine's draft loop build exactly that context; drafting deeper than D is refused. Names follow the
+module d's cache holds its own pass over the target's states (H_j, t_{j+1}) at committed positions j and
+its own keys of the inputs of the earlier draft steps (every module of a deeper step runs on each step's
+input: what vLLM's draft loop reads, docs/export.md), and its depth-d query attends those plus its own key.
+The training unroll (heads/unroll.py), the engine's draft loop and the vLLM plugin build exactly that
+context; drafting deeper than D is refused. Names follow the
 DeepSeek MTP export (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`).
 
 The small interface (`embed`, `fuse`, `step`, `logits`) is what both the training unroll and the

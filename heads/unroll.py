@@ -7,8 +7,11 @@ engine's draft KV cache holds at draft step d once the target accepted up to pos
 
 - one reused module (mtp `num_modules: 1`, eagle1, eagle3): the depth-1 keys of positions ≤ i plus the
   keys of depths 2..d at position i (one shared cache);
-- separate modules (mtp `num_modules: D`): module d's own keys from its pass over the target's states
-  at positions ≤ i, plus its own depth-d key (one cache per module).
+- separate modules (mtp `num_modules: D`), one cache per module: module d's own keys from its pass over
+  the target's states at positions ≤ i, its own keys of the inputs of depths 2..d-1 at position i, plus
+  its own depth-d key. At each draft step every module that answers a deeper step writes its key of that
+  step's input (Ĥ^{j-1}, t_{i+j}) too — what vLLM's draft loop needs: its query at depth d attends
+  module d's slots of every earlier draft step (docs/export.md `mtp-vllm`).
 
 Rows whose token t_{i+d} lies past the sequence get token 0; the loss masks them out. Parallel heads
 (medusa) define their own `unroll`.
@@ -59,17 +62,26 @@ def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
                 else torch.arange(rows, device=hidden.device).expand(b, rows))
     mask = packed_mask(segments[:, :-1]) if segments is not None else None
     target_state = head.target_input(hidden[:, :-1], aux[:, :-1] if aux is not None else None).to(head.dtype)
-    next_tokens = input_ids[:, 1:]  # t_{i+1}
     state = target_state
     base, extras, outs = None, [], []
+    own: dict[int, list] = {}  # separate modules: module e → [its base keys, its keys of depths 2..]
     for d in range(1, depth + 1):
         tokens = torch.zeros(b, rows, dtype=input_ids.dtype, device=input_ids.device)
         tokens[:, : max(t - d, 0)] = input_ids[:, d:]  # t_{i+d}
-        if head.separate_modules and d > 1:
-            # module d's own cache: its pass over (H_j, t_{j+1}) at every position, causal
-            _, base = _step(head, head.fuse(target_state, head.embed(next_tokens), d), base_pos, None, [], d, mask)
-            extras = []
-        x = head.fuse(state.detach() if detach and d > 1 else state, head.embed(tokens), d)
+        embeds = head.embed(tokens)
+        inp = state.detach() if detach and d > 1 else state
+        if head.separate_modules:
+            # every deeper module's keys of this step's input: at d = 1 its pass over (H_j, t_{j+1}) at every
+            # position (causal), at d > 1 its key of (Ĥ^{d-1}_i, t_{i+d}) at row i (diagonal)
+            for e in range(d + 1, depth + 1):
+                kv_e = head.keys_unrolled(head.fuse(inp, embeds, e), base_pos + (d - 1), e)
+                if d == 1:
+                    own[e] = [kv_e, []]
+                else:
+                    own[e][1].append(kv_e)
+            if d > 1:
+                base, extras = own[d]
+        x = head.fuse(inp, embeds, d)
         state, kv = _step(head, x, base_pos + (d - 1), base, extras, d, mask)
         if base is None:
             base = kv

@@ -181,18 +181,22 @@ def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache,
 def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[int] | None = None,
                 sampling: Sampling = GREEDY) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """d_1 from the state at position m-1, then Ĥ^j = head(Ĥ^{j-1}, d_{j-1}) at RoPE position m+j-2
-    and d_j picked from its logits (argmax, or sampled). One shared cache: depth j writes slot m+j-2
-    (after the depth-1 entries ≤ m-1 and depths 2..j-1); separate modules: module j writes slot m of
-    its own cache. `forced` feeds those tokens instead of the drafts (teacher forcing, for tests).
-    Returns the drafts, the states and (sampling) the draft distributions q_j over the target vocabulary."""
+    and d_j picked from its logits (argmax, or sampled). Depth j writes slot m+j-2 (after the depth-1
+    entries ≤ m-1 and depths 2..j-1): of the one shared cache, or with separate modules of module j's
+    cache and, from the same input, of every module that answers a deeper step of this draft (what
+    vLLM's draft loop reads: docs/export.md `mtp-vllm`). `forced` feeds those tokens instead of the
+    drafts (teacher forcing, for tests). Returns the drafts, the states and (sampling) the draft
+    distributions q_j over the target vocabulary."""
     d, q = sampling.pick(full_vocab_logits(head, state)[0, -1])
     drafts, qs, h, states = [d], [q], state, [state]
+    deepest = min(k, len(head.layers)) if head.separate_modules else 0
     for j in range(2, k + 1):
         pos = m + j - 2
-        slot = m if head.separate_modules else pos
         tok = forced[j - 2] if forced is not None else drafts[-1]
-        h = head(h, torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device), cache, slot,
-                 depth=j)
+        tok_t, pos_t = torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device)
+        for e in range(j + 1, deepest + 1):  # the deeper modules' keys of this step
+            head(h, tok_t, pos_t, cache, pos, depth=e)
+        h = head(h, tok_t, pos_t, cache, pos, depth=j)
         states.append(h)
         d, q = sampling.pick(full_vocab_logits(head, h, depth=j)[0, -1])
         drafts.append(d)

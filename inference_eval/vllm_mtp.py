@@ -22,10 +22,11 @@ source) and how the head's computation is reproduced exactly:
   embedding (shared by vLLM's proposer: the export ships neither).
 - `num_modules: D` > 1: vLLM calls the draft's forward exactly `num_speculative_tokens` times per
   proposal (the first pass, then k − 1 steps; `dummy_run` does the same), so the call index modulo k
-  gives the depth: module d answers depth d (a Python counter: D > 1 needs `enforce_eager`). Exact for D ≤ 2: at depth d ≥ 3 vLLM's query at KV slot
-  m+d−2 would attend module d's stale slots m..m+d−3, which spechead's engine never writes (its
-  module d writes slot m) — the exporter refuses D > 2, and k must be ≤ D (spechead's engine refuses
-  deeper drafts too).
+  gives the depth: module d answers depth d (a Python counter: D > 1 needs `enforce_eager`). At depth
+  d vLLM's query at KV slot m+d−2 attends module d's slots m..m+d−3 of the earlier draft steps: so at
+  draft step j every module that answers a deeper step of the proposal (j < d ≤ k) runs on step j's
+  input too and writes its slot m+j−2, as spechead's engine and training unroll do (heads/unroll.py).
+  k must be ≤ D (spechead's engine refuses deeper drafts too).
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ class SpecheadMTPModel(nn.Module):
         step = self._calls % self.k  # 0: the first pass over the target's states; s: depth s + 1
         self._calls += 1
         if step > 0:
+            # the modules of the deeper steps of this proposal write their KV of this step's input (their
+            # queries attend it: spechead's engine and training unroll do the same); only module step + 1 answers
+            for module in self.layers[step + 1: self.k]:
+                module(positions, input_embeds, hidden_states)
             return self.layers[step](positions, input_embeds, hidden_states)
         out = self.layers[0](positions, input_embeds, hidden_states)
         for module in self.layers[1:]:  # fill each module's KV cache with its pass over the target's states

