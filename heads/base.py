@@ -157,6 +157,12 @@ class DraftHead(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         return self.decoder(depth)(x, cos, sin, unrolled=(base, extras, mask))
 
+    def key_writers(self, depth: int, k: int) -> range:
+        """The depths whose modules also write their KV of draft step `depth`'s input when drafting k steps:
+        with separate modules every module that answers a deeper step (heads/mtp.py); none for one reused
+        module, whose cache already holds each step."""
+        return range(0)
+
     def keys_unrolled(self, x: torch.Tensor, positions: torch.Tensor, depth: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The (k, v) that depth `depth`'s decoder writes for the fused input `x` at `positions`, without

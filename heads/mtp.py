@@ -93,6 +93,9 @@ class MTPHead(DraftHead):
     def depth_modules(self) -> list[nn.Module]:
         return list(self.layers) if self.separate_modules else []
 
+    def key_writers(self, depth: int, k: int) -> range:
+        return range(depth + 1, min(k, len(self.layers)) + 1) if self.separate_modules else range(0)
+
     def module(self, depth: int) -> MTPModule:
         return self.layers[self.cache_layer(depth)]
 

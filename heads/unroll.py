@@ -73,7 +73,7 @@ def unroll(head, hidden: torch.Tensor, input_ids: torch.Tensor, depth: int,
         if head.separate_modules:
             # every deeper module's keys of this step's input: at d = 1 its pass over (H_j, t_{j+1}) at every
             # position (causal), at d > 1 its key of (Ĥ^{d-1}_i, t_{i+d}) at row i (diagonal)
-            for e in range(d + 1, depth + 1):
+            for e in head.key_writers(d, depth):
                 kv_e = head.keys_unrolled(head.fuse(inp, embeds, e), base_pos + (d - 1), e)
                 if d == 1:
                     own[e] = [kv_e, []]

@@ -485,7 +485,8 @@ class PagedHeadProposer(ChainProposer):
     """A head from heads/ in the engine. Chain heads keep their KV cache in a pool over the engine's
     block tables: the depth-1 entries of every committed position (computed from the target's states),
     then the current round's deeper draft steps (slot m+j-2 at depth j; with separate MTP modules, of
-    module j's layer and of every deeper module's, from the same input). Medusa drafts from the target's state at the last committed position.
+    module j's layer and of every deeper module's, from the same input). Medusa drafts from the target's
+    state at the last committed position.
 
     Greedy rounds refresh the head over all k+1 verified positions with the target's argmax tokens —
     a fixed shape that does not wait for the acceptance length (for the positions up to the accepted
@@ -561,12 +562,11 @@ class PagedHeadProposer(ChainProposer):
             cols = [self._pick(reqs, self._logits(head(h, depth=j), j)[0]) for j in range(1, k + 1)]
         else:
             cols = [self._pick(reqs, self._logits(h)[0])]
-            deepest = min(k, len(head.layers)) if head.separate_modules else 0
             for j in range(2, k + 1):
                 pos = [[r.m + j - 2] for r in reqs]
                 slices = [SeqSlice(r.table, r.m + j - 2, 1) for r in reqs]
                 toks = [[d] for d in cols[-1][0]]
-                for e in range(j + 1, deepest + 1):  # separate modules: each deeper module's key of this step
+                for e in head.key_writers(j, k):  # separate modules: each deeper module's key of this step
                     self._head(h, toks, pos, slices, depth=e)
                 h = self._head(h, toks, pos, slices, depth=j)
                 cols.append(self._pick(reqs, self._logits(h, depth=j)[0]))
@@ -682,7 +682,7 @@ class PagedTreeProposer(PagedHeadProposer):
                     [SeqSlice(reqs[i].table, reqs[i].m, kk, written, masks[i]) for i in range(b)])
             # separate modules: every module that answers a deeper level writes its entries of this level too
             # (the chain's rule, draft_chain), so its nodes attend their ancestors in their own cache
-            for e in range(level + 2, (min(self.depth, len(head.layers)) if head.separate_modules else 0) + 1):
+            for e in head.key_writers(level + 1, self.depth):
                 self._head(*args, depth=e)
             h = self._head(*args, depth=level + 1)[0].view(b, kk, -1)
             written += kk

@@ -189,12 +189,11 @@ def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[i
     distributions q_j over the target vocabulary."""
     d, q = sampling.pick(full_vocab_logits(head, state)[0, -1])
     drafts, qs, h, states = [d], [q], state, [state]
-    deepest = min(k, len(head.layers)) if head.separate_modules else 0
     for j in range(2, k + 1):
         pos = m + j - 2
         tok = forced[j - 2] if forced is not None else drafts[-1]
         tok_t, pos_t = torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device)
-        for e in range(j + 1, deepest + 1):  # the deeper modules' keys of this step
+        for e in head.key_writers(j, k):  # separate modules: the deeper modules' keys of this step
             head(h, tok_t, pos_t, cache, pos, depth=e)
         h = head(h, tok_t, pos_t, cache, pos, depth=j)
         states.append(h)
