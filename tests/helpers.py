@@ -46,6 +46,9 @@ class StubHead:
     def to_target_ids(self, ids):
         return ids
 
+    def key_writers(self, depth, k):
+        return range(0)  # one drafter, no separate modules' keys to write
+
 
 def pool_and_tables(model, lengths, block_size: int = 4, num_blocks: int = 64):
     """A paged pool in the model's cache layout (`KVPool.for_args`, as the engine builds it) and one block
