@@ -81,6 +81,7 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "kl_temperature"): 1.0,
     ("train", "module", "detach_depths"): False,
     ("train", "module", "clip_scope"): "all",
+    ("train", "module", "input_noise"): 0.0,
 }
 
 

@@ -44,14 +44,16 @@ def test_sampler_skips_consumed_batches_once():
     assert len(list(sampler)) == len(whole)
 
 
-@pytest.mark.parametrize("k, resume_from", [(2, "path"), (5, "path"), (7, "last")])
-def test_resume_matches_uninterrupted_run(k, resume_from, tiny_overrides, tmp_path):
+@pytest.mark.parametrize("k, resume_from, noise", [(2, "path", 0.0), (5, "path", 0.0), (7, "last", 0.0),
+                                                    (7, "last", 0.5)])
+def test_resume_matches_uninterrupted_run(k, resume_from, noise, tiny_overrides, tmp_path):
     """N = 9 steps at 5 steps per epoch; stopping after k = 2 (mid-epoch 0), 5 (the epoch boundary)
     or 7 (mid-epoch 1). The LR is held constant: the cosine schedule spans trainer.max_steps, so a run
-    configured for k steps has a different schedule from one configured for N (see run_training)."""
+    configured for k steps has a different schedule from one configured for N (see run_training).
+    With `train.module.input_noise` the resumed steps draw the noise the uninterrupted ones drew."""
     n = 9
     common = [*tiny_overrides, *STEPS, "train.module.warmup_steps=0", "train.module.min_lr_ratio=1.0",
-              f"store_dir={tmp_path / 'features'}"]
+              f"store_dir={tmp_path / 'features'}", f"train.module.input_noise={noise}"]
     run_precompute(compose_config(common))
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     run_training(compose_config([*common, f"run_dir={full_dir}", f"trainer.max_steps={n}"]))

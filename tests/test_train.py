@@ -170,6 +170,58 @@ def test_heldout_split_follows_split_seed_not_seed(tiny_overrides, tmp_path):
     assert len(recorded[0]["heldout_ids"]) == round(0.2 * recorded[0]["store_samples"])
 
 
+def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_overrides, tiny_target, monkeypatch):
+    """`train.module.input_noise: σ`: in training the head reads each state plus noise of σ × the state's RMS,
+    drawn from (seed, global step, rank) alone; the teacher reads the stored states; in eval mode (validation,
+    held-out scores) nothing changes. A negative σ is refused."""
+    import types
+
+    import pytest
+
+    import train.module as tm
+    from data.store import FeatureStore
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    store = FeatureStore(store_dir)
+    batch = collate([store[i] for i in range(4)])
+    head = init_head(compose_config(tiny_overrides), tiny_target)
+    clean, noisy = DraftHeadModule(head, kl_chunk_size=16), DraftHeadModule(head, kl_chunk_size=16, input_noise=0.3)
+    hidden = batch["hidden"].to(head.dtype)
+
+    noisy.train()
+    torch.manual_seed(0)
+    a, _ = noisy.noisy_inputs(hidden, None)
+    torch.manual_seed(0)
+    again, _ = noisy.noisy_inputs(hidden, None)
+    torch.testing.assert_close(again, a, atol=0, rtol=0)  # a function of (seed, step, rank), not of the global RNG's use
+    rel = ((a - hidden).norm(dim=-1) / hidden.norm(dim=-1))[batch["valid"]]
+    assert float(rel.mean()) == pytest.approx(0.3, rel=0.1), float(rel.mean())
+    noisy._trainer = types.SimpleNamespace(global_step=1, global_rank=0)
+    torch.manual_seed(0)
+    later, _ = noisy.noisy_inputs(hidden, None)
+    assert not torch.allclose(later, a)  # another step, other noise
+    torch.manual_seed(1)
+    other_seed, _ = noisy.noisy_inputs(hidden, None)
+    assert not torch.allclose(other_seed, later)
+    noisy._trainer = None
+
+    seen = {}
+    unroll, depth_terms = tm.unroll, tm.depth_terms
+    monkeypatch.setattr(tm, "unroll", lambda h, x, *a, **k: seen.setdefault("input", x) is not None and unroll(h, x, *a, **k))
+    monkeypatch.setattr(tm, "depth_terms", lambda h, p, t, *a: seen.setdefault("teacher", t) is not None and depth_terms(h, p, t, *a))
+    loss = noisy.compute_loss(batch)["loss"]
+    assert not torch.allclose(seen["input"], hidden)
+    rows = hidden.shape[1] - 2
+    mask = batch["loss_mask"][:, 2:] & batch["valid"][:, 2:]
+    torch.testing.assert_close(seen["teacher"], hidden[:, 1:1 + rows][mask], atol=0, rtol=0)
+    clean.train()
+    assert float(loss) != pytest.approx(float(clean.compute_loss(batch)["loss"]), rel=1e-4)
+    noisy.eval(), clean.eval()
+    torch.testing.assert_close(noisy.compute_loss(batch)["loss"], clean.compute_loss(batch)["loss"], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="input_noise=-0.1"):
+        DraftHeadModule(head, input_noise=-0.1)
+
+
 def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_overrides, tiny_target):
     """`train.module.clip_scope: module` with `detach_depths`: through real Lightning steps whose clipping binds
     (gradient_clip_val 0.05), module 1 of a 3-module head trained at depth 3 ends equal to a 1-module head trained

@@ -42,7 +42,8 @@ class DraftHeadModule(L.LightningModule):
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
-                 kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all") -> None:
+                 kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
+                 input_noise: float = 0.0) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
@@ -50,6 +51,8 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.clip_scope={clip_scope!r}: expected one of {CLIP_SCOPES}")
         if not kl_temperature > 0:
             raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
+        if not input_noise >= 0:
+            raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
         self.head = head
         # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
         self.head.gradient_checkpointing = gradient_checkpointing
@@ -101,9 +104,11 @@ class DraftHeadModule(L.LightningModule):
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
         t = hidden.shape[1]
         aux = batch.get("aux_hidden")
+        aux = aux.to(self.head.dtype) if aux is not None else None
         segments = batch.get("segments")  # packed rows (train/data.py collate_packed)
-        outs = unroll(self.head, hidden, ids, hp.depth, aux.to(self.head.dtype) if aux is not None else None,
-                      batch.get("positions"), segments, detach=hp.get("detach_depths", False))
+        inp, aux = self.noisy_inputs(hidden, aux)  # the teacher reads `hidden` itself
+        outs = unroll(self.head, inp, ids, hp.depth, aux, batch.get("positions"), segments,
+                      detach=hp.get("detach_depths", False))
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
@@ -128,6 +133,28 @@ class DraftHeadModule(L.LightningModule):
         out["loss"] = total
         out["sim_tau"] = sim_tau if torch.is_tensor(sim_tau) else torch.tensor(sim_tau)
         return out
+
+    def noisy_inputs(self, hidden: torch.Tensor, aux: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target states the head reads, with `input_noise` in training: each token's state plus Gaussian
+        noise of σ × its own RMS (scale-free across targets and layers), so depth 1 also learns from states a
+        little off the target's — what the head is handed at depth ≥ 2, its own estimate. Validation, the
+        held-out scores and the teacher see the states unchanged. The noise of a step is a function of
+        (seed, global step) alone: a resumed run draws what the uninterrupted one drew."""
+        sigma = float(self.hparams.get("input_noise", 0.0))
+        if sigma == 0.0 or not self.training:
+            return hidden, aux
+        trainer = self._trainer
+        step = trainer.global_step if trainer is not None else 0
+        rank = trainer.global_rank if trainer is not None else 0
+        gen = torch.Generator(device="cpu").manual_seed(hash((torch.initial_seed() & 0xFFFFFFFF, step, rank)) & 0x7FFFFFFF)
+
+        def noisy(x: torch.Tensor) -> torch.Tensor:
+            eps = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
+            rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+            return (x.float() + sigma * rms * eps).to(x.dtype)
+
+        return noisy(hidden), (noisy(aux) if aux is not None else None)
 
     def _metric_keys(self, out: dict[str, torch.Tensor]) -> list[str]:
         return [k for k in out if k not in ("n_tokens", "tokens") and "_count_" not in k]
