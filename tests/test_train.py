@@ -207,8 +207,17 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
 
     seen = {}
     unroll, depth_terms = tm.unroll, tm.depth_terms
-    monkeypatch.setattr(tm, "unroll", lambda h, x, *a, **k: seen.setdefault("input", x) is not None and unroll(h, x, *a, **k))
-    monkeypatch.setattr(tm, "depth_terms", lambda h, p, t, *a: seen.setdefault("teacher", t) is not None and depth_terms(h, p, t, *a))
+
+    def seen_unroll(h, x, *args, **kwargs):
+        seen["input"] = x
+        return unroll(h, x, *args, **kwargs)
+
+    def seen_depth_terms(h, preds, teacher, *args):
+        seen["teacher"] = teacher
+        return depth_terms(h, preds, teacher, *args)
+
+    monkeypatch.setattr(tm, "unroll", seen_unroll)
+    monkeypatch.setattr(tm, "depth_terms", seen_depth_terms)
     loss = noisy.compute_loss(batch)["loss"]
     assert not torch.allclose(seen["input"], hidden)
     rows = hidden.shape[1] - 2
