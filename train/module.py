@@ -140,7 +140,8 @@ class DraftHeadModule(L.LightningModule):
         noise of σ × its own RMS (scale-free across targets and layers), so depth 1 also learns from states a
         little off the target's — what the head is handed at depth ≥ 2, its own estimate. Validation, the
         held-out scores and the teacher see the states unchanged. The noise of a step is a function of
-        (seed, global step) alone: a resumed run draws what the uninterrupted one drew."""
+        (seed, global step, rank) alone: a resumed run draws what the uninterrupted one drew, and each rank
+        its own. (Micro-batches of one optimizer step, `trainer.accumulate_grad_batches` > 1, share the draw.)"""
         sigma = float(self.hparams.get("input_noise", 0.0))
         if sigma == 0.0 or not self.training:
             return hidden, aux
