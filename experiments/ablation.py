@@ -25,21 +25,22 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.files import atomic_write_bytes
-from core.paths import CONF
 from data.precompute import run_precompute
 from data.sources import resolve_target_dir
 from data.store import FeatureStore
-from experiments.runner import run_point
+from experiments.runner import head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args, target_fingerprint
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:
     """The run config with `head` replaced by conf/head/<name>.yaml and per-head output paths."""
-    hcfg = OmegaConf.load(CONF / "head" / f"{name}.yaml")
+    hcfg, preset = head_preset(name)
     out = cfg.copy()
     with open_dict(out):
         out.head = hcfg
+        for path, value in preset.items():  # what a preset (conf/head/mtp3.yaml) sets beside its head
+            OmegaConf.update(out, path, value, merge=False)
         out.head_dir = f"{cfg.run_dir}/heads/{name}"
         out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{name}"
         out.train.untrained_dir = None
@@ -54,7 +55,7 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
     """The aux layers the compared heads read (EAGLE-3's); the heads must agree on them."""
     wanted = set()
     for name in heads:
-        h = OmegaConf.load(CONF / "head" / f"{name}.yaml")
+        h = head_preset(name)[0]
         if h.get("type") == "eagle3":
             wanted.add(tuple(h.get("aux_layers") or
                              default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers)))

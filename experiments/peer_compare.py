@@ -52,7 +52,7 @@ from data.sources import resolve_target_dir
 from experiments.cache import cached_training, dir_fingerprint, digest, lookup, record
 from experiments.peer_data import export as export_peer_data
 from experiments.peer_data import peer_command
-from experiments.runner import cached_heldout, evaluate_point
+from experiments.runner import cached_heldout, evaluate_point, head_preset
 from experiments.study import apply_overrides, flatten, mean_batch_tokens, store_for
 from inference_eval.model import target_fingerprint, tied_target
 
@@ -77,8 +77,8 @@ def our_config(cfg: DictConfig, label: str, spec: dict[str, Any], store: Path,
     (or, with peer_compare.tokens set, that many training tokens: `budget_steps`)."""
     out = cfg.copy()
     with open_dict(out):
-        out.head = OmegaConf.load(CONF / "head" / f"{spec.get('head', 'mtp')}.yaml")
-        apply_overrides(out, flatten(spec.get("overrides") or {}), f"peer_compare.ours.{label}")
+        out.head, preset = head_preset(spec.get("head", "mtp"))
+        apply_overrides(out, preset | flatten(spec.get("overrides") or {}), f"peer_compare.ours.{label}")
         out.store_dir = str(store)
         out.head_dir = f"{cfg.run_dir}/heads/{label}"
         out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{label}"

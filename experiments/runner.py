@@ -13,12 +13,43 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from artifacts.checkpoint import load_native
+from core.paths import CONF
 from core.files import atomic_write_bytes
 from data.sources import resolve_target_dir
 from experiments.cache import cached_evaluation, cached_training, dir_fingerprint, lookup, record, store_fingerprint
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import heldout_agreement
+
+
+def flatten(overrides: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted path: value} from a nested or dotted mapping (hydra's CLI nests dotted keys)."""
+    if not isinstance(overrides, dict):
+        return {prefix: overrides}
+    out: dict[str, Any] = {}
+    for k, v in overrides.items():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        out |= flatten(v, path) if isinstance(v, dict) else {path: v}
+    return out
+
+
+def head_preset(name: str) -> tuple[DictConfig, dict[str, Any]]:
+    """conf/head/<name>.yaml as an experiment swaps it in: (the `head` section, {dotted path: value} of the
+    settings it makes elsewhere). A plain head file is the section itself and sets nothing else; a preset
+    (`# @package _global_`, as conf/head/mtp3.yaml) names its base head in its defaults (`- mtp@head`), sets `head:`
+    on top of it and other settings beside (train.module.*) — what `head=<name>` composes on the command line."""
+    path = CONF / "head" / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(f"head={name!r}: no {path}")
+    raw = OmegaConf.load(path)
+    if "defaults" not in raw:
+        return raw, {}
+    bases = [d for d in raw.defaults if isinstance(d, str) and d.endswith("@head")]
+    if len(bases) != 1 or len(raw.defaults) != 1:
+        raise ValueError(f"{path}: a head preset's defaults are one '<head>@head' entry, got {list(raw.defaults)}")
+    base, settings = head_preset(bases[0].removesuffix("@head"))
+    rest = {k: v for k, v in OmegaConf.to_container(raw).items() if k not in ("defaults", "head")}
+    return OmegaConf.merge(base, raw.get("head") or {}), settings | flatten(rest)
 
 
 def run_point(cfg: DictConfig, store: Path, label: str, ks: list, fingerprint: dict[str, Any],

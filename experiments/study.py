@@ -49,7 +49,7 @@ from data.precompute import run_precompute
 from data.sources import resolve_target_dir
 from data.store import FeatureStore
 from experiments.cache import config_sections, digest
-from experiments.runner import run_point
+from experiments.runner import flatten, head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args, target_fingerprint
 from train.data import FeatureDataModule
@@ -57,17 +57,6 @@ from train.data import FeatureDataModule
 log = logging.getLogger(__name__)
 
 DATA_KINDS = ("sharegpt", "regen")
-
-
-def flatten(overrides: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted path: value} from a nested or dotted mapping (hydra's CLI nests dotted keys)."""
-    if not isinstance(overrides, dict):
-        return {prefix: overrides}
-    out: dict[str, Any] = {}
-    for k, v in overrides.items():
-        path = f"{prefix}.{k}" if prefix else str(k)
-        out |= flatten(v, path) if isinstance(v, dict) else {path: v}
-    return out
 
 
 def parse_variant(name: str, spec: Any) -> dict[str, Any]:
@@ -162,8 +151,8 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
     with open_dict(out):
         out.seed = seed
         out.regenerate.seed = int(cfg.seed)  # a repeat retrains on the same data
-        out.head = OmegaConf.load(CONF / "head" / f"{variant['head']}.yaml")
-        apply_overrides(out, split_overrides(variant)[1], f"study.variants.{name}")
+        out.head, preset = head_preset(variant["head"])  # a preset's own settings first, the variant's on top
+        apply_overrides(out, preset | split_overrides(variant)[1], f"study.variants.{name}")
         if out.head.get("type") == "medusa":
             out.train.module.depth = int(out.head.get("num_heads", 4))
         out.head_dir = f"{cfg.run_dir}/points/{label}/head"

@@ -142,6 +142,43 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
     assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
 
 
+def test_every_head_file_swaps_in_as_the_command_line_composes_it():
+    """A study variant's, the ablation's and peer_compare's `head: <name>` read conf/head/<name>.yaml through
+    experiments.runner.head_preset: for every head file the same head section and the same settings beside it as
+    `head=<name>` composed by hydra — a preset's train.module.* included (mtp3: read as a plain file it had no
+    `type` and its training settings were lost) — and a variant's own overrides win over the preset's."""
+    from omegaconf import OmegaConf
+
+    from core.paths import CONF
+    from experiments.ablation import head_config
+    from experiments.runner import head_preset
+    from experiments.study import parse_variant, point_config
+
+    plain = compose_config([])
+    names = sorted(p.stem for p in (CONF / "head").glob("*.yaml"))
+    assert "mtp3" in names
+    for name in names:
+        composed = compose_config([f"head={name}"])
+        head, settings = head_preset(name)
+        assert OmegaConf.to_container(head) == OmegaConf.to_container(composed.head), name
+        changed = {k for k in ("depth", "depth_decay", "detach_depths", "clip_scope")
+                   if composed.train.module[k] != plain.train.module[k]}
+        assert {f"train.module.{k}" for k in changed} <= set(settings), name
+        for path, value in settings.items():
+            assert OmegaConf.select(composed, path) == value, (name, path)
+    assert head_preset("mtp3")[1]["train.module.depth"] == 3 and head_preset("mtp")[1] == {}
+
+    cfg = compose_config(["experiment=peer_recipe"])
+    point = point_config(cfg, "m3", parse_variant("m3", {"head": "mtp3"}), 1000, 0)
+    assert (point.head.num_modules, point.train.module.depth, point.train.module.clip_scope) == (3, 3, "module")
+    two = point_config(cfg, "m3", parse_variant("m3", {"head": "mtp3", "overrides": {"train.module.depth": 2}}), 1000, 0)
+    assert (two.head.num_modules, two.train.module.depth, two.train.module.detach_depths) == (3, 2, True)
+    ablated = head_config(compose_config([]), "mtp3")
+    assert (ablated.head.num_modules, ablated.train.module.depth, ablated.train.module.depth_decay) == (3, 3, 1.0)
+    with pytest.raises(ValueError, match="no .*conf/head/nope.yaml"):
+        head_preset("nope")
+
+
 def test_store_key_ignores_a_backend_that_does_not_run(tiny_overrides):
     """A study's store is named by what it holds: vLLM's settings move the key only when vLLM computes it."""
     from experiments.study import store_key

@@ -231,6 +231,36 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
         DraftHeadModule(head, input_noise=-0.1)
 
 
+def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_head(tiny_overrides, tiny_target,
+                                                                                    tmp_path):
+    """`head=mtp3` (conf/head/mtp3.yaml) sets a 3-module head, 3 TTT steps at equal weights, `detach_depths` and
+    `clip_scope: module`, and trains through the whole entry point (run_training: checkpoint, validation): module 1
+    of the saved head equals the default `head=mtp` run's one module, trained on the same store with the same seed
+    and clipping (made to bind: 0.05; with the whole gradient clipped together module 1 ends elsewhere), while
+    modules 2–3 leave their start."""
+    common = tiny_overrides + ["train.engine_validation.enabled=false", "trainer.gradient_clip_val=0.05"]
+    cfg = compose_config(common + ["head=mtp3"])
+    assert (cfg.head.type, cfg.head.num_modules) == ("mtp", 3)
+    assert (cfg.train.module.depth, cfg.train.module.depth_decay) == (3, 1.0)
+    assert cfg.train.module.detach_depths is True and cfg.train.module.clip_scope == "module"
+    run_precompute(cfg)
+    deep_dir, metrics = run_training(cfg)
+    assert {"val/acc_d1", "val/acc_d2", "val/acc_d3"} <= set(metrics)
+    one = compose_config(common + [f"run_dir={tmp_path / 'one'}", f"store_dir={cfg.store_dir}"])
+    one_dir, _ = run_training(one)
+    tied, args, _ = tied_target(tiny_target)
+    deep, alone = load_native(deep_dir, tied, args), load_native(one_dir, tied, args)
+    start = load_native(cfg.train.untrained_dir, tied, args)
+    assert len(deep.layers) == 3 and len(alone.layers) == 1
+    first = deep.layers[0].state_dict()
+    for key, value in alone.layers[0].state_dict().items():
+        assert float((value - start.layers[0].state_dict()[key]).abs().max()) > 0 or "norm" in key
+        torch.testing.assert_close(first[key], value, atol=1e-5, rtol=1e-4)
+    for d in (1, 2):
+        assert any(float((p - q).abs().max()) > 1e-4 for p, q in
+                   zip(deep.layers[d].state_dict().values(), start.layers[d].state_dict().values()))
+
+
 def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_overrides, tiny_target):
     """`train.module.clip_scope: module` with `detach_depths`: through real Lightning steps whose clipping binds
     (gradient_clip_val 0.05), module 1 of a 3-module head trained at depth 3 ends equal to a 1-module head trained
