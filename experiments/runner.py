@@ -13,8 +13,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from artifacts.checkpoint import load_native
-from core.paths import CONF
 from core.files import atomic_write_bytes
+from core.paths import CONF
 from data.sources import resolve_target_dir
 from experiments.cache import cached_evaluation, cached_training, dir_fingerprint, lookup, record, store_fingerprint
 from inference_eval.model import tied_target
