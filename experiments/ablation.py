@@ -28,7 +28,7 @@ from core.files import atomic_write_bytes
 from data.precompute import run_precompute
 from data.sources import resolve_target_dir
 from data.store import FeatureStore
-from experiments.runner import head_preset, run_point
+from experiments.runner import apply_overrides, head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args, target_fingerprint
 
@@ -39,8 +39,7 @@ def head_config(cfg: DictConfig, name: str) -> DictConfig:
     out = cfg.copy()
     with open_dict(out):
         out.head = hcfg
-        for path, value in preset.items():  # what a preset (conf/head/mtp3.yaml) sets beside its head
-            OmegaConf.update(out, path, value, merge=False)
+        apply_overrides(out, preset, f"conf/head/{name}.yaml")  # what a preset (mtp3) sets beside its head
         out.head_dir = f"{cfg.run_dir}/heads/{name}"
         out.train.checkpoint_dir = f"{cfg.run_dir}/checkpoints/{name}"
         out.train.untrained_dir = None

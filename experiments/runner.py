@@ -33,6 +33,13 @@ def flatten(overrides: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], where: str) -> None:
+    for path, value in overrides.items():
+        if OmegaConf.select(cfg, path, default="__missing__") == "__missing__":
+            raise ValueError(f"{where}: override {path!r} names no setting of the config")
+        OmegaConf.update(cfg, path, value, merge=False)
+
+
 def head_preset(name: str) -> tuple[DictConfig, dict[str, Any]]:
     """conf/head/<name>.yaml as an experiment swaps it in: (the `head` section, {dotted path: value} of the
     settings it makes elsewhere). A plain head file is the section itself and sets nothing else; a preset

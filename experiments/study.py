@@ -49,7 +49,7 @@ from data.precompute import run_precompute
 from data.sources import resolve_target_dir
 from data.store import FeatureStore
 from experiments.cache import config_sections, digest
-from experiments.runner import flatten, head_preset, run_point
+from experiments.runner import apply_overrides, flatten, head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args, target_fingerprint
 from train.data import FeatureDataModule
@@ -76,13 +76,6 @@ def parse_variant(name: str, spec: Any) -> dict[str, Any]:
 
 
 DATA_SECTIONS = ("data.", "regenerate.", "precompute.")  # overrides that change the store, not the training
-
-
-def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], where: str) -> None:
-    for path, value in overrides.items():
-        if OmegaConf.select(cfg, path, default="__missing__") == "__missing__":
-            raise ValueError(f"{where}: override {path!r} names no setting of the config")
-        OmegaConf.update(cfg, path, value, merge=False)
 
 
 def split_overrides(variant: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
