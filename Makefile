@@ -44,8 +44,8 @@ endif
 demo: $(STAMP)
 	$(PY) -m scripts.pipeline $(ARGS)
 
-# the suite, except the real-vLLM serving matrix (≈ 30 min on 2 cores: every export format trained, served and
-# compared by real vLLM), which `make test-serving` runs; CI (.ci/run) runs both
+# the suite, except the real-vLLM serving matrix (≈ 27 min on 2 cores: a head for every format vLLM serves
+# trained, served and compared by real vLLM), which `make test-serving` runs; CI (.ci/run) runs both
 SERVING_TESTS := tests/test_vllm_serving.py
 
 test: $(STAMP)

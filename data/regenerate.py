@@ -445,7 +445,9 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
 
         model = VLLMGenerator.from_config(cfg, plan.target_dir, DTYPES[cfg.target.dtype])
     else:
-        model = AutoModelForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype]).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            plan.target_dir, dtype=DTYPES[cfg.target.dtype],
+            trust_remote_code=bool(cfg.target.get("trust_remote_code", False))).to(device).eval()
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
     if plan.keyed:
         out.parent.mkdir(parents=True, exist_ok=True)

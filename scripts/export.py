@@ -1,5 +1,6 @@
 """Export a head checkpoint (`export.source`) to the native format (`export.dir`) and the engine
-formats `export.formats` (default: every format of the head type) under `export.root`; each one is
+formats `export.formats` (default: native + every format an engine serves for
+the head, artifacts/export.py default_formats) under `export.root`; each one is
 validated against the target and read back before it is reported (artifacts/export.py, docs/export.md)."""
 
 import logging

@@ -377,3 +377,22 @@ def test_resume_reads_the_output_with_the_one_jsonl_reader(tmp_path):
     f.write_bytes(cut)
     assert finished_ids(f, meta, repair=False) == {"c0", "c1"} and f.read_bytes() == cut  # another writer's line
     assert finished_ids(f, meta) == {"c0", "c1"} and f.read_bytes() == good[0] + good[1]
+
+
+@pytest.mark.parametrize("flag", [None, "true"])
+def test_the_hf_backend_loads_the_target_with_trust_remote_code_only_when_set(tiny_overrides, text_target, tmp_path,
+                                                                              monkeypatch, flag):
+    """`+target.trust_remote_code=true` reaches HF transformers' loader in regeneration's `hf` backend, as it
+    does in precompute's; unset, remote code stays off."""
+    import transformers
+
+    seen, real = [], transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    extra = ["regenerate.backend=hf", "data.max_samples=2", *([f"+target.trust_remote_code={flag}"] if flag else [])]
+    regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl", *extra))
+    assert seen == [flag == "true"]
