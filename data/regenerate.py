@@ -84,7 +84,7 @@ from data.store import DTYPES
 from inference_eval.engine import engine_generate
 from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint
 from inference_eval.speculative import GREEDY, Sampling
-from inference_eval.targets import resolve_backend
+from inference_eval.targets import resolve_backend, trusts_remote_code
 
 if TYPE_CHECKING:
     from data.sources import Conversations
@@ -447,7 +447,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     else:
         model = AutoModelForCausalLM.from_pretrained(
             plan.target_dir, dtype=DTYPES[cfg.target.dtype],
-            trust_remote_code=bool(cfg.target.get("trust_remote_code", False))).to(device).eval()
+            trust_remote_code=trusts_remote_code(cfg)).to(device).eval()
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
     if plan.keyed:
         out.parent.mkdir(parents=True, exist_ok=True)

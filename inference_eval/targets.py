@@ -97,8 +97,13 @@ def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
     if backend == "engine":
         return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
     return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
-                                    trust_remote_code=bool(cfg.target.get("trust_remote_code", False)),
+                                    trust_remote_code=trusts_remote_code(cfg),
                                     device_map=cfg.target.get("device_map"))
+
+
+def trusts_remote_code(cfg) -> bool:
+    """`+target.trust_remote_code=true`: HF transformers may run the checkpoint's own code (off unless set)."""
+    return bool(cfg.target.get("trust_remote_code", False))
 
 
 def register_target_resolvers() -> None:
