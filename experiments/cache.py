@@ -82,6 +82,7 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "detach_depths"): False,
     ("train", "module", "clip_scope"): "all",
     ("train", "module", "input_noise"): 0.0,
+    ("train", "module", "deep_lr_scale"): 1.0,
 }
 
 

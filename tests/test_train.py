@@ -315,3 +315,69 @@ def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_over
     module.trainer = type("T", (), {"strategy": DeepSpeedStrategy()})()
     with pytest.raises(ValueError, match="DeepSpeed clips the whole gradient"):
         module.setup("fit")
+
+
+def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_overrides, tiny_target):
+    """`train.module.loss_on: deep_all` trains depth 1 on the store's loss mask and depths ≥ 2 on every real token;
+    `train.module.deep_lr_scale: s` gives the per-depth modules of depth ≥ 2 the peak lr s × lr (its own optimizer
+    groups, the schedule over both). Through real Lightning steps with `detach_depths` and `clip_scope: module`,
+    module 1 of a 3-module head trained with both ends equal to the plain 3-module run's (and so to the default
+    head's), while modules 2–3 end elsewhere. s ≠ 1 on a head without separate modules, or s ≤ 0, is refused."""
+    import lightning as L
+    import pytest
+    from torch.utils.data import DataLoader
+
+    from data.store import FeatureStore
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    store = FeatureStore(store_dir)
+    batches = [collate([store[i], store[i + 1]]) for i in (0, 2, 4, 0, 2)]
+    batch = batches[0]
+
+    def head3():
+        return init_head(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
+
+    def module(head, **kw):
+        return DraftHeadModule(head, lr=3e-3, warmup_steps=0, kl_chunk_size=16, depth=3, depth_decay=1.0,
+                               detach_depths=True, clip_scope="module", **kw)
+
+    # the rows: depth 1 as `assistant`, depths 2–3 as `all`, each to the count and the value
+    h = head3()
+    deep, masked, every = (module(h, loss_on=v).compute_loss(batch) for v in ("deep_all", "assistant", "all"))
+    assert int(deep["n_count_d1"]) == int(masked["n_count_d1"]) < int(every["n_count_d1"])
+    for d in (2, 3):
+        assert int(deep[f"n_count_d{d}"]) == int(every[f"n_count_d{d}"]) > int(masked[f"n_count_d{d}"])
+        torch.testing.assert_close(deep[f"kl_d{d}"], every[f"kl_d{d}"], atol=0, rtol=0)
+    torch.testing.assert_close(deep["kl_d1"], masked["kl_d1"], atol=0, rtol=0)
+
+    # the optimizer: the deeper modules' tensors at s × lr, every other tensor at lr, none lost or doubled
+    m = module(h, deep_lr_scale=2.5)
+    m.trainer = type("T", (), {"estimated_stepping_batches": 10})()
+    opt = m.configure_optimizers()["optimizer"]
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(lr_of) == len(list(h.parameters()))
+    deep_ids = {id(p) for layer in h.layers[1:] for p in layer.parameters()}
+    assert deep_ids and all(lr_of[i] == pytest.approx(7.5e-3) for i in deep_ids)
+    rest = [v for i, v in lr_of.items() if i not in deep_ids]
+    assert rest and all(v == pytest.approx(3e-3) for v in rest)
+
+    def fit(**kw):
+        head = head3()
+        trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), gradient_clip_val=0.05, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module(head, **kw), train_dataloaders=DataLoader(batches, batch_size=None))
+        return head
+
+    plain, both = fit(), fit(loss_on="deep_all", deep_lr_scale=2.0)
+    for key, value in plain.layers[0].state_dict().items():
+        torch.testing.assert_close(both.layers[0].state_dict()[key], value, atol=1e-6, rtol=1e-5)
+    for d in (1, 2):
+        apart = max(float((p - q).abs().max()) for p, q in
+                    zip(both.layers[d].state_dict().values(), plain.layers[d].state_dict().values()))
+        assert apart > 1e-4, (d, apart)
+
+    one = init_head(compose_config(tiny_overrides), tiny_target)
+    with pytest.raises(ValueError, match="deep_lr_scale=2.0 .*no separate per-depth modules"):
+        DraftHeadModule(one, deep_lr_scale=2.0)
+    with pytest.raises(ValueError, match="deep_lr_scale=0.0"):
+        DraftHeadModule(h, deep_lr_scale=0.0)

@@ -31,8 +31,10 @@ CLIP_SCOPES = ("all", "module")
 
 # the positions trained on: `assistant` = the store's loss mask (the assistant replies, what the engine drafts
 # in serving); `all` = every real token of the conversation, the user turns and template tokens too (their
-# states are stored anyway: more supervised rows per stored token)
-LOSS_ON = ("assistant", "all")
+# states are stored anyway: more supervised rows per stored token); `deep_all` = depth 1 on the replies and
+# depths ≥ 2 on every real token (with separate modules, `detach_depths` and `clip_scope: module`, module 1 then
+# trains as the default head while the deeper modules get the extra rows)
+LOSS_ON = ("assistant", "all", "deep_all")
 
 
 class DraftHeadModule(L.LightningModule):
@@ -43,7 +45,7 @@ class DraftHeadModule(L.LightningModule):
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0) -> None:
+                 input_noise: float = 0.0, deep_lr_scale: float = 1.0) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
@@ -53,6 +55,12 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
         if not input_noise >= 0:
             raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
+        if not deep_lr_scale > 0:
+            raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
+        if deep_lr_scale != 1.0 and len(head.depth_modules()) < 2:
+            raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r} scales the lr of the modules of depth ≥ 2, "
+                             f"and this {type(head).__name__} has no separate per-depth modules (e.g. "
+                             f"head.num_modules=3 for mtp); leave it at 1.0")
         self.head = head
         # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
         self.head.gradient_checkpointing = gradient_checkpointing
@@ -114,7 +122,8 @@ class DraftHeadModule(L.LightningModule):
         sim_tau, survive = 1.0, 1.0
         for d, pred in enumerate(outs, start=1):
             rows = max(t - d - 1, 0)
-            mask = valid[:, d + 1:] if hp.loss_on == "all" else loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
+            every = hp.loss_on == "all" or (hp.loss_on == "deep_all" and d >= 2)
+            mask = valid[:, d + 1:] if every else loss_mask[:, d + 1:] & valid[:, d + 1:]  # [B, rows]
             if segments is not None:  # row i and its target t_{i+d+1} must be one sample
                 mask = mask & (segments[:, d + 1:] == segments[:, :rows])
             n = mask.sum()
@@ -231,7 +240,7 @@ class DraftHeadModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         opt = build_optimizer(self.head, hp.optimizer, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
-                              hp.muon_weight_decay)
+                              hp.muon_weight_decay, deep_lr_scale=hp.get("deep_lr_scale", 1.0))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)
         lr_multiplier(0, total, warm, hp.schedule, hp.min_lr_ratio)  # a wrong name fails here, not at step 1

@@ -121,12 +121,27 @@ def parameter_groups(head: torch.nn.Module, optimizer: str, weight_decay: float,
     return [g for g in groups if g["params"]]
 
 
+def split_deep_groups(head: torch.nn.Module, groups: list[dict[str, Any]], deep_lr: float) -> list[dict[str, Any]]:
+    """Each group split into its tensors outside the modules of depth ≥ 2 and those inside, which get `deep_lr`."""
+    deep = {id(p) for m in head.depth_modules()[1:] for p in m.parameters()}
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in deep]
+        inside = [p for p in g["params"] if id(p) in deep]
+        out += [{**g, "params": rest}] if rest else []
+        out += [{**g, "params": inside, "lr": deep_lr}] if inside else []
+    return out
+
+
 def build_optimizer(head: torch.nn.Module, optimizer: str, lr: float, weight_decay: float,
                     betas: tuple[float, float], momentum: float = 0.95, muon_weight_decay: float = 0.1,
-                    ns_dtype: torch.dtype | None = None) -> torch.optim.Optimizer:
+                    ns_dtype: torch.dtype | None = None, deep_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """`train.module.optimizer`: adamw | muon (module docstring). `ns_dtype` None: bfloat16 on CUDA
-    (as torch's Muon), float32 elsewhere."""
+    (as torch's Muon), float32 elsewhere. `deep_lr_scale`: the peak lr of the per-depth modules of depth ≥ 2
+    (`head.depth_modules()[1:]`) is `deep_lr_scale × lr`, each group split in two (the schedule scales both)."""
     groups = parameter_groups(head, optimizer, weight_decay, muon_weight_decay)
+    if deep_lr_scale != 1.0:
+        groups = split_deep_groups(head, groups, lr * deep_lr_scale)
     if optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
     if ns_dtype is None:
