@@ -83,6 +83,7 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "clip_scope"): "all",
     ("train", "module", "input_noise"): 0.0,
     ("train", "module", "deep_lr_scale"): 1.0,
+    ("train", "module", "deep_from_step"): 0,
 }
 
 

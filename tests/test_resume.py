@@ -48,10 +48,14 @@ def test_sampler_skips_consumed_batches_once():
 # a 2-module head with the deeper module's own optimizer groups (`deep_lr_scale`) and rows (`loss_on: deep_all`)
 DEEP = ("head.num_modules=2", "train.module.depth=2", "train.module.detach_depths=true", "train.module.clip_scope=module",
         "train.module.loss_on=deep_all", "train.module.deep_lr_scale=2.0")
+# and depth 2 joining at step 4, module 2 starting there as a copy of module 1 (`deep_from_step`): stopped before
+# the copy (it happens after the resume) and after it (it does not happen again)
+LATE = (*DEEP, "train.module.deep_from_step=4")
 
 
 @pytest.mark.parametrize("k, resume_from, extra", [(2, "path", ()), (5, "path", ()), (7, "last", ()),
-                                                    (7, "last", ("train.module.input_noise=0.5",)), (7, "last", DEEP)])
+                                                    (7, "last", ("train.module.input_noise=0.5",)), (7, "last", DEEP),
+                                                    (2, "path", LATE), (7, "last", LATE)])
 def test_resume_matches_uninterrupted_run(k, resume_from, extra, tiny_overrides, tmp_path):
     """N = 9 steps at 5 steps per epoch; stopping after k = 2 (mid-epoch 0), 5 (the epoch boundary)
     or 7 (mid-epoch 1). The LR is held constant: the cosine schedule spans trainer.max_steps, so a run

@@ -381,3 +381,98 @@ def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_override
         DraftHeadModule(one, deep_lr_scale=2.0)
     with pytest.raises(ValueError, match="deep_lr_scale=0.0"):
         DraftHeadModule(h, deep_lr_scale=0.0)
+
+
+def test_deep_from_step_trains_depth_one_first_then_starts_the_deeper_modules_from_module_one(tiny_overrides,
+                                                                                              tiny_target):
+    """`train.module.deep_from_step: N`: through real Lightning steps, steps before N unroll depth 1 alone and leave
+    the deeper modules untouched; at step N each deeper module becomes a copy of module 1 as trained so far (its
+    optimizer state dropped) and every depth trains from there, while module 1 trains exactly as without the
+    setting (`detach_depths`, `clip_scope: module`). Over several processes the deeper depths run before N at
+    weight 0 (the same loss, zero gradients), so every rank's graph uses every tensor. Refused: a negative step, or
+    N > 0 with depth 1."""
+    import lightning as L
+    import pytest
+    from torch.utils.data import DataLoader
+
+    import train.module as tm
+    from data.store import FeatureStore
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    store = FeatureStore(store_dir)
+    batches = [collate([store[i], store[i + 1]]) for i in (0, 2, 4, 0, 2)]
+
+    def module(head, **kw):
+        return DraftHeadModule(head, lr=3e-3, warmup_steps=0, kl_chunk_size=16, depth=3, depth_decay=1.0,
+                               detach_depths=True, clip_scope="module", **kw)
+
+    def head3():
+        return init_head(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
+
+    class Watch(L.Callback):  # each step: the depth unrolled, and the modules before the optimizer moves them
+        def __init__(self):
+            self.depths, self.states = [], []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.states.append([{k: v.clone() for k, v in m.state_dict().items()} for m in pl_module.head.layers])
+
+    def fit(**kw):
+        head, watch = head3(), Watch()
+        start = [{k: v.clone() for k, v in m.state_dict().items()} for m in head.layers]
+        trainer = L.Trainer(accelerator="cpu", max_steps=len(batches), gradient_clip_val=0.05, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[watch])
+        unroll = tm.unroll
+
+        def seen_unroll(h, x, ids, depth, *args, **kwargs):
+            if h.training:
+                watch.depths.append(depth)
+            return unroll(h, x, ids, depth, *args, **kwargs)
+
+        tm.unroll = seen_unroll
+        try:
+            trainer.fit(module(head, **kw), train_dataloaders=DataLoader(batches, batch_size=None))
+        finally:
+            tm.unroll = unroll
+        return head, start, watch
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    plain, _, _ = fit()
+    late, start, watch = fit(deep_from_step=2)
+    assert watch.depths == [1, 1, 3, 3, 3]
+    for step in (0, 1):
+        assert all(same(watch.states[step][d], start[d]) for d in (1, 2))  # untouched before N
+    assert not same(watch.states[2][0], start[0])
+    assert all(same(watch.states[2][d], watch.states[2][0]) for d in (1, 2))  # copies of module 1 at N
+    for key, value in plain.layers[0].state_dict().items():  # module 1 as without the setting
+        torch.testing.assert_close(late.layers[0].state_dict()[key], value, atol=1e-6, rtol=1e-5)
+    end = [m.state_dict() for m in late.layers]
+    assert not same(end[1], watch.states[2][1]) and not same(end[2], watch.states[2][2])  # trained from there
+    assert not same(end[1], end[2])
+
+    # several processes: before N every depth runs at weight 0 — the single process's loss, zero deeper gradients
+    import types
+
+    batch = batches[0]
+    h = head3()
+    m = module(h, deep_from_step=2)
+    m.train()
+    m._trainer = types.SimpleNamespace(global_step=0, world_size=1, global_rank=0)
+    alone = m.compute_loss(batch)
+    m._trainer.world_size = 2
+    ranks = m.compute_loss(batch)
+    torch.testing.assert_close(ranks["loss"], alone["loss"], atol=1e-6, rtol=1e-6)
+    assert "kl_d3" in ranks and "kl_d2" not in alone
+    ranks["loss"].backward()
+    assert all(p.grad is None or float(p.grad.abs().max()) == 0 for layer in h.layers[1:] for p in layer.parameters())
+    assert any(p.grad is not None and float(p.grad.abs().max()) > 0 for p in h.layers[0].parameters())
+    m._trainer.global_step = 2
+    assert float(m.compute_loss(batch)["loss"]) > float(alone["loss"]) + 1e-3  # the deeper depths count from N
+    m._trainer = None
+
+    with pytest.raises(ValueError, match="deep_from_step=-1"):
+        module(h, deep_from_step=-1)
+    with pytest.raises(ValueError, match="deep_from_step=3 delays the depths ≥ 2, and train.module.depth is 1"):
+        DraftHeadModule(h, deep_from_step=3)

@@ -45,7 +45,7 @@ class DraftHeadModule(L.LightningModule):
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0, deep_lr_scale: float = 1.0) -> None:
+                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int = 0) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
@@ -57,6 +57,13 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
         if not deep_lr_scale > 0:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
+        if not (isinstance(deep_from_step, int) and deep_from_step >= 0):
+            raise ValueError(f"train.module.deep_from_step={deep_from_step!r}: expected an optimizer step ≥ 0 "
+                             f"(0: every depth trains from the first step)")
+        if deep_from_step > 0 and depth < 2:
+            raise ValueError(f"train.module.deep_from_step={deep_from_step} delays the depths ≥ 2, and "
+                             f"train.module.depth is {depth}: set depth > 1 or leave deep_from_step at 0")
+        self._deep_copied = False  # `deep_from_step`: the deeper modules started from module 1 (kept in checkpoints)
         if deep_lr_scale != 1.0 and len(head.depth_modules()) < 2:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r} scales the lr of the modules of depth ≥ 2, "
                              f"and this {type(head).__name__} has no separate per-depth modules (e.g. "
@@ -115,8 +122,12 @@ class DraftHeadModule(L.LightningModule):
         aux = aux.to(self.head.dtype) if aux is not None else None
         segments = batch.get("segments")  # packed rows (train/data.py collate_packed)
         inp, aux = self.noisy_inputs(hidden, aux)  # the teacher reads `hidden` itself
-        outs = unroll(self.head, inp, ids, hp.depth, aux, batch.get("positions"), segments,
-                      detach=hp.get("detach_depths", False))
+        started = self.deep_started()
+        # before `deep_from_step`, depth 1 alone — except over several processes, where every depth runs at weight 0 so
+        # that each rank's graph uses every tensor (as DDP, FSDP and DeepSpeed expect)
+        several = self._trainer is not None and self._trainer.world_size > 1
+        outs = unroll(self.head, inp, ids, hp.depth if started or several else 1, aux, batch.get("positions"),
+                      segments, detach=hp.get("detach_depths", False))
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
@@ -131,7 +142,8 @@ class DraftHeadModule(L.LightningModule):
             reg, kl, agree = depth_terms(self.head, sel_pred, sel_tgt, d, hp.normed_regression, hp.kl_chunk_size,
                                          hp.kl_temperature)
             n_safe = n.clamp(min=1)
-            total = total + hp.depth_decay ** (d - 1) * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
+            weight = hp.depth_decay ** (d - 1) if d == 1 or started else 0.0
+            total = total + weight * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
             acc = agree.float() / n_safe
             survive = survive * acc
             sim_tau = sim_tau + survive  # 1 + Σ_d Π_{j≤d} α_j
@@ -173,6 +185,37 @@ class DraftHeadModule(L.LightningModule):
         if self.trainer is not None and getattr(self, "_epoch_length_synced", None) != self.trainer.current_epoch:
             self._epoch_length_synced = self.trainer.current_epoch  # once per epoch, also a resumed one
             sync_epoch_length(self.trainer)
+        if not self._deep_copied and self.hparams.get("deep_from_step", 0) > 0 and self.deep_started():
+            self.start_deeper_modules()
+
+    # ---- `deep_from_step`: depth 1 first, then every depth, the deeper modules starting from module 1 --------
+    def deep_started(self) -> bool:
+        """Whether the depths ≥ 2 train now: always outside training (validation and the held-out scores run every
+        depth) and without a trainer; in training from optimizer step `deep_from_step` on."""
+        step = int(self.hparams.get("deep_from_step", 0))
+        return step <= 0 or not self.training or self._trainer is None or self._trainer.global_step >= step
+
+    @torch.no_grad()
+    def start_deeper_modules(self) -> None:
+        """At `deep_from_step`: each per-depth module of depth ≥ 2 (mtp `num_modules` > 1) becomes a copy of
+        module 1 as trained so far, and its optimizer state is dropped (it starts afresh from there). A 1-module
+        head has nothing to copy: the depths ≥ 2 then simply join its training."""
+        modules = self.head.depth_modules()
+        opt = self.optimizers(use_pl_optimizer=False) if self._trainer is not None else None
+        for m in modules[1:]:
+            src, dst = dict(modules[0].named_parameters()), dict(m.named_parameters())
+            assert src.keys() == dst.keys(), "per-depth modules of one structure"
+            for name, p in dst.items():
+                p.copy_(src[name])
+                if opt is not None:
+                    opt.state.pop(p, None)
+        self._deep_copied = True
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["deep_copied"] = self._deep_copied
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._deep_copied = bool(checkpoint.get("deep_copied", False))
 
     def training_step(self, batch, batch_idx):
         out = self(batch)
@@ -232,6 +275,11 @@ class DraftHeadModule(L.LightningModule):
             torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], float(gradient_clip_val))
 
     def setup(self, stage: str) -> None:
+        if (self.hparams.get("deep_from_step", 0) > 0 and self.trainer is not None
+                and "deepspeed" in type(self.trainer.strategy).__name__.lower()):
+            raise ValueError("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which "
+                             "DeepSpeed keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or "
+                             "deep_from_step=0")
         if self.hparams.get("clip_scope", "all") == "module" and self.trainer is not None:
             if "deepspeed" in type(self.trainer.strategy).__name__.lower():
                 raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
