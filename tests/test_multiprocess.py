@@ -88,8 +88,9 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int):
 
     class _Trainer:
         estimated_stepping_batches = steps
+        global_step, world_size = 0, 1
 
-    module.trainer = _Trainer()  # the schedule's horizon is all configure_optimizers reads
+    module.trainer = _Trainer()  # the schedule's horizon is all configure_optimizers reads (and deep_from_step the step)
     opt_cfg = module.configure_optimizers()
     opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     def batches(rank: int):
@@ -101,7 +102,10 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int):
     ranks = [batches(r) for r in range(2)]
     losses, states = [], []
     params = [p for p in head.parameters() if p.requires_grad]
-    for _ in range(steps):
+    for step in range(steps):
+        module.trainer.global_step = step
+        if step and step == cfg.train.module.deep_from_step:
+            module.start_deeper_modules(opt)
         outs = [module.compute_loss(next(it))["loss"] for it in ranks]
         opt.zero_grad()
         (sum(outs) / 2).backward()
@@ -152,14 +156,18 @@ def _ranks(record: Path) -> list[dict]:
 
 @pytest.mark.parametrize("preset, head", [("ddp", []), ("8xh100_fsdp", []),
                                           ("8xh100_fsdp", ["head=eagle3", "head.draft_vocab_size=64",
-                                                           "train.module.depth=2"])],
-                         ids=["ddp", "fsdp", "fsdp-eagle3-depth2"])
+                                                           "train.module.depth=2"]),
+                                          ("8xh100_fsdp", ["head.num_modules=2", "train.module.depth=2",
+                                                           "train.module.deep_from_step=3"])],
+                         ids=["ddp", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3"])
 def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """10 optimizer steps on 2 processes: every rank's loss at every step and the saved head equal one
     process computing the same global batches; engine validation at step 5 (rank 0 scores a whole copy
     gathered from the shards, the other rank waits) finishes — a deadlock fails on the timeout; a run
     stopped at step 4 and resumed from its checkpoint continues the same curve to step 10. The EAGLE-3
-    case trains depth 2 (the training-time test through the sharded layer) and its own lm_head."""
+    case trains depth 2 (the training-time test through the sharded layer) and its own lm_head. The last trains a
+    2-module head whose depth 2 joins at step 3 (`deep_from_step`: before it, each rank runs depth 2 at weight 0
+    where one process skips it; at it, module 2 becomes a copy of module 1), resumed at step 4 after the copy."""
     full, part, resumed = (tmp_path / n for n in ("full", "part", "resumed"))
     for d in (full, part, resumed):
         d.mkdir()

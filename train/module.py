@@ -186,7 +186,7 @@ class DraftHeadModule(L.LightningModule):
             self._epoch_length_synced = self.trainer.current_epoch  # once per epoch, also a resumed one
             sync_epoch_length(self.trainer)
         if not self._deep_copied and self.hparams.get("deep_from_step", 0) > 0 and self.deep_started():
-            self.start_deeper_modules()
+            self.start_deeper_modules(self.optimizers(use_pl_optimizer=False))
 
     # ---- `deep_from_step`: depth 1 first, then every depth, the deeper modules starting from module 1 --------
     def deep_started(self) -> bool:
@@ -196,19 +196,18 @@ class DraftHeadModule(L.LightningModule):
         return step <= 0 or not self.training or self._trainer is None or self._trainer.global_step >= step
 
     @torch.no_grad()
-    def start_deeper_modules(self) -> None:
+    def start_deeper_modules(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """At `deep_from_step`: each per-depth module of depth ≥ 2 (mtp `num_modules` > 1) becomes a copy of
         module 1 as trained so far, and its optimizer state is dropped (it starts afresh from there). A 1-module
         head has nothing to copy: the depths ≥ 2 then simply join its training."""
         modules = self.head.depth_modules()
-        opt = self.optimizers(use_pl_optimizer=False) if self._trainer is not None else None
         for m in modules[1:]:
             src, dst = dict(modules[0].named_parameters()), dict(m.named_parameters())
             assert src.keys() == dst.keys(), "per-depth modules of one structure"
             for name, p in dst.items():
                 p.copy_(src[name])
-                if opt is not None:
-                    opt.state.pop(p, None)
+                if optimizer is not None:
+                    optimizer.state.pop(p, None)
         self._deep_copied = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
