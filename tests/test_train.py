@@ -385,7 +385,8 @@ def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_override
 
 def test_deep_from_step_trains_depth_one_first_then_starts_the_deeper_modules_from_module_one(tiny_overrides,
                                                                                               tiny_target):
-    """`train.module.deep_from_step: N`: through real Lightning steps, steps before N unroll depth 1 alone and leave
+    """`train.module.deep_from_step: N` (or a fraction of the run's steps): through real Lightning steps, steps before
+    N unroll depth 1 alone and leave
     the deeper modules untouched; at step N each deeper module becomes a copy of module 1 as trained so far (its
     optimizer state dropped) and every depth trains from there, while module 1 trains exactly as without the
     setting (`detach_depths`, `clip_scope: module`). Over several processes the deeper depths run before N at
@@ -442,6 +443,11 @@ def test_deep_from_step_trains_depth_one_first_then_starts_the_deeper_modules_fr
     plain, _, _ = fit()
     late, start, watch = fit(deep_from_step=2)
     assert watch.depths == [1, 1, 3, 3, 3]
+    frac, _, frac_watch = fit(deep_from_step=0.4)  # a fraction of the run's 5 steps: step 2 again
+    assert frac_watch.depths == watch.depths
+    for a, b in zip(frac.layers, late.layers):
+        for key, value in b.state_dict().items():
+            torch.testing.assert_close(a.state_dict()[key], value, atol=0, rtol=0)
     for step in (0, 1):
         assert all(same(watch.states[step][d], start[d]) for d in (1, 2))  # untouched before N
     assert not same(watch.states[2][0], start[0])
@@ -472,7 +478,8 @@ def test_deep_from_step_trains_depth_one_first_then_starts_the_deeper_modules_fr
     assert float(m.compute_loss(batch)["loss"]) > float(alone["loss"]) + 1e-3  # the deeper depths count from N
     m._trainer = None
 
-    with pytest.raises(ValueError, match="deep_from_step=-1"):
-        module(h, deep_from_step=-1)
+    for bad in (-1, 1.5, 0.0, True):
+        with pytest.raises(ValueError, match=f"deep_from_step={bad!r}: expected an optimizer step"):
+            module(h, deep_from_step=bad)
     with pytest.raises(ValueError, match="deep_from_step=3 delays the depths ≥ 2, and train.module.depth is 1"):
         DraftHeadModule(h, deep_from_step=3)

@@ -57,9 +57,10 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
         if not deep_lr_scale > 0:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
-        if not (isinstance(deep_from_step, int) and deep_from_step >= 0):
-            raise ValueError(f"train.module.deep_from_step={deep_from_step!r}: expected an optimizer step ≥ 0 "
-                             f"(0: every depth trains from the first step)")
+        step_ok = isinstance(deep_from_step, int) and not isinstance(deep_from_step, bool) and deep_from_step >= 0
+        if not (step_ok or (isinstance(deep_from_step, float) and 0 < deep_from_step < 1)):
+            raise ValueError(f"train.module.deep_from_step={deep_from_step!r}: expected an optimizer step (an integer "
+                             f"≥ 0; 0: every depth trains from the first step) or a fraction of the run's steps in (0, 1)")
         if deep_from_step > 0 and depth < 2:
             raise ValueError(f"train.module.deep_from_step={deep_from_step} delays the depths ≥ 2, and "
                              f"train.module.depth is {depth}: set depth > 1 or leave deep_from_step at 0")
@@ -189,11 +190,20 @@ class DraftHeadModule(L.LightningModule):
             self.start_deeper_modules(self.optimizers(use_pl_optimizer=False))
 
     # ---- `deep_from_step`: depth 1 first, then every depth, the deeper modules starting from module 1 --------
+    def deep_start_step(self) -> int:
+        """The optimizer step from which the depths ≥ 2 train: `deep_from_step` itself (an integer), or that fraction
+        of the run's optimizer steps (a float in (0, 1): the same step for a resumed run of the same length)."""
+        value = self.hparams.get("deep_from_step", 0)
+        if isinstance(value, float):
+            return max(1, round(value * int(self._trainer.estimated_stepping_batches)))
+        return int(value)
+
     def deep_started(self) -> bool:
         """Whether the depths ≥ 2 train now: always outside training (validation and the held-out scores run every
-        depth) and without a trainer; in training from optimizer step `deep_from_step` on."""
-        step = int(self.hparams.get("deep_from_step", 0))
-        return step <= 0 or not self.training or self._trainer is None or self._trainer.global_step >= step
+        depth) and without a trainer; in training from optimizer step `deep_start_step()` on."""
+        if not self.hparams.get("deep_from_step", 0) or not self.training or self._trainer is None:
+            return True
+        return self._trainer.global_step >= self.deep_start_step()
 
     @torch.no_grad()
     def start_deeper_modules(self, optimizer: torch.optim.Optimizer | None = None) -> None:
