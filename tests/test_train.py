@@ -233,8 +233,9 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
 
 def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_head(tiny_overrides, tiny_target,
                                                                                     tmp_path):
-    """`head=mtp3` (conf/head/mtp3.yaml) sets a 3-module head, 3 TTT steps at equal weights, `detach_depths` and
-    `clip_scope: module`, and trains through the whole entry point (run_training: checkpoint, validation): module 1
+    """`head=mtp3` (conf/head/mtp3.yaml) sets a 3-module head, 3 TTT steps at equal weights, `detach_depths`,
+    `clip_scope: module`, depths ≥ 2 on every real token from half the run (`loss_on: deep_all`, `deep_from_step: 0.5`),
+    and trains through the whole entry point (run_training: checkpoint, validation): module 1
     of the saved head equals the default `head=mtp` run's one module, trained on the same store with the same seed
     and clipping (made to bind: 0.05; with the whole gradient clipped together module 1 ends elsewhere), while
     modules 2–3 leave their start."""
@@ -243,6 +244,7 @@ def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_h
     assert (cfg.head.type, cfg.head.num_modules) == ("mtp", 3)
     assert (cfg.train.module.depth, cfg.train.module.depth_decay) == (3, 1.0)
     assert cfg.train.module.detach_depths is True and cfg.train.module.clip_scope == "module"
+    assert (cfg.train.module.loss_on, cfg.train.module.deep_from_step) == ("deep_all", 0.5)
     run_precompute(cfg)
     deep_dir, metrics = run_training(cfg)
     assert {"val/acc_d1", "val/acc_d2", "val/acc_d3"} <= set(metrics)
