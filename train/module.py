@@ -45,7 +45,7 @@ class DraftHeadModule(L.LightningModule):
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int = 0) -> None:
+                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
