@@ -126,7 +126,7 @@ class DraftHeadModule(L.LightningModule):
         started = self.deep_started()
         # before `deep_from_step`, depth 1 alone — except over several processes, where every depth runs at weight 0 so
         # that each rank's graph uses every tensor (as DDP, FSDP and DeepSpeed expect)
-        several = self._trainer is not None and self._trainer.world_size > 1
+        several = not started and getattr(self._trainer, "world_size", 1) > 1
         outs = unroll(self.head, inp, ids, hp.depth if started or several else 1, aux, batch.get("positions"),
                       segments, detach=hp.get("detach_depths", False))
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
