@@ -284,15 +284,14 @@ class DraftHeadModule(L.LightningModule):
             torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], float(gradient_clip_val))
 
     def setup(self, stage: str) -> None:
-        if (self.hparams.get("deep_from_step", 0) > 0 and self.trainer is not None
-                and "deepspeed" in type(self.trainer.strategy).__name__.lower()):
+        on_deepspeed = self.trainer is not None and "deepspeed" in type(self.trainer.strategy).__name__.lower()
+        if self.hparams.get("deep_from_step", 0) > 0 and on_deepspeed:
             raise ValueError("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which "
                              "DeepSpeed keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or "
                              "deep_from_step=0")
-        if self.hparams.get("clip_scope", "all") == "module" and self.trainer is not None:
-            if "deepspeed" in type(self.trainer.strategy).__name__.lower():
-                raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
-                                 "engine; use clip_scope=all with a DeepSpeed strategy")
+        if self.hparams.get("clip_scope", "all") == "module" and on_deepspeed:
+            raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
+                             "engine; use clip_scope=all with a DeepSpeed strategy")
 
     def configure_optimizers(self):
         hp = self.hparams
