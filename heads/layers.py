@@ -339,7 +339,7 @@ class Attention(nn.Module):
         if base is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None,
                                                  is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), _own(k, v)
         blocks = [*extras, (k, v)]
         if self.unrolled_impl == "dense":
             out = dense_unrolled_attention(q, base, blocks, mask, self.head_dim ** -0.5)
@@ -352,7 +352,14 @@ class Attention(nn.Module):
             values = torch.cat([base[1], *(vb for _, vb in blocks)], dim=2)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=unrolled_mask(t, len(blocks), mask, x.device),
                                                  enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), _own(k, v)
+
+
+def _own(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) handed to the deeper depths as tensors of their own, not views of the projection: a layer sharded
+    on its own under FSDP2 registers its pre-backward hook on what it returns, which an in-place op on a view
+    would drop (torch warns on every step otherwise)."""
+    return k.clone() if k._is_view() else k, v.clone() if v._is_view() else v
 
 
 class MLP(nn.Module):
@@ -389,7 +396,7 @@ class DecoderLayer(nn.Module):
         test's keys of a module that does not answer this depth (heads/unroll.py)."""
         if kv_only:
             h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-            return self.self_attn.project(h, cos, sin)[1:]
+            return _own(*self.self_attn.project(h, cos, sin)[1:])
         if unrolled is not None:
             return self.forward_unrolled(x, cos, sin, *unrolled)
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x

@@ -66,8 +66,17 @@ def torchrun(module: str, overrides: list[str], nproc: int = 2, timeout: int = 6
            f"--master-port={_free_port()}", *(extra or []), "-m", module, *overrides]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{_first_failure(proc.stdout + proc.stderr)}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def _first_failure(text: str, width: int = 4000) -> str:
+    """The output from its first sign of a failing rank (a traceback, a C++ abort's message): torchrun's
+    summary at the end names only the signal, and a tail cut to a few thousand characters loses the cause."""
+    marks = [i for i in (text.find(m) for m in ("Traceback", "terminate called", "what():", "Aborted", "ERROR"))
+             if i >= 0]
+    start = max(0, min(marks) - 500) if marks else max(0, len(text) - width)
+    return "[first failure]\n" + text[start:start + width]
 
 
 def _reference(cfg, store_dir: Path, init_dir: Path, steps: int):
