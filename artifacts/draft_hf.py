@@ -33,6 +33,13 @@ def read_target_layers(target_dir: str | Path, num_layers: int) -> dict[str, tor
     return load_safetensors_dir(Path(target_dir), names)
 
 
+def read_target_layer(target_dir: str | Path, index: int) -> dict[str, torch.Tensor]:
+    """Decoder layer `index` of a target checkpoint directory, by the names within the layer (`self_attn.q_proj.weight`, …)."""
+    prefix = f"model.layers.{index}."
+    names = {k for k in checkpoint_tensor_names(Path(target_dir)) if k.startswith(prefix)}
+    return {k.removeprefix(prefix): v for k, v in load_safetensors_dir(Path(target_dir), names).items()}
+
+
 # ---- export: a plain HF checkpoint of the target's class -------------------------------------------
 def draft_hf_config(head: DraftLMHead, target_cfg: dict[str, Any]) -> dict[str, Any]:
     """The target's config.json with the draft's depth and dtype (class, RoPE, vocabulary, token ids kept)."""

@@ -84,6 +84,8 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "input_noise"): 0.0,
     ("train", "module", "deep_lr_scale"): 1.0,
     ("train", "module", "deep_from_step"): 0,
+    ("train", "module", "dropout"): 0.0,
+    ("head", "layer_init"): "random",
 }
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import MLP, Attention, Linear, LlamaArgs, RMSNorm
+from heads.layers import MLP, Attention, Linear, LlamaArgs, RMSNorm, dropped
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -107,8 +107,8 @@ class Eagle3Layer(nn.Module):
     def forward_unrolled(self, x, cos, sin, base, extras, mask=None):
         a_in, g = self._split(x)
         a, kv = self.self_attn.forward_unrolled(a_in, cos, sin, base, extras, mask)
-        h = g + a
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        h = g + dropped(self, a)
+        return h + dropped(self, self.mlp(self.post_attention_layernorm(h))), kv
 
 
 class Eagle3Head(DraftHead):

@@ -373,6 +373,13 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def dropped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A residual branch of a head's layer in the training-time test, through the dropout that training installs
+    on the layer (`train.module.dropout`: train/module.py); unchanged when none is (the engine, validation)."""
+    drop = getattr(layer, "residual_dropout", None)
+    return x if drop is None else drop(x)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm Llama decoder layer. `input_norm=False` gives EAGLE-1's layer without input norm."""
 
@@ -410,5 +417,5 @@ class DecoderLayer(nn.Module):
         """One depth of the training-time test; see Attention.forward_unrolled."""
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         a, kv = self.self_attn.forward_unrolled(h, cos, sin, base, extras, mask)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + dropped(self, a)
+        return x + dropped(self, self.mlp(self.post_attention_layernorm(x))), kv

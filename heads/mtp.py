@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from heads.base import DraftHead, TiedTarget, init_random
-from heads.layers import DecoderLayer, Linear, LlamaArgs, RMSNorm
+from heads.layers import LLAMA_FAMILY, DecoderLayer, Linear, LlamaArgs, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,13 @@ class MTPConfig:
     # a head that barely sees t_{i+1}: `ones` trained +0.08 τ at 100k tokens and more at the demo's budget
     # (docs/RESULTS.md §8)
     enorm_init: Literal["target", "ones"] = "ones"
+    # each module's decoder layer starts as: `random` (init_std; the default) or `target` = a copy of the target's
+    # last decoder layer (train/run.py init_head; a Llama-family target)
+    layer_init: Literal["random", "target"] = "random"
 
     def __post_init__(self) -> None:
+        if self.layer_init not in ("random", "target"):
+            raise ValueError(f"mtp layer_init={self.layer_init!r}: expected random or target")
         if self.hnorm_init not in ("auto", "target", "ones"):
             raise ValueError(f"mtp hnorm_init={self.hnorm_init!r}: expected auto, target or ones")
         if self.enorm_init not in ("target", "ones"):
@@ -108,6 +113,21 @@ class MTPHead(DraftHead):
     def fuse(self, hidden: torch.Tensor, embeds: torch.Tensor, depth: int = 1) -> torch.Tensor:
         m = self.module(depth)
         return m.eh_proj(torch.cat([m.enorm(embeds), m.hnorm(hidden)], dim=-1))
+
+    @torch.no_grad()
+    def copy_target_layer(self, state: dict[str, torch.Tensor]) -> None:
+        """`layer_init: target`: every module's decoder layer becomes the target's layer whose tensors `state` holds
+        (artifacts.draft_hf.read_target_layer: names within the layer). Only a Llama-family target's layer is this
+        head's layer; another family's loads under the same names and computes something else, so it is refused."""
+        if self.args.model_type not in LLAMA_FAMILY:
+            raise ValueError(f"mtp layer_init=target: a {self.args.model_type!r} target's layers are not Llama layers "
+                             "(the head's); use head.layer_init=random for this target")
+        for m in self.layers:
+            own = m.layer.state_dict()
+            if set(own) != set(state):
+                raise ValueError(f"mtp layer_init=target: the target's layer holds {sorted(state)[:6]}, the head's layer "
+                                 f"{sorted(own)[:6]}")
+            m.layer.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
 
     def features(self, hidden: torch.Tensor, depth: int = 1) -> torch.Tensor:
         """N_o(Ĥ): what the frozen lm_head projects (the training loss works on these)."""

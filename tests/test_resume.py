@@ -44,23 +44,26 @@ def test_sampler_skips_consumed_batches_once():
     assert len(list(sampler)) == len(whole)
 
 
-# the last two cases: `train.module.input_noise` (the resumed steps draw the noise the uninterrupted ones drew);
+# the last cases: `train.module.input_noise` and `dropout` (the resumed steps draw the noise and the masks the
+# uninterrupted ones drew);
 # a 2-module head with the deeper module's own optimizer groups (`deep_lr_scale`) and rows (`loss_on: deep_all`)
 DEEP = ("head.num_modules=2", "train.module.depth=2", "train.module.detach_depths=true", "train.module.clip_scope=module",
         "train.module.loss_on=deep_all", "train.module.deep_lr_scale=2.0")
 # and depth 2 joining at step 4, module 2 starting there as a copy of module 1 (`deep_from_step`): stopped before
 # the copy (it happens after the resume) and after it (it does not happen again)
 LATE = (*DEEP, "train.module.deep_from_step=4")
+NOISE = ("train.module.input_noise=0.5", "train.module.dropout=0.3")
 
 
 @pytest.mark.parametrize("k, resume_from, extra", [(2, "path", ()), (5, "path", ()), (7, "last", ()),
-                                                    (7, "last", ("train.module.input_noise=0.5",)), (7, "last", DEEP),
+                                                    (7, "last", NOISE), (7, "last", DEEP),
                                                     (2, "path", LATE), (7, "last", LATE)])
 def test_resume_matches_uninterrupted_run(k, resume_from, extra, tiny_overrides, tmp_path):
     """N = 9 steps at 5 steps per epoch; stopping after k = 2 (mid-epoch 0), 5 (the epoch boundary)
     or 7 (mid-epoch 1). The LR is held constant: the cosine schedule spans trainer.max_steps, so a run
     configured for k steps has a different schedule from one configured for N (see run_training).
-    With `train.module.input_noise` the resumed steps draw the noise the uninterrupted ones drew; with a
+    With `train.module.input_noise` and `dropout` the resumed steps draw the noise and masks the uninterrupted
+    ones drew; with a
     per-depth module at its own lr (`deep_lr_scale`) its optimizer groups resume as they were."""
     n = 9
     common = [*tiny_overrides, *STEPS, "train.module.warmup_steps=0", "train.module.min_lr_ratio=1.0",

@@ -170,6 +170,78 @@ def test_heldout_split_follows_split_seed_not_seed(tiny_overrides, tmp_path):
     assert len(recorded[0]["heldout_ids"]) == round(0.2 * recorded[0]["store_samples"])
 
 
+def test_mtp_layer_init_target_starts_every_module_from_the_targets_last_layer(tiny_overrides, tiny_target):
+    """`head.layer_init: target`: each module's decoder layer is the target's last decoder layer, tensor for tensor
+    (the default's random layer is not); a target of another family, or a layer of other tensors, is refused."""
+    import dataclasses
+
+    import pytest
+
+    from artifacts.draft_hf import read_target_layer
+
+    head = init_head(compose_config([*tiny_overrides, "head.layer_init=target", "head.num_modules=2"]), tiny_target)
+    last = read_target_layer(tiny_target, head.args.num_hidden_layers - 1)
+    assert last and not read_target_layer(tiny_target, head.args.num_hidden_layers)  # the last layer, no further
+    for m in head.layers:
+        state = m.layer.state_dict()
+        assert state.keys() == last.keys()
+        for k, v in last.items():
+            torch.testing.assert_close(state[k], v.to(state[k].dtype), atol=0, rtol=0, msg=k)
+    default = init_head(compose_config(tiny_overrides), tiny_target)
+    assert not torch.equal(default.layers[0].layer.mlp.down_proj.weight, last["mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="input_layernorm"):
+        head.copy_target_layer({k: v for k, v in last.items() if k != "input_layernorm.weight"})
+    head.args = dataclasses.replace(head.args, model_type="gemma3_text")
+    with pytest.raises(ValueError, match="gemma3_text"):
+        head.copy_target_layer(last)
+
+
+def test_dropout_drops_the_residual_branches_in_training_only(tiny_overrides, tiny_target):
+    """`train.module.dropout: p`: in training each residual branch of the head's layers keeps an element with
+    probability 1 − p, scaled by 1/(1 − p); the masks are a function of (seed, step, rank); validation and anything
+    after the loss (the engine) run the layers as they are. Refused where it would do nothing or draw wrong masks."""
+    import types
+
+    import pytest
+
+    from heads.layers import DecoderLayer, dropped
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    from data.store import FeatureStore
+
+    store = FeatureStore(store_dir)
+    batch = collate([store[i] for i in range(4)])
+    head = init_head(compose_config(tiny_overrides), tiny_target)
+    clean, drop = DraftHeadModule(head, kl_chunk_size=16), DraftHeadModule(head, kl_chunk_size=16, dropout=0.3)
+    layer = next(m for m in head.modules() if isinstance(m, DecoderLayer))
+
+    drop.train()
+    with drop.residual_dropout():
+        x = dropped(layer, torch.ones(64, 512))
+    kept = x[x != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / 0.7))
+    assert float((x == 0).float().mean()) == pytest.approx(0.3, abs=0.01)
+    assert getattr(layer, "residual_dropout", None) is None  # removed after the loss: the engine runs the layer as it is
+
+    clean.train()
+    base = float(clean.compute_loss(batch)["loss"])
+    first = float(drop.compute_loss(batch)["loss"])
+    assert first != pytest.approx(base, rel=1e-6)  # the tiny layer's branches are small: a small change, not none
+    assert float(drop.compute_loss(batch)["loss"]) == first  # the same step draws the same masks
+    drop._trainer = types.SimpleNamespace(global_step=1, global_rank=0)
+    assert float(drop.compute_loss(batch)["loss"]) != pytest.approx(first, rel=1e-6)  # another step, other masks
+    drop._trainer = None
+    drop.eval(), clean.eval()
+    torch.testing.assert_close(drop.compute_loss(batch)["loss"], clean.compute_loss(batch)["loss"], atol=0, rtol=0)
+    with torch.no_grad():  # the engine's path (no gradient) even in training mode: nothing dropped
+        drop.train(), clean.train()
+        torch.testing.assert_close(drop.compute_loss(batch)["loss"], clean.compute_loss(batch)["loss"], atol=0, rtol=0)
+    for bad, match in (({"dropout": 1.0}, "dropout=1.0"), ({"dropout": -0.1}, "dropout=-0.1"),
+                       ({"dropout": 0.1, "gradient_checkpointing": True}, "gradient_checkpointing")):
+        with pytest.raises(ValueError, match=match):
+            DraftHeadModule(head, **bad)
+
+
 def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_overrides, tiny_target, monkeypatch):
     """`train.module.input_noise: σ`: in training the head reads each state plus noise of σ × the state's RMS,
     drawn from (seed, global step, rank) alone; the teacher reads the stored states; in eval mode (validation,

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
 import torch
 
+from heads.eagle3 import Eagle3Layer
+from heads.layers import DecoderLayer
 from heads.unroll import unroll
 from train.data import TokenBudgetBatches
 from train.losses import depth_terms
@@ -45,7 +48,8 @@ class DraftHeadModule(L.LightningModule):
                  gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0) -> None:
+                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
@@ -55,6 +59,15 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
         if not input_noise >= 0:
             raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"train.module.dropout={dropout!r}: expected a probability in [0, 1) (0: off)")
+        if dropout > 0 and (hasattr(head, "unroll") or not any(isinstance(m, (DecoderLayer, Eagle3Layer))
+                                                             for m in head.modules())):
+            raise ValueError(f"train.module.dropout={dropout} drops the residual branches of the layers of the heads with "
+                             f"the shared unroll (mtp, eagle1, eagle3); {type(head).__name__} trains its own way: leave it at 0")
+        if dropout > 0 and gradient_checkpointing:
+            raise ValueError(f"train.module.dropout={dropout} and train.module.gradient_checkpointing=true: the "
+                             "recomputed steps would draw other dropout masks than the forward did; turn one off")
         if not deep_lr_scale > 0:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
         step_ok = isinstance(deep_from_step, int) and not isinstance(deep_from_step, bool) and deep_from_step >= 0
@@ -127,8 +140,9 @@ class DraftHeadModule(L.LightningModule):
         # before `deep_from_step`, depth 1 alone — except over several processes, where every depth runs at weight 0 so
         # that each rank's graph uses every tensor (as DDP, FSDP and DeepSpeed expect)
         several = not started and getattr(self._trainer, "world_size", 1) > 1
-        outs = unroll(self.head, inp, ids, hp.depth if started or several else 1, aux, batch.get("positions"),
-                      segments, detach=hp.get("detach_depths", False))
+        with self.residual_dropout():
+            outs = unroll(self.head, inp, ids, hp.depth if started or several else 1, aux, batch.get("positions"),
+                          segments, detach=hp.get("detach_depths", False))
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
@@ -167,10 +181,7 @@ class DraftHeadModule(L.LightningModule):
         sigma = float(self.hparams.get("input_noise", 0.0))
         if sigma == 0.0 or not self.training:
             return hidden, aux
-        trainer = self._trainer
-        step = trainer.global_step if trainer is not None else 0
-        rank = trainer.global_rank if trainer is not None else 0
-        gen = torch.Generator(device="cpu").manual_seed(hash((torch.initial_seed() & 0xFFFFFFFF, step, rank)) & 0x7FFFFFFF)
+        gen = torch.Generator(device="cpu").manual_seed(self._step_seed())
 
         def noisy(x: torch.Tensor) -> torch.Tensor:
             eps = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(x.device)
@@ -178,6 +189,41 @@ class DraftHeadModule(L.LightningModule):
             return (x.float() + sigma * rms * eps).to(x.dtype)
 
         return noisy(hidden), (noisy(aux) if aux is not None else None)
+
+    def _step_seed(self, *salt: int) -> int:
+        """A seed that is a function of (seed, global step, rank, salt) alone: a resumed run draws what the uninterrupted
+        one drew, each rank its own (input_noise's has no salt, dropout's is 1)."""
+        trainer = self._trainer
+        step = trainer.global_step if trainer is not None else 0
+        rank = trainer.global_rank if trainer is not None else 0
+        return hash((torch.initial_seed() & 0xFFFFFFFF, step, rank, *salt)) & 0x7FFFFFFF
+
+    @contextmanager
+    def residual_dropout(self):
+        """`dropout: p` in training: each residual branch (attention, MLP) of the head's layers is zeroed element-wise
+        with probability p and the rest scaled by 1/(1-p), at every unrolled depth — the head is a whole transformer
+        layer trained on a few hundred thousand tokens, and its second epoch memorises. Installed on the layers for
+        this loss only (the engine, validation and the held-out scores run them as they are); the masks of a step are a
+        function of (seed, step, rank)."""
+        p = float(self.hparams.get("dropout", 0.0))
+        if p == 0.0 or not self.training or not torch.is_grad_enabled():
+            yield
+            return
+        device = next(self.head.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(self._step_seed(1))
+
+        def drop(x: torch.Tensor) -> torch.Tensor:
+            keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= p
+            return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+        layers = [m for m in self.head.modules() if isinstance(m, (DecoderLayer, Eagle3Layer))]
+        for m in layers:
+            m.residual_dropout = drop
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.residual_dropout = None
 
     def _metric_keys(self, out: dict[str, torch.Tensor]) -> list[str]:
         return [k for k in out if k not in ("n_tokens", "tokens") and "_count_" not in k]

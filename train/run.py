@@ -59,6 +59,10 @@ def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None, t
         from artifacts.draft_hf import read_target_layers
 
         head.copy_target_layers(read_target_layers(target_dir, head.cfg.num_layers))
+    if head.kind == "mtp" and head.cfg.layer_init == "target":  # the target's last decoder layer
+        from artifacts.draft_hf import read_target_layer
+
+        head.copy_target_layer(read_target_layer(target_dir, args.num_hidden_layers - 1))
     return head
 
 
