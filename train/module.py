@@ -40,6 +40,11 @@ CLIP_SCOPES = ("all", "module")
 LOSS_ON = ("assistant", "all", "deep_all")
 
 
+def _dropout_layers(head: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers whose residual branches `train.module.dropout` drops (heads/layers.py `dropped`)."""
+    return [m for m in head.modules() if isinstance(m, (DecoderLayer, Eagle3Layer))]
+
+
 class DraftHeadModule(L.LightningModule):
     def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
@@ -61,8 +66,7 @@ class DraftHeadModule(L.LightningModule):
             raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"train.module.dropout={dropout!r}: expected a probability in [0, 1) (0: off)")
-        if dropout > 0 and (hasattr(head, "unroll") or not any(isinstance(m, (DecoderLayer, Eagle3Layer))
-                                                             for m in head.modules())):
+        if dropout > 0 and (hasattr(head, "unroll") or not _dropout_layers(head)):
             raise ValueError(f"train.module.dropout={dropout} drops the residual branches of the layers of the heads with "
                              f"the shared unroll (mtp, eagle1, eagle3); {type(head).__name__} trains its own way: leave it at 0")
         if dropout > 0 and gradient_checkpointing:
@@ -216,7 +220,7 @@ class DraftHeadModule(L.LightningModule):
             keep = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32) >= p
             return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
-        layers = [m for m in self.head.modules() if isinstance(m, (DecoderLayer, Eagle3Layer))]
+        layers = _dropout_layers(self.head)
         for m in layers:
             m.residual_dropout = drop
         try:
