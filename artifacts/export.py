@@ -11,7 +11,7 @@ docs/reference/export_formats.md (docs/design.md §8).
 | `eagle3`         | eagle3 | §9.3: one artifact for vLLM and SGLang, `LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` |
 | `medusa-vllm`    | medusa | §9.6: `MedusaModel`, `blocks.{h}.layers.{l}.*`, the target's lm_head as `lm_heads.0` |
 | `draft-hf`       | draft_lm | a plain HF checkpoint of the target's class (`LlamaForCausalLM`): the draft LM's layers + the target's embedding; a vLLM / SGLang draft model |
-| `mtp-vllm`       | mtp    | spechead's vLLM plugin (inference_eval/vllm_plugin.py) via `method: "eagle3"`: arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, aux id L |
+| `mtp-vllm`       | mtp    | spechead's vLLM plugin (inference_eval/vllm_plugin.py) via `method: "eagle3"`: arch `Eagle3SpecheadMTPForCausalLM`, the head's own names, aux ids [head.aux_layers…, L] |
 
 Every export is validated (artifacts/validate.py), read back into a head by `load_export` and compared with
 the live head on fixed inputs (`probe_logits`, bit for bit) before it is reported. Each directory is
@@ -79,6 +79,9 @@ def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, length, head.state_size, generator=gen).to(head.dtype)
     tokens = torch.randint(0, head.args.vocab_size, (1, length), generator=gen)
+    if head.kind == "mtp" and head.capture_layers:  # its aux layers enter through target_input: probe them too
+        aux = torch.randn(1, length, len(head.capture_layers) * head.args.hidden_size, generator=gen)
+        hidden = head.target_input(hidden, aux.to(head.dtype))
     positions = torch.arange(length).expand(1, length)
     depths = min(head.max_depth or 3, 3)
     outs, state = [], hidden
@@ -204,6 +207,10 @@ def export_head(head: Head, out_dirs: dict[str, str | Path], target_dir: str | P
         blocker = engine_format_blocker(head)
         if fmt != "native" and blocker is not None:
             raise ValueError(f"format {fmt!r} cannot hold this {head.kind} head: {blocker}; export it as native")
+        if fmt in ("mtp-stitched", "mtp-standalone") and head.capture_layers:
+            raise ValueError(f"format {fmt!r} cannot hold this mtp head: it reads target layers "
+                             f"{list(head.capture_layers)} besides H (head.aux_layers), which the DeepSeek MTP layout "
+                             "has no place for; export mtp-vllm (spechead's vLLM plugin) or native")
     check_target_fingerprint(fingerprint or {}, expected_fingerprint,
                              source if source is not None else f"the {head.kind} head to export")
     seen: dict[Path, str] = {}
@@ -345,14 +352,16 @@ def write_mtp_standalone(head: MTPHead, out: Path, target_dir: Path) -> None:
 def write_mtp_vllm(head: MTPHead, out: Path, target_dir: Path) -> None:
     """spechead's vLLM plugin (inference_eval/vllm_plugin.py, served with `method: "eagle3"`): a Llama
     config naming the plugin's architecture, `num_hidden_layers` = the number of MTP modules, the single
-    aux id L = the target's layer count (vLLM then passes the target's last pre-norm state H), and the
-    head's own tensors under its own names (`layers.{d}.enorm.weight`, `layers.{d}.layer.self_attn.q_proj.weight`,
-    ...). No embed_tokens / lm_head: vLLM shares the target's."""
+    aux id L = the target's layer count (vLLM then passes the target's last pre-norm state H) after the head's
+    `aux_layers` if it has any (vLLM passes the states in ascending id order, H last; the plugin's
+    `combine_hidden_states` fuses them into H' as the head does), and the head's own tensors under its own names
+    (`layers.{d}.enorm.weight`, `layers.{d}.layer.self_attn.q_proj.weight`, `aux_fc.weight`, ...). No
+    embed_tokens / lm_head: vLLM shares the target's."""
     n, a = len(head.layers), head.args
     if a.qk_norm:
         raise ValueError("mtp-vllm export: the plugin's decoder layer is Llama's (no q/k norm; a Qwen3 target)")
     tcfg = read_json(target_dir / "config.json")
-    ids = [int(tcfg["num_hidden_layers"])]
+    ids = [*head.capture_layers, int(tcfg["num_hidden_layers"])]
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     dtype = str(head.dtype).removeprefix("torch.")
@@ -366,10 +375,10 @@ def write_mtp_vllm(head: MTPHead, out: Path, target_dir: Path) -> None:
         "rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling,
         "attention_bias": a.attention_bias, "mlp_bias": False, "tie_word_embeddings": False,
         "torch_dtype": dtype, "dtype": dtype,
-        "num_aux_hidden_states": 1,
+        "num_aux_hidden_states": len(ids),
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
-        "spechead_head": {"type": "mtp", "num_modules": n},
+        "spechead_head": {"type": "mtp", "num_modules": n, "aux_layers": list(head.capture_layers) or None},
     }
     if "rope_parameters" in tcfg:
         cfg["rope_parameters"] = tcfg["rope_parameters"]
@@ -512,8 +521,9 @@ def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,
             name = deepseek_to_mtp(k, base, n)
             if name is not None:
                 state[name] = load_tensor(info, k)
-    elif fmt == "mtp-vllm":
-        head = MTPHead(args, MTPConfig(num_modules=cfg["num_hidden_layers"]), tied)
+    elif fmt == "mtp-vllm":  # the aux ids before L (validated): the head's aux_layers
+        aux = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"][:-1]
+        head = MTPHead(args, MTPConfig(num_modules=cfg["num_hidden_layers"], aux_layers=aux or None), tied)
         state = {k: load_tensor(info, k) for k, info in infos.items()}
     elif fmt == "eagle3":
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]

@@ -403,9 +403,10 @@ def _check_mtp(fmt: str, cfg: dict[str, Any], infos: dict[str, TensorInfo], targ
 def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
                     tcfg: dict[str, Any] | None, problems: list[str]) -> None:
     """The plugin's contract: its architecture, a Llama config with `num_hidden_layers` = the modules
-    (≥ 1), the one aux id L = the target's layer count (top-level and in eagle_config,
-    use_aux_hidden_state true: vLLM then passes the pre-norm H), `draft_vocab_size` = `vocab_size`, no
-    EAGLE-3.1 flags, and exactly the head's tensors `layers.{d}.*` (no embed_tokens / lm_head: shared)."""
+    (≥ 1), the aux ids ending in L = the target's layer count (top-level and in eagle_config,
+    use_aux_hidden_state true: vLLM then passes the pre-norm H) after the head's own aux layers, if any, in
+    ascending order, `draft_vocab_size` = `vocab_size`, no EAGLE-3.1 flags, and exactly the head's tensors
+    `layers.{d}.*` (and `aux_norm.{i}` / `aux_fc` with aux layers; no embed_tokens / lm_head: shared)."""
     if cfg.get("architectures") != [MTP_VLLM_ARCH]:
         problems.append(f"architectures must be [{MTP_VLLM_ARCH!r}] (the class spechead's vLLM plugin registers), "
                         f"got {cfg.get('architectures')}")
@@ -431,14 +432,22 @@ def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: P
     econf = cfg.get("eagle_config") or {}
     if econf.get("use_aux_hidden_state") is not True:
         problems.append("eagle_config.use_aux_hidden_state must be true (vLLM then passes the aux state H, not N_f(H))")
-    if top != econf.get("eagle_aux_hidden_state_layer_ids") or not isinstance(top, list) or len(top) != 1:
-        problems.append(f"eagle_aux_hidden_state_layer_ids must be one id, top-level and in eagle_config alike, got "
-                        f"{top!r} / {econf.get('eagle_aux_hidden_state_layer_ids')!r}")
-    elif tcfg is not None and top != [tcfg.get("num_hidden_layers")]:
-        problems.append(f"the aux id must be the target's layer count {tcfg.get('num_hidden_layers')} (its last pre-norm "
-                        f"state H, what hnorm reads), got {top}")
-    if cfg.get("num_aux_hidden_states", 1) != 1:
-        problems.append(f"num_aux_hidden_states must be 1, got {cfg.get('num_aux_hidden_states')!r}")
+    num_aux = 0
+    if (top != econf.get("eagle_aux_hidden_state_layer_ids") or not isinstance(top, list) or not top
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in top)):
+        problems.append(f"eagle_aux_hidden_state_layer_ids must be a list of ids, top-level and in eagle_config alike, "
+                        f"got {top!r} / {econf.get('eagle_aux_hidden_state_layer_ids')!r}")
+    else:
+        num_aux = len(top) - 1
+        if top != sorted(set(top)) or top[0] < 1:
+            problems.append(f"eagle_aux_hidden_state_layer_ids must ascend from ≥ 1 without repeats "
+                            f"(vLLM passes the states in ascending id order), got {top}")
+        if tcfg is not None and top[-1] != tcfg.get("num_hidden_layers"):
+            problems.append(f"the last aux id must be the target's layer count {tcfg.get('num_hidden_layers')} (its last "
+                            f"pre-norm state H, what hnorm reads; the others are the head's aux_layers), got {top}")
+        if cfg.get("num_aux_hidden_states", len(top)) != len(top):
+            problems.append(f"num_aux_hidden_states must be {len(top)} (the aux ids), got "
+                            f"{cfg.get('num_aux_hidden_states')!r}")
     a = _args(cfg, problems, "the export's")
     if a is None:
         return
@@ -447,6 +456,8 @@ def _check_mtp_vllm(cfg: dict[str, Any], infos: dict[str, TensorInfo], target: P
     own = {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,)}
     expected = {f"layers.{d}.{k}": s for d in range(n) for k, s in own.items()}
     expected |= {f"layers.{d}.layer.{k}": s for d in range(n) for k, s in llama_layer_shapes(a).items()}
+    if num_aux:  # the head's fusion of its aux layers into H (heads/mtp.py)
+        expected |= {f"aux_norm.{i}.weight": (h,) for i in range(num_aux)} | {"aux_fc.weight": (h, num_aux * h)}
     _check_keys(infos, expected, problems)
     _check_own_tensors(infos, expected, cfg, problems)
 

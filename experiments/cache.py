@@ -86,6 +86,7 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "deep_from_step"): 0,
     ("train", "module", "dropout"): 0.0,
     ("head", "layer_init"): "random",
+    ("head", "aux_layers"): None,
 }
 
 

@@ -50,7 +50,7 @@ from data.sources import resolve_target_dir
 from data.store import FeatureStore
 from experiments.cache import config_sections, digest
 from experiments.runner import apply_overrides, flatten, head_preset, run_point
-from heads.eagle3 import default_aux_layers
+from heads.registry import head_aux_layers
 from inference_eval.model import target_args, target_fingerprint
 from train.data import FeatureDataModule
 
@@ -111,17 +111,17 @@ def store_key(cfg: DictConfig) -> str:
     return digest(sections)[:16]
 
 
+def _num_layers(cfg: DictConfig) -> int:
+    return target_args(resolve_target_dir(cfg.target)).num_hidden_layers
+
+
 def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
-    """A feature store for this data and head (EAGLE-3 reads aux layers): `<run_dir>/stores/<hash>` of
+    """A feature store for this data and head (EAGLE-3, or mtp with `aux_layers`, reads aux layers): `<run_dir>/stores/<hash>` of
     what it holds, precomputed (or resumed / reused) here."""
     sc = cfg.copy()
     with open_dict(sc):
         sc.head = head_cfg
-        aux: list[int] = []
-        if head_cfg.get("type") == "eagle3":
-            aux = list(head_cfg.get("aux_layers") or
-                       default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers))
-        sc.precompute.aux_layers = aux
+        sc.precompute.aux_layers = list(head_aux_layers(head_cfg, _num_layers(cfg)))
         sc.store_dir = str(Path(cfg.run_dir) / "stores" / store_key(sc))
     store, _ = run_precompute(sc)
     return Path(store)
@@ -179,7 +179,7 @@ class Study:
         self.fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
                                               cfg.target.get("fingerprint", "header"))
         self.data_cfgs: dict[str, DictConfig] = {}
-        self.stores: dict[tuple[str, bool], Path] = {}
+        self.stores: dict[tuple[str, tuple[int, ...]], Path] = {}
         self.points: list[dict[str, Any]] = []
         self.out = Path(cfg.run_dir) / scfg.get("out", "study.json")
 
@@ -188,7 +188,7 @@ class Study:
         key = json.dumps([variant["data"], split_overrides(variant)[0]], sort_keys=True, default=str)
         if key not in self.data_cfgs:
             self.data_cfgs[key] = data_config(self.cfg, variant, f"study.variants.{name}")
-        aux = head_cfg.get("type") == "eagle3"
+        aux = head_aux_layers(head_cfg, _num_layers(self.cfg))
         if (key, aux) not in self.stores:
             self.stores[(key, aux)] = store_for(self.data_cfgs[key], head_cfg)
         return self.data_cfgs[key], self.stores[(key, aux)]

@@ -6,6 +6,15 @@ One module computes, for position i, from the target state H_i and the next toke
     Ĥ   = DecoderLayer(x)                                      (input_layernorm restored)
     L̂   = W_lm · shared_head.norm(Ĥ)                          (frozen, shared lm_head)
 
+With `aux_layers: [a, b, …]` (off by default) the head also reads the inputs of those target layers, as EAGLE-3
+does (Li et al., 2025): they are fused into the state depth 1 reads, each normed on its own, through a projection
+that starts at zero (the head starts as the plain one):
+
+    H'_i = H_i + aux_fc [ aux_norm_a(A^a_i) ; aux_norm_b(A^b_i) ; … ]            (then H'_i in place of H_i)
+
+H'_i is H wide, so every module and the deeper steps run as without aux layers; vLLM's EAGLE-3 path computes it
+once per target position (`combine_hidden_states`, inference_eval/vllm_mtp.py), as spechead's engine does.
+
 Ĥ stands in for H_{i+1} at the next depth. `num_modules: 1` reuses one module at every depth.
 `num_modules: D` keeps D modules, module d at depth d (DeepSeek-V3 style), each with its own KV cache:
 module d's cache holds its own pass over the target's states (H_j, t_{j+1}) at committed positions j and
@@ -54,8 +63,13 @@ class MTPConfig:
     # each module's decoder layer starts as: `random` (init_std; the default) or `target` = a copy of the target's
     # last decoder layer (train/run.py init_head; a Llama-family target)
     layer_init: Literal["random", "target"] = "random"
+    # inputs of these target layers fused into H_i (EAGLE-3's "input of layer i" ids, ascending, 1..L-1; the store
+    # must hold them: precompute.aux_layers auto captures them); None / []: H_i alone (the default)
+    aux_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.aux_layers is not None:
+            object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers) or None)
         if self.layer_init not in ("random", "target"):
             raise ValueError(f"mtp layer_init={self.layer_init!r}: expected random or target")
         if self.hnorm_init not in ("auto", "target", "ones"):
@@ -64,7 +78,9 @@ class MTPConfig:
             raise ValueError(f"mtp enorm_init={self.enorm_init!r}: expected target or ones")
 
     def to_dict(self) -> dict:
-        return {"type": "mtp", **asdict(self)}
+        d = asdict(self)
+        d["aux_layers"] = list(self.aux_layers) if self.aux_layers else None
+        return {"type": "mtp", **d}
 
 
 class MTPModule(nn.Module):
@@ -84,8 +100,34 @@ class MTPHead(DraftHead):
 
     def __init__(self, args: LlamaArgs, cfg: MTPConfig, tied: TiedTarget) -> None:
         super().__init__(args, tied)
+        aux = cfg.aux_layers or ()
+        if list(aux) != sorted(set(aux)) or not all(1 <= i < args.num_hidden_layers for i in aux):
+            raise ValueError(f"mtp aux_layers {list(aux)} must be ascending, distinct and within "
+                             f"1..{args.num_hidden_layers - 1} (ids are inputs of target layers)")
         self.cfg = cfg
         self.layers = nn.ModuleList(MTPModule(args) for _ in range(cfg.num_modules))
+        if aux:  # the aux layers' scales differ by orders of magnitude: each gets its own norm
+            h = args.hidden_size
+            self.aux_norm = nn.ModuleList(RMSNorm(h, args.rms_norm_eps) for _ in aux)
+            self.aux_fc = Linear(len(aux) * h, h, bias=False)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.aux_layers or ()
+
+    def target_input(self, hidden: torch.Tensor, aux: torch.Tensor | None = None) -> torch.Tensor:
+        """H, or with aux layers H' = H + aux_fc [aux_norm(A^a) ; …] (in the head's dtype)."""
+        if not self.capture_layers:
+            return hidden
+        h, k = self.args.hidden_size, len(self.capture_layers)
+        if aux is None:
+            raise ValueError(f"the mtp head reads the inputs of target layers {list(self.capture_layers)} (head.aux_layers), "
+                             "and none were given: precompute the store with those aux layers (precompute.aux_layers)")
+        if aux.shape[-1] != k * h:
+            raise ValueError(f"aux hidden states are {aux.shape[-1]} wide; the mtp head expects "
+                             f"{k} layers × {h} = {k * h}")
+        parts = aux.to(self.dtype).split(h, dim=-1)
+        return hidden.to(self.dtype) + self.aux_fc(torch.cat([n(a) for n, a in zip(self.aux_norm, parts)], dim=-1))
 
     @property
     def separate_modules(self) -> bool:
@@ -147,7 +189,7 @@ class MTPHead(DraftHead):
         """Random decoder weights (heads/base.py init_random); norms from the target's norms where
         they play the same role (the final norm ← N_f, enorm ← layer 0's input norm, hnorm ← N_f or 1 by
         `hnorm_init`); with
-        init=copy, eh_proj starts as [small noise | I] so x ≈ hnorm(H_i) at step 0."""
+        init=copy, eh_proj starts as [small noise | I] so x ≈ hnorm(H_i) at step 0, and aux_fc at 0."""
         gen = torch.Generator().manual_seed(seed)
         h = self.args.hidden_size
         for m in self.layers:
@@ -160,3 +202,9 @@ class MTPHead(DraftHead):
                 m.enorm.weight.fill_(1.0)
             if self.cfg.init == "copy":
                 m.eh_proj.weight[:, h:].copy_(torch.eye(h))
+        if self.capture_layers:  # drawn after the modules (theirs are the plain head's); 0 with init=copy: H' = H
+            init_random(self.aux_fc, gen, self.cfg.init_std)
+            for n in self.aux_norm:
+                n.weight.fill_(1.0)
+            if self.cfg.init == "copy":
+                self.aux_fc.weight.zero_()

@@ -27,17 +27,26 @@ def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> D
     return head_cls(args, config_cls(**cfg), tied)
 
 
+def head_aux_layers(head_cfg: Any, num_layers: int) -> tuple[int, ...]:
+    """The target layers (inputs of) a head config reads besides H: EAGLE-3's (its default when unset), an
+    `mtp` head's `aux_layers` (none when unset), nothing for the other heads."""
+    kind = head_cfg.get("type", "mtp")
+    if kind == "eagle3":
+        return tuple(int(i) for i in (head_cfg.get("aux_layers") or default_aux_layers(num_layers)))
+    if kind == "mtp":
+        return tuple(int(i) for i in (head_cfg.get("aux_layers") or ()))
+    return ()
+
+
 def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
     """`precompute.aux_layers`: a list of target layer ids (inputs of those layers), `none`, or `auto`
-    (the default): what the configured head reads — EAGLE-3's aux layers, nothing for other heads."""
+    (the default): what the configured head reads — EAGLE-3's aux layers, an `mtp` head's `aux_layers`, nothing
+    for other heads."""
     spec = cfg.precompute.get("aux_layers", "auto")
     if spec in (None, "none", False):
         return ()
     if spec == "auto":
-        head = cfg.get("head") or {}
-        if head.get("type") != "eagle3":
-            return ()
-        spec = head.get("aux_layers") or default_aux_layers(num_layers)
+        spec = head_aux_layers(cfg.get("head") or {}, num_layers)
     ids = tuple(int(i) for i in spec)
     if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
         raise ValueError(f"precompute.aux_layers {list(ids)} must be ascending, distinct and within 1..{num_layers - 1}")

@@ -7,10 +7,12 @@ What vLLM 0.32 passes (vllm/v1/spec_decode/llm_base_proposer.py `propose`, read 
 source) and how the head's computation is reproduced exactly:
 - eagle3: the target runs with aux-state capture at the draft config's
   `eagle_aux_hidden_state_layer_ids`; an id i is recorded after i decoder layers as
-  `hidden_states + residual` (models/llama.py, interfaces.py `_maybe_add_hidden_state`). The export
-  asks for the single id L = num_hidden_layers, i.e. the target's last **pre-norm** state H — what the
-  head's `hnorm` reads. `combine_hidden_states` (applied once, before the first draft step, by the
-  proposer, which requires an `Eagle3LlamaForCausalLM` instance) is the identity here: no fc.
+  `hidden_states + residual` (models/llama.py, interfaces.py `_maybe_add_hidden_state`), and the states
+  are concatenated in ascending id order. The export asks for the id L = num_hidden_layers, i.e. the
+  target's last **pre-norm** state H — what the head's `hnorm` reads — after the head's `aux_layers`, if
+  any. `combine_hidden_states` (applied once, before the first draft step, by the proposer, which requires
+  an `Eagle3LlamaForCausalLM` instance and an output `hidden_size` wide) is the identity for a head without
+  aux layers, and with them H' = H + aux_fc [aux_norm_i(A_i) …], as the head's `target_input` computes.
 - First draft pass: every new target position j gets (t_{j+1}, H_j) at RoPE position j (input ids
   shifted by one, the bonus token at the last accepted row): the same rows as spechead's engine's
   refresh. Every module runs over them (module d's KV cache holds its own pass over the target's
@@ -94,7 +96,21 @@ class SpecheadMTPModel(nn.Module):
         self.layers = nn.ModuleList(
             MTPModule(vllm_config, config, maybe_prefix(prefix, f"layers.{start_layer_id + d}"))
             for d in range(self.num_modules))
+        self.num_aux = len(config.eagle_aux_hidden_state_layer_ids) - 1  # the head's aux layers (before H)
+        if self.num_aux:  # H' = H + aux_fc [aux_norm_i(A_i) …] (heads/mtp.py target_input)
+            h = config.hidden_size
+            self.aux_norm = nn.ModuleList(RMSNorm(h, eps=config.rms_norm_eps) for _ in range(self.num_aux))
+            self.aux_fc = ReplicatedLinear(self.num_aux * h, h, bias=False, params_dtype=vllm_config.model_config.dtype,
+                                           quant_config=get_draft_quant_config(vllm_config),
+                                           prefix=maybe_prefix(prefix, "aux_fc"), return_bias=False)
         self._calls = 0
+
+    def combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's aux states, ascending by id ([A^a, …, H]: H is id L, the last) → the state module 1 reads."""
+        if not self.num_aux:
+            return hidden_states  # one aux state, H: hnorm reads it as is
+        *aux, h = hidden_states.chunk(self.num_aux + 1, dim=-1)
+        return h + self.aux_fc(torch.cat([norm(a) for norm, a in zip(self.aux_norm, aux)], dim=-1))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -129,9 +145,9 @@ class SpecheadMTPForCausalLM(Eagle3LlamaForCausalLM):
             self.config.draft_vocab_size = self.config.vocab_size
         target_layers = vllm_config.model_config.get_total_num_hidden_layers()
         ids = list(getattr(self.config, "eagle_aux_hidden_state_layer_ids", None) or [])
-        if ids != [target_layers]:
-            raise ValueError(f"{MTP_ARCH}: eagle_aux_hidden_state_layer_ids must be [{target_layers}] (the "
-                             f"target's last pre-norm state H), got {ids}")
+        if not ids or ids[-1] != target_layers or ids != sorted(set(ids)) or ids[0] < 1:
+            raise ValueError(f"{MTP_ARCH}: eagle_aux_hidden_state_layer_ids must end in {target_layers} (the target's "
+                             f"last pre-norm state H), after the head's aux layers in ascending order, got {ids}")
         self.config.target_layer_count = target_layers
         self.model = SpecheadMTPModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                       start_layer_id=target_layers)
@@ -145,7 +161,7 @@ class SpecheadMTPForCausalLM(Eagle3LlamaForCausalLM):
             raise ValueError(f"{MTP_ARCH}: parallel drafting is not supported")
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states  # one aux state, H: hnorm reads it as is
+        return self.model.combine(hidden_states)
 
     def forward(self, input_ids, positions, hidden_states, inputs_embeds=None):
         return self.model(input_ids, positions, hidden_states, inputs_embeds)

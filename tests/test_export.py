@@ -404,6 +404,39 @@ def test_mtp_vllm_layout_and_round_trip(tiny_target, tmp_path, modules):
     assert torch.equal(probe_logits(back), probe_logits(head))
 
 
+def test_mtp_vllm_with_aux_layers_round_trip_and_defects(tiny_target, tmp_path):
+    """An mtp head with `aux_layers`: the aux ids are [aux…, L], its fusion tensors travel, the read-back head
+    computes the same fused state (probe_logits goes through target_input), a wrong fusion tensor changes the
+    probe; the DeepSeek layouts refuse it before writing anything."""
+    from artifacts.export import detect_format
+
+    tied, args, _ = tied_target(tiny_target)
+    head = _perturb(build_head({"type": "mtp", "aux_layers": [1]}, args, tied), 5)
+    assert head.aux_fc.weight.abs().max() > 0  # (perturbed: the fusion is not the zero start)
+    out = export_head(head, {"mtp-vllm": tmp_path / "v"}, tiny_target)["mtp-vllm"]  # validated + read back
+    assert detect_format(out) == "mtp-vllm"
+    assert {"aux_fc.weight", "aux_norm.0.weight"} <= _keys(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, N_TARGET_LAYERS] == \
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] and cfg["num_aux_hidden_states"] == 2
+    back = load_export(out, "mtp-vllm", tied, args)
+    assert back.capture_layers == (1,) and torch.equal(probe_logits(back), probe_logits(head))
+    with torch.no_grad():
+        back.aux_fc.weight.mul_(1.01)
+    assert not torch.equal(probe_logits(back), probe_logits(head))
+    for i, (defect, expected) in enumerate([
+        ({"drop": ["aux_fc.weight"]}, ["missing tensor 'aux_fc.weight'"]),
+        ({"config": {"eagle_aux_hidden_state_layer_ids": [2, 1], "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [2, 1], "use_aux_hidden_state": True}}}, ["must ascend"]),
+        ({"config": {"num_aux_hidden_states": 1}}, ["num_aux_hidden_states must be 2"]),
+    ]):
+        assert_rejects_planted_defect(out, tmp_path / f"bad{i}", "mtp-vllm", tiny_target, defect, expected)
+    for fmt in ("mtp-stitched", "mtp-standalone"):
+        with pytest.raises(ValueError, match=r"reads target layers \[1\] besides H"):
+            export_head(head, {fmt: tmp_path / fmt}, tiny_target)
+        assert not (tmp_path / fmt).exists()
+
+
 def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
     from inference_eval.vllm_plugin import MTP_ARCH  # importable without vLLM: the classes are built lazily
     from artifacts.validate import MTP_VLLM_ARCH
@@ -415,9 +448,11 @@ def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
     for i, (defect, expected) in enumerate([
         ({"drop": ["layers.0.hnorm.weight"]}, ["missing tensor 'layers.0.hnorm.weight'"]),
         ({"add": {"lm_head.weight": torch.zeros(512, 64)}}, ["unexpected tensor 'lm_head.weight'"]),
-        ({"config": {"eagle_aux_hidden_state_layer_ids": [1]}}, ["one id, top-level and in eagle_config alike"]),
+        ({"config": {"eagle_aux_hidden_state_layer_ids": [1]}}, ["a list of ids, top-level and in eagle_config alike"]),
         ({"config": {"eagle_aux_hidden_state_layer_ids": [1], "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [1], "use_aux_hidden_state": True}}}, ["the target's layer count 2"]),
+        ({"config": {"eagle_aux_hidden_state_layer_ids": [1, 2], "eagle_config": {  # an aux id without its tensors
+            "eagle_aux_hidden_state_layer_ids": [1, 2], "use_aux_hidden_state": True}}}, ["missing tensor 'aux_fc.weight'"]),
         ({"config": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2], "use_aux_hidden_state": False}}},
          ["use_aux_hidden_state must be true"]),
         ({"config": {"architectures": ["LlamaForCausalLMEagle3"]}}, ["Eagle3SpecheadMTPForCausalLM"]),

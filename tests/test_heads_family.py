@@ -22,6 +22,9 @@ HEADS = {
     "eagle3_31": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 200, "init": "random",
                   "norm_before_fc": True, "norm_before_residual": True, "norm_output": True},
     "medusa": {"type": "medusa", "num_heads": 3, "init": "random", "init_std": 0.2},
+    # mtp reading the input of target layer 1 beside H at depth 1 (head.aux_layers), one module and three
+    "mtp_aux": {"type": "mtp", "aux_layers": [1], "init": "random"},
+    "mtp3_aux": {"type": "mtp", "num_modules": 3, "aux_layers": [1], "init": "random"},
 }
 
 
@@ -39,7 +42,7 @@ def make(tiny_target, name, seed=0):
 def inputs(head, t, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, t, head.args.hidden_size, generator=g)
-    aux = torch.randn(1, t, head.state_size, generator=g) if head.capture_layers else None
+    aux = torch.randn(1, t, len(head.capture_layers) * head.args.hidden_size, generator=g) if head.capture_layers else None
     ids = torch.randint(0, head.args.vocab_size, (1, t), generator=g)
     return hidden, aux, ids
 
@@ -163,7 +166,7 @@ def _engine_states(head, hidden, aux, ids, i, depth):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["mtp3", "eagle3", "eagle3_full", "eagle3_31"])
+@pytest.mark.parametrize("name", ["mtp3", "eagle3", "eagle3_full", "eagle3_31", "mtp_aux", "mtp3_aux"])
 def test_unroll_equals_engine_draft_chain(tiny_target, name):
     head = make(tiny_target, name)
     t, depth = 12, 3
@@ -306,7 +309,8 @@ def target(tiny_target):
     return LlamaForCausalLM.from_pretrained(tiny_target)
 
 
-@pytest.mark.parametrize("name,ks", [("mtp3", [1, 2, 3]), ("eagle3", [1, 2, 4]), ("medusa", [1, 3])])
+@pytest.mark.parametrize("name,ks", [("mtp3", [1, 2, 3]), ("eagle3", [1, 2, 4]), ("medusa", [1, 3]),
+                                     ("mtp3_aux", [1, 3])])
 def test_greedy_speculative_equals_plain(target, tiny_target, name, ks):
     head = make(tiny_target, name).eval()
     prompts = [[1, 17, 33, 250, 9], [3], list(range(40, 77))]
@@ -360,7 +364,8 @@ def test_sub_vocabulary_kl_equals_naive_values_and_gradients():
 
 
 @pytest.mark.parametrize("head_name,extra", [("eagle3", ["head.draft_vocab_size=128", "head.aux_layers=[1]"]),
-                                             ("medusa", ["head.num_heads=2", "train.module.depth=2"])])
+                                             ("medusa", ["head.num_heads=2", "train.module.depth=2"]),
+                                             ("mtp", ["head.aux_layers=[1]", "train.module.w_hidden=0.0"])])
 def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
     from data.precompute import run_precompute
     from data.store import FeatureStore
@@ -372,7 +377,7 @@ def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
 
     cfg = compose_config(tiny_overrides + [f"head={head_name}", *extra])
     store = FeatureStore(run_precompute(cfg)[0])
-    if head_name == "eagle3":
+    if head_name in ("eagle3", "mtp"):  # `precompute.aux_layers: auto` captures what the head reads
         assert store.aux_layers == [1] and store.manifest["captured"]["aux_layers"] == [1]
         assert store[0]["aux_hidden"].shape == (store[0]["hidden"].shape[0], 64)
     else:
@@ -389,7 +394,8 @@ def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
     losses = train_on_batch(module, batch, 25)
     assert losses[-1] < 0.6 * losses[0]
     out = module.compute_loss(batch)
-    assert float(out["reg_d1"]) == 0.0  # KL only
+    if head_name != "mtp":  # (mtp regresses Ĥ on H_{i+1}: reported, weighted 0 here)
+        assert float(out["reg_d1"]) == 0.0  # KL only
 
 
 def test_store_holds_aux_layers_in_fp8(tiny_overrides, tiny_target):
@@ -576,3 +582,40 @@ def test_clip_scope_module_bounds_each_depth_module_by_its_own_norm(tiny_target,
         assert abs(norms[0] - 0.5) < 1e-4, norms
     with pytest.raises(ValueError, match="clips by norm"):
         module.configure_gradient_clipping(None, 0.5, "value")
+
+
+@torch.no_grad()
+def test_mtp_aux_layers_start_as_the_plain_head_and_enter_through_the_fused_state(tiny_target, tmp_path):
+    """`head.aux_layers` on mtp: the target state becomes H' = H + aux_fc[aux_norm(A) …]; with init=copy aux_fc
+    starts at 0, so the head (its other weights drawn as the plain head's from the same seed) drafts exactly as
+    the plain head at every depth; once aux_fc moves, every depth changes with the aux states, whose scale each
+    norm removes. Bad widths and ids are refused."""
+    tied, args, parts = tied_target(tiny_target)
+    plain = build_head({"type": "mtp"}, args, tied)
+    plain.reset_parameters(0, parts.first_input_norm)
+    head = build_head({"type": "mtp", "aux_layers": [1]}, args, tied)
+    head.reset_parameters(0, parts.first_input_norm)
+    assert head.capture_layers == (1,) and head.state_size == args.hidden_size
+    assert head.aux_fc.weight.abs().max() == 0
+    own = {k: v for k, v in head.state_dict().items() if not k.startswith("aux_")}
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(own.pop(k), v, atol=0, rtol=0)
+    assert own == {} and sorted(k for k in head.state_dict() if k.startswith("aux_")) == ["aux_fc.weight",
+                                                                                          "aux_norm.0.weight"]
+    hidden, aux, ids = inputs(head, 9, seed=2)
+    same = unroll(head, hidden, ids, 2, aux)
+    for a, b in zip(same, unroll(plain, hidden, ids, 2)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    head.aux_fc.weight.normal_(0, 0.2)
+    moved = unroll(head, hidden, ids, 2, aux)
+    assert all((m - s).abs().max() > 1e-3 for m, s in zip(moved, same))
+    torch.testing.assert_close(head.target_input(hidden, aux), hidden + head.aux_fc(head.aux_norm[0](aux)))
+    scaled = unroll(head, hidden, ids, 2, aux * 1000.0)  # aux_norm: the aux state's scale does not matter
+    for a, b in zip(scaled, moved):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"reads the inputs of target layers \[1\]"):
+        head.target_input(hidden, None)
+    with pytest.raises(ValueError, match="wide"):
+        head.target_input(hidden, torch.cat([aux, aux], dim=-1))
+    with pytest.raises(ValueError, match="aux_layers"):
+        build_head({"type": "mtp", "aux_layers": [args.num_hidden_layers]}, args, tied)

@@ -48,6 +48,10 @@ HEADS = {
     # 3 separate modules (module d drafts depth d): at draft step j the deeper modules write their KV of step j's
     # input too, in vLLM through the plugin as in the engine (depth 3 attends module 3's slot of depth 2)
     "mtp3": (["head=mtp", "head.num_modules=3", "train.module.depth=3"], "mtp-vllm", "eagle3", K),
+    # the same reading the aux layers beside H (head.aux_layers): vLLM passes [A^2, A^15, A^27, H], the plugin's
+    # combine_hidden_states fuses them into H' as the head's target_input does
+    "mtp3_aux": (["head=mtp", "head.num_modules=3", "train.module.depth=3", f"head.aux_layers={AUX}"], "mtp-vllm",
+                 "eagle3", K),
     "eagle1": (["head=eagle1", "head.bias=false", "train.module.w_hidden=1.0", "train.module.w_kl=0.1",
                 "train.module.normed_regression=false"], "eagle1-vllm", "eagle", K),
     "eagle3_full": (["head=eagle3", "head.draft_vocab_size=null", f"head.aux_layers={AUX}"], "eagle3", "eagle3", K),
