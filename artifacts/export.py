@@ -77,9 +77,9 @@ def probe_logits(head: Head, seed: int = 0, length: int = 8) -> torch.Tensor:
     if isinstance(head, DraftLMHead):  # a draft LM reads tokens only: its logits on a fixed token sequence
         return head.probe(seed, length)
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, length, head.state_size, generator=gen).to(head.dtype)
+    hidden = torch.randn(1, length, head.args.hidden_size, generator=gen).to(head.dtype)
     tokens = torch.randint(0, head.args.vocab_size, (1, length), generator=gen)
-    if head.kind == "mtp" and head.capture_layers:  # its aux layers enter through target_input: probe them too
+    if head.capture_layers:  # the state the head reads from H and its aux layers (EAGLE-3's fc, mtp's fusion)
         aux = torch.randn(1, length, len(head.capture_layers) * head.args.hidden_size, generator=gen)
         hidden = head.target_input(hidden, aux.to(head.dtype))
     positions = torch.arange(length).expand(1, length)

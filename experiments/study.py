@@ -111,17 +111,14 @@ def store_key(cfg: DictConfig) -> str:
     return digest(sections)[:16]
 
 
-def _num_layers(cfg: DictConfig) -> int:
-    return target_args(resolve_target_dir(cfg.target)).num_hidden_layers
-
-
 def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     """A feature store for this data and head (EAGLE-3, or mtp with `aux_layers`, reads aux layers): `<run_dir>/stores/<hash>` of
     what it holds, precomputed (or resumed / reused) here."""
     sc = cfg.copy()
     with open_dict(sc):
         sc.head = head_cfg
-        sc.precompute.aux_layers = list(head_aux_layers(head_cfg, _num_layers(cfg)))
+        num_layers = target_args(resolve_target_dir(cfg.target)).num_hidden_layers
+        sc.precompute.aux_layers = list(head_aux_layers(head_cfg, num_layers))
         sc.store_dir = str(Path(cfg.run_dir) / "stores" / store_key(sc))
     store, _ = run_precompute(sc)
     return Path(store)
@@ -176,6 +173,7 @@ class Study:
         self.ks_largest = [int(k) for k in (scfg.get("ks_largest") or scfg.ks)]
         self.k_rank = 3 if 3 in self.ks_largest else self.ks_largest[-1]
         target_dir = resolve_target_dir(cfg.target)
+        self.num_layers = target_args(target_dir).num_hidden_layers
         self.fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
                                               cfg.target.get("fingerprint", "header"))
         self.data_cfgs: dict[str, DictConfig] = {}
@@ -188,7 +186,7 @@ class Study:
         key = json.dumps([variant["data"], split_overrides(variant)[0]], sort_keys=True, default=str)
         if key not in self.data_cfgs:
             self.data_cfgs[key] = data_config(self.cfg, variant, f"study.variants.{name}")
-        aux = head_aux_layers(head_cfg, _num_layers(self.cfg))
+        aux = head_aux_layers(head_cfg, self.num_layers)
         if (key, aux) not in self.stores:
             self.stores[(key, aux)] = store_for(self.data_cfgs[key], head_cfg)
         return self.data_cfgs[key], self.stores[(key, aux)]

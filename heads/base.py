@@ -189,6 +189,13 @@ class DraftHead(nn.Module):
                        self.tied.embed.device)
 
 
+def check_aux_ids(ids, num_layers: int, setting: str) -> None:
+    """Aux layer ids, in the "input of layer i" convention: ascending, distinct, within 1..L-1."""
+    if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
+        raise ValueError(f"{setting} {list(ids)} must be ascending, distinct and within 1..{num_layers - 1} "
+                         "(ids are inputs of target layers)")
+
+
 @torch.no_grad()
 def init_random(module: nn.Module, gen: torch.Generator, std: float) -> None:
     """Norm weights 1, biases 0, matrices N(0, std²) with residual-output projections (o_proj,

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from heads.base import DraftHead, TiedTarget, init_random
+from heads.base import DraftHead, TiedTarget, check_aux_ids, init_random
 from heads.layers import MLP, Attention, Linear, LlamaArgs, RMSNorm, dropped
 
 
@@ -117,9 +117,7 @@ class Eagle3Head(DraftHead):
     def __init__(self, args: LlamaArgs, cfg: Eagle3Config, tied: TiedTarget) -> None:
         super().__init__(args, tied)
         aux = cfg.aux_layers or default_aux_layers(args.num_hidden_layers)
-        if list(aux) != sorted(set(aux)) or not all(1 <= i < args.num_hidden_layers for i in aux):
-            raise ValueError(f"eagle3 aux_layers {list(aux)} must be ascending, distinct and within "
-                             f"1..{args.num_hidden_layers - 1} (ids are inputs of target layers)")
+        check_aux_ids(aux, args.num_hidden_layers, "eagle3 aux_layers")
         vd = min(cfg.draft_vocab_size or args.vocab_size, args.vocab_size)  # never wider than the target's
         if vd < 1:
             raise ValueError(f"eagle3 draft_vocab_size {cfg.draft_vocab_size} must be positive")

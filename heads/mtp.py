@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from heads.base import DraftHead, TiedTarget, init_random
+from heads.base import DraftHead, TiedTarget, check_aux_ids, init_random
 from heads.layers import LLAMA_FAMILY, DecoderLayer, Linear, LlamaArgs, RMSNorm
 
 
@@ -101,9 +101,7 @@ class MTPHead(DraftHead):
     def __init__(self, args: LlamaArgs, cfg: MTPConfig, tied: TiedTarget) -> None:
         super().__init__(args, tied)
         aux = cfg.aux_layers or ()
-        if list(aux) != sorted(set(aux)) or not all(1 <= i < args.num_hidden_layers for i in aux):
-            raise ValueError(f"mtp aux_layers {list(aux)} must be ascending, distinct and within "
-                             f"1..{args.num_hidden_layers - 1} (ids are inputs of target layers)")
+        check_aux_ids(aux, args.num_hidden_layers, "mtp aux_layers")
         self.cfg = cfg
         self.layers = nn.ModuleList(MTPModule(args) for _ in range(cfg.num_modules))
         if aux:  # the aux layers' scales differ by orders of magnitude: each gets its own norm

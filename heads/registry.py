@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from heads.base import DraftHead, TiedTarget
+from heads.base import DraftHead, TiedTarget, check_aux_ids
 from heads.draft_lm import DraftLMConfig, DraftLMHead
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
@@ -48,6 +48,5 @@ def resolve_aux_layers(cfg: Any, num_layers: int) -> tuple[int, ...]:
     if spec == "auto":
         spec = head_aux_layers(cfg.get("head") or {}, num_layers)
     ids = tuple(int(i) for i in spec)
-    if list(ids) != sorted(set(ids)) or not all(1 <= i < num_layers for i in ids):
-        raise ValueError(f"precompute.aux_layers {list(ids)} must be ascending, distinct and within 1..{num_layers - 1}")
+    check_aux_ids(ids, num_layers, "precompute.aux_layers")
     return ids
