@@ -85,6 +85,8 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
     ("train", "module", "deep_lr_scale"): 1.0,
     ("train", "module", "deep_from_step"): 0,
     ("train", "module", "dropout"): 0.0,
+    ("train", "module", "offpolicy_weight"): 1.0,
+    ("train", "module", "betas"): [0.9, 0.95],
     ("head", "layer_init"): "random",
     ("head", "aux_layers"): None,
 }

@@ -33,21 +33,29 @@ def test_fused_kl_matches_naive_values_and_grads(chunk):
 
 
 
-@pytest.mark.parametrize("student", ["frozen", "own-weight", "sub-vocab"])
-def test_fused_kl_with_logit_softcap_matches_naive_values_and_grads(student):
-    """A family with `final_logit_softcapping` c: both sides' logits are c·tanh(l / c), the fused
-    backward multiplies by the cap's slope 1 − tanh². float64 against autograd through the capped
-    logits. Logits here reach ±15 against c = 2, so the cap changes the KL (asserted)."""
-    g = torch.Generator().manual_seed(3)
-    n, h, v, cap = 23, 12, 200, 2.0
-    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 2
-    ids = torch.randperm(v, generator=g)[:60] if student == "sub-vocab" else None
+def student_case(seed: int, student: str, n: int, h: int, v: int, n_ids: int, w_scale: float = 1.0):
+    """float64 (generator, W [v, h], draft ids or None, the student's own W_s or None, student rows x, teacher
+    rows t) for a `student` kind: `frozen` (W itself), `own-weight` (a trainable W_s near W), `sub-vocab` (W_s over
+    n_ids of the rows)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * w_scale
+    ids = torch.randperm(v, generator=g)[:n_ids] if student == "sub-vocab" else None
     ws = None
     if student != "frozen":
         base = w if ids is None else w[ids]
         ws = (base + 0.3 * torch.randn(base.shape, generator=g, dtype=torch.float64)).requires_grad_()
     x = torch.randn(n, h, generator=g, requires_grad=True, dtype=torch.float64)
     t = torch.randn(n, h, generator=g, dtype=torch.float64)
+    return g, w, ids, ws, x, t
+
+
+@pytest.mark.parametrize("student", ["frozen", "own-weight", "sub-vocab"])
+def test_fused_kl_with_logit_softcap_matches_naive_values_and_grads(student):
+    """A family with `final_logit_softcapping` c: both sides' logits are c·tanh(l / c), the fused
+    backward multiplies by the cap's slope 1 − tanh². float64 against autograd through the capped
+    logits. Logits here reach ±15 against c = 2, so the cap changes the KL (asserted)."""
+    cap = 2.0
+    _, w, ids, ws, x, t = student_case(3, student, n=23, h=12, v=200, n_ids=60, w_scale=2.0)
     capped = lambda z: torch.tanh(z / cap) * cap  # noqa: E731
     sw = w if ws is None else ws
     t_rows = (lambda z: z) if ids is None else (lambda z: z[:, ids])  # noqa: E731
@@ -140,3 +148,44 @@ def test_fused_kl_with_teacher_temperature_matches_naive(temperature, student):
     assert int(agree) == int(agree_plain)
     with pytest.raises(ValueError, match="teacher temperature"):
         fused_linear_kl(x, t, w, teacher_temperature=0.0)
+
+
+@pytest.mark.parametrize("student", ["frozen", "own-weight", "sub-vocab"])
+def test_fused_kl_with_row_weights_matches_naive_values_and_grads(student):
+    """`row_weight` (training's `offpolicy_weight`): Σ_i w_i KL_i and its gradient, against autograd through the
+    naive full-logits KL with the same weights, in float64; a row of weight 0 is the row left out; agreement still
+    counts every row, and `per_row_agree` gives the rows' hits themselves. A weight per row or an error."""
+    n, h = 29, 12
+    g, w, ids, ws, x, t = student_case(5, student, n=n, h=h, v=150, n_ids=50)
+    rw = torch.rand(n, generator=g, dtype=torch.float64)
+    rw[::4] = 0.0
+    sw = w if ws is None else ws
+    t_rows = (lambda z: z) if ids is None else (lambda z: z[:, ids])  # noqa: E731
+    s_fn, t_fn = (lambda z: F.linear(z, sw)), (lambda z: t_rows(F.linear(z, w)))  # noqa: E731
+    wrt = [x] if ws is None else [x, ws]
+    ref = naive_kl(x, t, s_fn, t_fn, row_weight=rw)
+    ref_grads = torch.autograd.grad(ref, wrt)
+    got, hits = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids, row_weight=rw,
+                                per_row_agree=True)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-9)
+    for got_g, ref_g in zip(torch.autograd.grad(2.0 * got, wrt), ref_grads):
+        torch.testing.assert_close(got_g, 2.0 * ref_g, rtol=1e-9, atol=1e-12)
+    plain, agree = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids)
+    assert float(got) < float(plain)  # the weights are < 1: a smaller sum, not the unweighted one
+    assert hits.dtype == torch.bool and hits.shape == (n,) and int(hits.sum()) == int(agree)
+    with torch.no_grad():
+        s_top = s_fn(x).argmax(-1) if ids is None else ids[s_fn(x).argmax(-1)]
+        torch.testing.assert_close(hits, s_top == F.linear(t, w).argmax(-1), atol=0, rtol=0)
+    keep = rw > 0  # weight 0 = the row left out, values and gradients
+    dropped, _ = fused_linear_kl(x[keep], t[keep], w, chunk_size=6, student_weight=ws, student_ids=ids,
+                                 row_weight=rw[keep])
+    torch.testing.assert_close(dropped, got, rtol=1e-10, atol=1e-9)
+    ones, _ = fused_linear_kl(x, t, w, chunk_size=6, student_weight=ws, student_ids=ids,
+                              row_weight=torch.ones(n, dtype=torch.float64))
+    torch.testing.assert_close(ones, plain, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"row_weight of shape \(28,\)"):
+        fused_linear_kl(x, t, w, row_weight=rw[1:])
+    torch.testing.assert_close(hidden_regression(x, t, row_weight=rw),
+                               (F.smooth_l1_loss(F.rms_norm(x, (h,), eps=1e-6), F.rms_norm(t, (h,), eps=1e-6),
+                                                 reduction="none").mean(-1) * rw).sum(), rtol=1e-5, atol=1e-7,
+                               check_dtype=False)  # hidden_regression computes in float32

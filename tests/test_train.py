@@ -284,9 +284,9 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
         seen["input"] = x
         return unroll(h, x, *args, **kwargs)
 
-    def seen_depth_terms(h, preds, teacher, *args):
+    def seen_depth_terms(h, preds, teacher, *args, **kwargs):
         seen["teacher"] = teacher
-        return depth_terms(h, preds, teacher, *args)
+        return depth_terms(h, preds, teacher, *args, **kwargs)
 
     monkeypatch.setattr(tm, "unroll", seen_unroll)
     monkeypatch.setattr(tm, "depth_terms", seen_depth_terms)
@@ -301,6 +301,87 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
     torch.testing.assert_close(noisy.compute_loss(batch)["loss"], clean.compute_loss(batch)["loss"], atol=0, rtol=0)
     with pytest.raises(ValueError, match="input_noise=-0.1"):
         DraftHeadModule(head, input_noise=-0.1)
+
+
+def test_offpolicy_weight_leans_training_towards_the_rows_of_greedy_inputs(tiny_overrides, tiny_target, monkeypatch):
+    """`train.module.offpolicy_weight: λ`: a row whose input tokens t_{i+1..i+d} are not all the target's greedy
+    choices (argmax W_lm N_f(H_j), from the stored states) weighs λ in the loss (a weighted mean), the others 1.
+    On a batch whose tokens are made greedy at a known half of the positions: the flags are those positions; λ = 0
+    is the loss (and gradient) of the same batch with the other rows out of the loss mask; λ = 0.5 is the weighted
+    mean of the two groups' losses; depth 2 weighs a row by both its inputs; λ = 1 computes nothing new; the
+    held-out scores count the greedy rows' agreement apart (`acc_onpolicy`). λ outside [0, 1] is refused."""
+    import pytest
+
+    import train.module as tm
+    from data.store import FeatureStore
+    from train.losses import greedy_inputs
+    from train.module import heldout_agreement
+
+    store_dir, _ = run_precompute(compose_config(tiny_overrides))
+    store = FeatureStore(store_dir)
+    batch = collate([store[i] for i in range(4)])
+    head = init_head(compose_config(tiny_overrides), tiny_target)
+    hidden = batch["hidden"].to(head.dtype)
+    with torch.no_grad():
+        top = head.tied.teacher_logits(hidden[:, :-1]).argmax(-1)  # [B, T-1]
+    g = torch.Generator().manual_seed(0)
+    chosen = torch.rand(top.shape, generator=g) < 0.5
+    vocab = head.tied.lm_head.shape[0]
+    ids = batch["input_ids"].clone()
+    ids[:, 1:] = torch.where(chosen, top, (top + 1) % vocab)
+    batch = {**batch, "input_ids": ids}
+    flags = greedy_inputs(head, hidden, ids, chunk_size=7)
+    torch.testing.assert_close(flags, chosen, atol=0, rtol=0)
+
+    def masked(keep_rows: torch.Tensor) -> dict:  # depth 1: row i (target t_{i+2}) kept where keep_rows[:, i]
+        lm = batch["loss_mask"].clone()
+        lm[:, 2:] &= keep_rows[:, :lm.shape[1] - 2]
+        return {**batch, "loss_mask": lm}
+
+    def loss_and_grad(module, b):
+        head.zero_grad()
+        out = module.compute_loss(b)
+        out["loss"].backward()
+        return out, [p.grad.clone() for p in head.parameters() if p.requires_grad]
+
+    plain = DraftHeadModule(head, kl_chunk_size=16)
+    out0, grad0 = loss_and_grad(DraftHeadModule(head, kl_chunk_size=16, offpolicy_weight=0.0), batch)
+    out_on, grad_on = loss_and_grad(plain, masked(chosen))
+    out_off, _ = loss_and_grad(plain, masked(~chosen))
+    torch.testing.assert_close(out0["loss"], out_on["loss"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grad0, grad_on):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    n_on, n_off = int(out_on["n_count_d1"]), int(out_off["n_count_d1"])
+    assert n_on > 10 and n_off > 10 and int(out0["n_count_d1"]) == n_on + n_off  # every row still counted
+    assert float(out0["onpolicy_d1"]) == pytest.approx(n_on / (n_on + n_off))
+    half = DraftHeadModule(head, kl_chunk_size=16, offpolicy_weight=0.5).compute_loss(batch)
+    expected = (float(out_on["loss"]) * n_on + 0.5 * float(out_off["loss"]) * n_off) / (n_on + 0.5 * n_off)
+    assert float(half["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert float(half["loss"]) != pytest.approx(float(plain.compute_loss(batch)["loss"]), rel=1e-4)
+    assert "onpolicy_d1" not in plain.compute_loss(batch)  # λ = 1: no flags computed
+
+    seen = {}
+    depth_terms = tm.depth_terms
+
+    def seen_depth_terms(h, preds, teacher, depth, *args, **kwargs):
+        seen[depth] = args[3]  # row_weight
+        return depth_terms(h, preds, teacher, depth, *args, **kwargs)
+
+    monkeypatch.setattr(tm, "depth_terms", seen_depth_terms)
+    deep = DraftHeadModule(head, kl_chunk_size=16, depth=2, offpolicy_weight=0.25).compute_loss(batch)
+    rows = ids.shape[1] - 3
+    mask = batch["loss_mask"][:, 3:] & batch["valid"][:, 3:]
+    both = (chosen[:, :rows] & chosen[:, 1:1 + rows])[mask]
+    torch.testing.assert_close(seen[2], torch.where(both, 1.0, 0.25), atol=0, rtol=0)
+    assert float(deep["onpolicy_d2"]) == pytest.approx(float(both.float().mean()))
+    monkeypatch.undo()
+
+    held = heldout_agreement(head, [batch], depth=1)
+    only_on = heldout_agreement(head, [masked(chosen)], depth=1)
+    assert held["tokens_onpolicy"] == [n_on] and held["acc_onpolicy"] == pytest.approx(only_on["acc"])
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match=f"offpolicy_weight={bad}"):
+            DraftHeadModule(head, offpolicy_weight=bad)
 
 
 def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_head(tiny_overrides, tiny_target,

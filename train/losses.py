@@ -21,12 +21,15 @@ def rms_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def hidden_regression(pred: torch.Tensor, target: torch.Tensor, normed: bool = True) -> torch.Tensor:
-    """Sum over rows of the mean SmoothL1 for [N, H]. `normed` compares RMS-normalised vectors: the
-    pre-norm residual stream has a few huge channels that would otherwise dominate the loss."""
+def hidden_regression(pred: torch.Tensor, target: torch.Tensor, normed: bool = True,
+                      row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over rows of the mean SmoothL1 for [N, H] (each row times `row_weight` [N] when given). `normed`
+    compares RMS-normalised vectors: the pre-norm residual stream has a few huge channels that would otherwise
+    dominate the loss."""
     if normed:
         pred, target = rms_normalize(pred.float()), rms_normalize(target.float())
-    return F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1).sum()
+    rows = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)
+    return (rows if row_weight is None else rows * row_weight.to(rows.dtype)).sum()
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -38,7 +41,8 @@ class _FusedLinearKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                 student_weight: torch.Tensor | None, student_ids: torch.Tensor | None, chunk_size: int,
-                mm_dtype: torch.dtype, softcap: float | None, temperature: float):
+                mm_dtype: torch.dtype, softcap: float | None, temperature: float,
+                row_weight: torch.Tensor | None):
         w = weight.to(mm_dtype)
         ws = w if student_weight is None else student_weight.to(mm_dtype)
         acc = torch.promote_types(student.dtype, torch.float32)  # softmax arithmetic: fp32 at least
@@ -46,7 +50,7 @@ class _FusedLinearKL(torch.autograd.Function):
         grad_w = (torch.zeros(student_weight.shape, dtype=acc, device=student.device)
                   if student_weight is not None and student_weight.requires_grad else None)
         total = torch.zeros((), dtype=acc, device=student.device)
-        agree = torch.zeros((), dtype=torch.long, device=student.device)
+        hits = torch.empty(student.shape[0], dtype=torch.bool, device=student.device)
         for a in range(0, student.shape[0], chunk_size):
             x = student[a:a + chunk_size].to(mm_dtype)
             s = F.linear(x, ws).to(acc)  # [c, V_s]
@@ -65,16 +69,19 @@ class _FusedLinearKL(torch.autograd.Function):
             else:  # a head over a sub-vocabulary: the teacher restricted to it, agreement in target ids
                 t = t_full[:, student_ids]
                 s_top = student_ids[s_top]
-            agree += (s_top == t_full.argmax(-1)).sum()
+            hits[a:a + chunk_size] = s_top == t_full.argmax(-1)
             diff = t - s
             m_t, m_s = t.amax(-1, keepdim=True), s.amax(-1, keepdim=True)
             e_t, e_s = t.sub_(m_t).exp_(), s.sub_(m_s).exp_()  # in place: t, s are now exp(· − max)
             z_t, z_s = e_t.sum(-1, keepdim=True), e_s.sum(-1, keepdim=True)
             # Σ p_t (t − s) − lse(t) + lse(s), with lse = log z + max
             kl = (e_t * diff).sum(-1, keepdim=True) / z_t - z_t.log() - m_t + z_s.log() + m_s
-            total += kl.sum()
+            w_rows = None if row_weight is None else row_weight[a:a + chunk_size, None].to(acc)
+            total += kl.sum() if w_rows is None else (kl * w_rows).sum()
             if grad is not None or grad_w is not None:
                 g_logits = e_s.div_(z_s).sub_(e_t.div_(z_t))  # softmax(s) − p_t
+                if w_rows is not None:
+                    g_logits = g_logits.mul_(w_rows)
                 if slope is not None:
                     g_logits = g_logits.mul_(slope)
                 if grad is not None:
@@ -85,21 +92,22 @@ class _FusedLinearKL(torch.autograd.Function):
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.has = (grad is not None, grad_w is not None)
         ctx.dtypes = (student.dtype, student_weight.dtype if student_weight is not None else None)
-        ctx.mark_non_differentiable(agree)
-        return total, agree
+        ctx.mark_non_differentiable(hits)
+        return total, hits
 
     @staticmethod
-    def backward(ctx, grad_total, grad_agree):
+    def backward(ctx, grad_total, grad_hits):
         grad, grad_w = ctx.saved_tensors
         g_s = (grad * grad_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         g_w = (grad_w * grad_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return g_s, None, None, g_w, None, None, None, None, None
+        return g_s, None, None, g_w, None, None, None, None, None, None
 
 
 def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                     chunk_size: int = 512, student_weight: torch.Tensor | None = None,
                     student_ids: torch.Tensor | None = None, softcap: float | None = None,
-                    teacher_temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                    teacher_temperature: float = 1.0, row_weight: torch.Tensor | None = None,
+                    per_row_agree: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ over rows of KL(softmax(W teacher) || softmax(W_s student)) and the count of top-1
     agreements, for post-norm features [N, H] and the target's frozen projection W [V, H].
 
@@ -110,40 +118,63 @@ def fused_linear_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.
     `softcap` c: both sides' logits are the target family's capped c·tanh(l / c) (Gemma 2 style
     `final_logit_softcapping`; heads/base.py `TiedTarget.cap_logits`), and the gradient carries the
     cap's slope. `teacher_temperature` T: the teacher is softmax(logits / T) (T < 1 sharpens it towards its
-    argmax, T → 0 is cross-entropy on the target's greedy token; agreement is unchanged). Matmuls run in the
+    argmax, T → 0 is cross-entropy on the target's greedy token; agreement is unchanged). `row_weight` [N]: each
+    row's KL (and its gradient) times its weight (agreement still counts every row). `per_row_agree`: the
+    agreements as a [N] bool tensor (row i: the student's top-1 is the teacher's) instead of their count. Matmuls run in the
     autocast dtype when autocast is on (bf16 on CPU/GPU), softmax arithmetic in fp32."""
     if softcap is not None and not softcap > 0:
         raise ValueError(f"logit softcap {softcap!r}: expected a positive number or None")
     if not teacher_temperature > 0:
         raise ValueError(f"teacher temperature {teacher_temperature!r}: expected a positive number")
     sw = student_weight if student_weight is not None and student_weight is not weight else None
-    return _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
-                                _matmul_dtype(student), None if softcap is None else float(softcap),
-                                float(teacher_temperature))
+    if row_weight is not None and row_weight.shape != student.shape[:1]:
+        raise ValueError(f"row_weight of shape {tuple(row_weight.shape)}: expected one weight per row, "
+                         f"({student.shape[0]},)")
+    total, hits = _FusedLinearKL.apply(student, teacher.detach(), weight.detach(), sw, student_ids, chunk_size,
+                                       _matmul_dtype(student), None if softcap is None else float(softcap),
+                                       float(teacher_temperature), None if row_weight is None else row_weight.detach())
+    return total, (hits if per_row_agree else hits.sum())
 
 
 def naive_kl(student: torch.Tensor, teacher: torch.Tensor, student_logits_fn: Callable,
-             teacher_logits_fn: Callable, teacher_temperature: float = 1.0) -> torch.Tensor:
+             teacher_logits_fn: Callable, teacher_temperature: float = 1.0,
+             row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: full [N, V] logits at once, autograd through everything (what the fused loss must equal)."""
     s = student_logits_fn(student)
     t = teacher_logits_fn(teacher) / teacher_temperature
     acc = torch.promote_types(s.dtype, torch.float32)
     s, t = s.to(acc), t.to(acc)
-    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum")
+    rows = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return (rows if row_weight is None else rows * row_weight.to(acc)).sum()
+
+
+@torch.no_grad()
+def greedy_inputs(head, hidden: torch.Tensor, ids: torch.Tensor, chunk_size: int = 512) -> torch.Tensor:
+    """[B, T-1] bool: at column j, whether token t_{j+1} is the target's greedy choice after position j,
+    argmax W_lm N_f(H_j) — read from the stored states, no target run. A row of depth d whose inputs
+    t_{i+1..i+d} all are is one the engine meets when the target decodes greedily (`offpolicy_weight`)."""
+    b, t, h = hidden.shape
+    flat = hidden[:, :-1].reshape(-1, h)
+    top = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    for a in range(0, flat.shape[0], chunk_size):
+        top[a:a + chunk_size] = head.tied.teacher_logits(flat[a:a + chunk_size]).argmax(-1)
+    return top.view(b, t - 1) == ids[:, 1:]
 
 
 def depth_terms(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int, normed: bool = True,
-                chunk_size: int = 512, teacher_temperature: float = 1.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                chunk_size: int = 512, teacher_temperature: float = 1.0, row_weight: torch.Tensor | None = None,
+                per_row_agree: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The training loss's terms for head states `preds` [N, H] at draft depth `depth` against the target
     states `teacher` [N, H] they estimate (H_{i+d}): (Σ hidden regression — 0 for heads without one
     (eagle3, medusa) —, Σ KL to the target's distribution, top-1 agreements). Sums over the N rows. The
     one definition the training step, the held-out scores and in-loop validation all use (the scores at the
-    teacher's own temperature 1; training at `train.module.kl_temperature`)."""
+    teacher's own temperature 1; training at `train.module.kl_temperature`). `row_weight` [N]: weighted sums
+    (training's `offpolicy_weight`); agreements count every row (`per_row_agree`: one bool per row)."""
     reg_target = head.regression_target(teacher)
-    reg = (hidden_regression(preds, reg_target, normed) if reg_target is not None
+    reg = (hidden_regression(preds, reg_target, normed, row_weight) if reg_target is not None
            else preds.new_zeros((), dtype=torch.float32))
     kl, agree = fused_linear_kl(head.features(preds, depth), head.tied.final_norm(teacher), head.tied.lm_head,
                                 chunk_size, student_weight=head.lm_head_weight, student_ids=head.draft_ids,
-                                softcap=head.tied.conventions.logit_softcap, teacher_temperature=teacher_temperature)
+                                softcap=head.tied.conventions.logit_softcap, teacher_temperature=teacher_temperature,
+                                row_weight=row_weight, per_row_agree=per_row_agree)
     return reg, kl, agree

@@ -22,7 +22,7 @@ from heads.eagle3 import Eagle3Layer
 from heads.layers import DecoderLayer
 from heads.unroll import unroll
 from train.data import TokenBudgetBatches
-from train.losses import depth_terms
+from train.losses import depth_terms, greedy_inputs
 from train.optim import build_optimizer, lr_multiplier
 
 
@@ -54,8 +54,11 @@ class DraftHeadModule(L.LightningModule):
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
                  input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, offpolicy_weight: float = 1.0) -> None:
         super().__init__()
+        if not 0.0 <= offpolicy_weight <= 1.0:
+            raise ValueError(f"train.module.offpolicy_weight={offpolicy_weight!r}: expected a weight in [0, 1] "
+                             "(1: every row alike, the default; 0: only rows the greedy target would produce)")
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
         if clip_scope not in CLIP_SCOPES:
@@ -81,6 +84,8 @@ class DraftHeadModule(L.LightningModule):
         if deep_from_step > 0 and depth < 2:
             raise ValueError(f"train.module.deep_from_step={deep_from_step} delays the depths ≥ 2, and "
                              f"train.module.depth is {depth}: set depth > 1 or leave deep_from_step at 0")
+        # count the agreements on the rows whose inputs are the target's greedy tokens too (held-out scores)
+        self.track_onpolicy = False
         self._deep_copied = False  # `deep_from_step`: the deeper modules started from module 1 (kept in checkpoints)
         if deep_lr_scale != 1.0 and len(head.depth_modules()) < 2:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r} scales the lr of the modules of depth ≥ 2, "
@@ -150,6 +155,12 @@ class DraftHeadModule(L.LightningModule):
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
         sim_tau, survive = 1.0, 1.0
+        off_w = float(hp.get("offpolicy_weight", 1.0))
+        # `offpolicy_weight` < 1: greedy[:, j] — t_{j+1} is the target's greedy choice after j; `on` — row i's inputs
+        # t_{i+1..i+d} all are (the rows the engine meets when the target decodes greedily)
+        track = off_w != 1.0 or self.track_onpolicy
+        greedy = greedy_inputs(self.head, hidden, ids, hp.kl_chunk_size) if track else None
+        on = None
         for d, pred in enumerate(outs, start=1):
             rows = max(t - d - 1, 0)
             every = hp.loss_on == "all" or (hp.loss_on == "deep_all" and d >= 2)
@@ -158,15 +169,26 @@ class DraftHeadModule(L.LightningModule):
                 mask = mask & (segments[:, d + 1:] == segments[:, :rows])
             n = mask.sum()
             sel_pred, sel_tgt = pred[:, :rows][mask], hidden[:, d:d + rows][mask]  # [N, H]
+            row_w, sel_on = None, None
+            if greedy is not None:
+                on = greedy[:, d - 1:d - 1 + rows] & (on[:, :rows] if on is not None else True)
+                sel_on = on[mask]
+                if off_w != 1.0:
+                    row_w = torch.where(sel_on, 1.0, off_w).to(torch.float32)
+                out[f"onpolicy_d{d}"] = sel_on.float().sum() / n.clamp(min=1)
             reg, kl, agree = depth_terms(self.head, sel_pred, sel_tgt, d, hp.normed_regression, hp.kl_chunk_size,
-                                         hp.kl_temperature)
+                                         hp.kl_temperature, row_w, per_row_agree=sel_on is not None)
+            if sel_on is not None:  # the agreements on the rows whose inputs are the target's greedy tokens
+                out[f"agree_on_count_d{d}"], out[f"n_on_count_d{d}"] = (agree & sel_on).sum(), sel_on.sum()
+                agree = agree.sum()
             n_safe = n.clamp(min=1)
+            w_sum = n_safe if row_w is None else row_w.sum().clamp(min=1e-6)  # a weighted mean over the rows
             weight = hp.depth_decay ** (d - 1) if d == 1 or started else 0.0
-            total = total + weight * (hp.w_hidden * reg + hp.w_kl * kl) / n_safe
+            total = total + weight * (hp.w_hidden * reg + hp.w_kl * kl) / w_sum
             acc = agree.float() / n_safe
             survive = survive * acc
             sim_tau = sim_tau + survive  # 1 + Σ_d Π_{j≤d} α_j
-            out.update({f"reg_d{d}": reg / n_safe, f"kl_d{d}": kl / n_safe, f"acc_d{d}": acc,
+            out.update({f"reg_d{d}": reg / w_sum, f"kl_d{d}": kl / w_sum, f"acc_d{d}": acc,
                         f"agree_count_d{d}": agree.detach(), f"n_count_d{d}": n})
             if d == 1:
                 out["n_tokens"] = n
@@ -381,7 +403,8 @@ def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, An
     pooled over tokens: the training-time-test unroll, as the engine's draft chain would run it
     had the target accepted every draft token. Also the simulated τ for k = depth."""
     module = DraftHeadModule(head, depth=depth)
-    agree, count = [0] * depth, [0] * depth
+    module.track_onpolicy = True
+    agree, count, agree_on, count_on = ([0] * depth for _ in range(4))
     was_training = head.training
     head.eval()
     for batch in loader:
@@ -389,10 +412,15 @@ def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, An
         for d in range(1, depth + 1):
             agree[d - 1] += int(out[f"agree_count_d{d}"])
             count[d - 1] += int(out[f"n_count_d{d}"])
+            agree_on[d - 1] += int(out[f"agree_on_count_d{d}"])
+            count_on[d - 1] += int(out[f"n_on_count_d{d}"])
     head.train(was_training)
     acc = [a / max(c, 1) for a, c in zip(agree, count)]
     sim_tau, survive = 1.0, 1.0
     for a in acc:
         survive *= a
         sim_tau += survive
-    return {"acc": acc, "tokens": count, "sim_tau": sim_tau}
+    # acc_onpolicy: the same agreement over the rows whose input tokens t_{i+1..i+d} are the target's greedy
+    # choices (argmax W_lm N_f(H_j)) — the rows the engine meets when the target decodes greedily
+    return {"acc": acc, "tokens": count, "sim_tau": sim_tau,
+            "acc_onpolicy": [a / max(c, 1) for a, c in zip(agree_on, count_on)], "tokens_onpolicy": count_on}
