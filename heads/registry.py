@@ -17,6 +17,14 @@ HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head),
               "draft_lm": (DraftLMConfig, DraftLMHead)}
 
 
+def head_type(head: DraftHead) -> str:
+    """The registry name of a built head (`mtp`, `eagle3`, …)."""
+    for kind, (_, head_cls) in HEAD_TYPES.items():
+        if type(head) is head_cls:
+            return kind
+    raise ValueError(f"{type(head).__name__} is not a registered head type; known: {sorted(HEAD_TYPES)}")
+
+
 def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> DraftHead:
     cfg = dict(head_cfg)
     kind = cfg.pop("type", "mtp")

@@ -79,11 +79,16 @@ def _first_failure(text: str, width: int = 4000) -> str:
     return "[first failure]\n" + text[start:start + width]
 
 
-def _reference(cfg, store_dir: Path, init_dir: Path, steps: int):
+class DeepSpeedStrategy:  # stands for Lightning's (which refuses a CPU accelerator) where the module asks
+    pass                    # which strategy runs it: `optimizer: auto` is AdamW under DeepSpeed
+
+
+def _reference(cfg, store_dir: Path, init_dir: Path, steps: int, deepspeed: bool = False):
     """One process, the same global batches: rank r's batch of step s is TokenBudgetBatches(…, 2, r)'s
     s-th; loss = mean over ranks of compute_loss (each normalised by its own tokens, as each rank's is),
-    then the module's own optimizer, schedule and Lightning's clipping. Returns the losses, the final
-    state, and val_loss(step): the whole held-out split's per-token loss after that step."""
+    then the module's own optimizer (the one it resolves under DeepSpeed when `deepspeed`), schedule and
+    Lightning's clipping. Returns the losses, the final state, and val_loss(step): the whole held-out
+    split's per-token loss after that step."""
     from artifacts.checkpoint import load_native
     from inference_eval.model import tied_target
     from train.data import FeatureDataModule
@@ -98,6 +103,7 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int):
     class _Trainer:
         estimated_stepping_batches = steps
         global_step, world_size = 0, 1
+        strategy = DeepSpeedStrategy() if deepspeed else None
 
     module.trainer = _Trainer()  # the schedule's horizon is all configure_optimizers reads (and deep_from_step the step)
     opt_cfg = module.configure_optimizers()
@@ -187,6 +193,8 @@ def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp
     proc = torchrun("scripts.train", _overrides(common, preset, full, STEPS), timeout=600)
     ranks = _ranks(full)
     assert [r["world_size"] for r in ranks] == [2, 2], proc.stdout[-2000:]
+    # optimizer=auto: Muon for mtp (under FSDP2: each matrix's update gathered whole), AdamW for eagle3
+    assert f"train.module.optimizer=auto: {'adamw' if 'head=eagle3' in head else 'muon'}" in proc.stdout + proc.stderr
     # the new store's sha256 checked once for both ranks (rank 0 hashed, rank 1 found its stamp)
     assert (proc.stdout + proc.stderr).count(" verified in ") == 1
     assert [len(r["steps"]) for r in ranks] == [STEPS, STEPS]
@@ -336,8 +344,10 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
 
     class _Trainer:
         estimated_stepping_batches = steps
+        strategy = DeepSpeedStrategy()
 
     module.trainer = _Trainer()
+    module.setup("fit")  # the checks Lightning's DeepSpeed strategy would run
     opt = module.configure_optimizers()["optimizer"]
     config = {**preset, "gradient_clipping": float(cfg.trainer.gradient_clip_val), "gradient_accumulation_steps": 1}
     # the tiny head's tensors are all below the preset's persistence threshold (kept whole): partition all
@@ -386,7 +396,8 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     if state is None and rank == 0:
         state = {k: v.detach().clone() for k, v in head.state_dict().items()}
     record = {"losses": losses, "first_step": first, "stage": engine.zero_optimization_stage(),
-              "partitioned": partitioned, "optimizer": type(ds_opt).__name__, "validated": validated}
+              "partitioned": partitioned, "optimizer": type(ds_opt).__name__, "optimizer_kind": type(opt).__name__,
+              "validated": validated}
     name = "resumed" if resume is not None else "full"
     Path(out_dir, f"{name}-rank{rank}.json").write_text(json.dumps(record))
     if rank == 0:
@@ -434,7 +445,9 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     ranks = [json.loads((out / f"full-rank{r}.json").read_text()) for r in range(2)]
     stage = 3 if preset == "8xh100_zero3" else 2
     assert all(r["stage"] == stage and r["partitioned"] == (stage == 3) for r in ranks), ranks
-    ref_losses, ref_state, _ = _reference(cfg, Path(cfg.store_dir), Path(cfg.train.untrained_dir), STEPS)
+    ref_losses, ref_state, _ = _reference(cfg, Path(cfg.store_dir), Path(cfg.train.untrained_dir), STEPS,
+                                          deepspeed=True)
+    assert all(r["optimizer_kind"] == "AdamW" for r in ranks), ranks  # optimizer=auto under DeepSpeed
     assert len({round(a, 6) for a, _ in ref_losses}) == STEPS  # the curve moves: the comparison is not vacuous
     for r in range(2):
         assert ranks[r]["losses"] == pytest.approx([a[r] for a in ref_losses], rel=1e-5, abs=1e-6), r

@@ -8,7 +8,7 @@ import torch
 
 from heads.registry import build_head
 from inference_eval.model import tied_target
-from train.optim import MuonAdamW, build_optimizer, lr_multiplier, newton_schulz, parameter_groups
+from train.optim import MuonAdamW, build_optimizer, lr_multiplier, newton_schulz, parameter_groups, resolve_optimizer
 
 
 def _grads(params, seed):
@@ -104,6 +104,46 @@ def test_resume_from_saved_state_equals_uninterrupted(eagle3):
     opt_f = build_optimizer(fresh, "muon", 1e-3, 0.01, (0.9, 0.95))  # momentum lost: a different result
     steps(fresh, opt_f, 2, 2)
     assert (fresh.fc.weight - a.fc.weight).abs().max() > 1e-6
+
+
+def test_auto_is_muon_for_the_measured_heads_and_adamw_under_deepspeed(tiny_target, eagle3):
+    """`train.module.optimizer: auto` (the default): Muon for `mtp` (measured, docs/RESULTS.md §8), AdamW for
+    the other heads and under DeepSpeed ZeRO; explicit settings stay; what the module builds follows; an explicit
+    Muon under DeepSpeed is refused at setup, naming what to set."""
+    from train.module import DraftHeadModule
+
+    assert resolve_optimizer("auto", "mtp", on_deepspeed=False) == "muon"
+    assert resolve_optimizer("auto", "mtp", on_deepspeed=True) == "adamw"
+    for kind in ("eagle3", "eagle1", "medusa", "draft_lm"):
+        assert resolve_optimizer("auto", kind, on_deepspeed=False) == "adamw", kind
+    assert resolve_optimizer("adamw", "mtp", on_deepspeed=False) == "adamw"
+    assert resolve_optimizer("muon", "eagle3", on_deepspeed=False) == "muon"
+    with pytest.raises(ValueError, match="train.module.optimizer='sgd'"):
+        resolve_optimizer("sgd", "mtp", on_deepspeed=False)
+
+    tied, args, parts = tied_target(tiny_target)
+    mtp = build_head({"type": "mtp"}, args, tied)
+    mtp.reset_parameters(0, parts.first_input_norm)
+
+    class DeepSpeedStrategy:  # stands for Lightning's: DeepSpeed refuses a CPU-only machine
+        pass
+
+    def built(head, setting, strategy=None):
+        module = DraftHeadModule(head, optimizer=setting)
+        module.trainer = type("T", (), {"estimated_stepping_batches": 10, "global_rank": 0,
+                                        **({"strategy": strategy} if strategy else {})})()
+        return module, module.configure_optimizers()["optimizer"]
+
+    assert isinstance(built(mtp, "auto")[1], MuonAdamW)
+    assert isinstance(built(eagle3, "auto")[1], torch.optim.AdamW)
+    assert isinstance(built(mtp, "auto", DeepSpeedStrategy())[1], torch.optim.AdamW)
+    assert isinstance(built(mtp, "adamw")[1], torch.optim.AdamW)
+    module, _ = built(mtp, "muon", DeepSpeedStrategy())
+    with pytest.raises(ValueError, match="optimizer=muon: DeepSpeed ZeRO"):
+        module.setup("fit")
+    built(mtp, "auto", DeepSpeedStrategy())[0].setup("fit")  # auto is fine there
+    with pytest.raises(ValueError, match="train.module.optimizer='sgd'"):
+        DraftHeadModule(mtp, optimizer="sgd")
 
 
 def test_schedules():

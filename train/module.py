@@ -10,6 +10,7 @@ head's own depth d-1 state, exactly as the engine's draft loop does.
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 from contextlib import contextmanager
@@ -20,10 +21,11 @@ import torch
 
 from heads.eagle3 import Eagle3Layer
 from heads.layers import DecoderLayer
+from heads.registry import head_type
 from heads.unroll import unroll
 from train.data import TokenBudgetBatches
 from train.losses import depth_terms, greedy_inputs
-from train.optim import build_optimizer, lr_multiplier
+from train.optim import SETTINGS, build_optimizer, lr_multiplier, resolve_optimizer
 
 
 # whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
@@ -38,6 +40,7 @@ CLIP_SCOPES = ("all", "module")
 # depths ≥ 2 on every real token (with separate modules, `detach_depths` and `clip_scope: module`, module 1 then
 # trains as the default head while the deeper modules get the extra rows)
 LOSS_ON = ("assistant", "all", "deep_all")
+log = logging.getLogger(__name__)
 
 
 def _dropout_layers(head: torch.nn.Module) -> list[torch.nn.Module]:
@@ -50,7 +53,7 @@ class DraftHeadModule(L.LightningModule):
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
                  kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
-                 gradient_checkpointing: bool = False, optimizer: str = "adamw", schedule: str = "cosine",
+                 gradient_checkpointing: bool = False, optimizer: str = "auto", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
                  input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0,
@@ -59,6 +62,8 @@ class DraftHeadModule(L.LightningModule):
         if not 0.0 <= offpolicy_weight <= 1.0:
             raise ValueError(f"train.module.offpolicy_weight={offpolicy_weight!r}: expected a weight in [0, 1] "
                              "(1: every row alike, the default; 0: only rows the greedy target would produce)")
+        if optimizer not in SETTINGS:
+            raise ValueError(f"train.module.optimizer={optimizer!r}: expected one of {SETTINGS}")
         if loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
         if clip_scope not in CLIP_SCOPES:
@@ -355,19 +360,35 @@ class DraftHeadModule(L.LightningModule):
         for group in self.clip_groups():
             torch.nn.utils.clip_grad_norm_([p for p in group if p.grad is not None], float(gradient_clip_val))
 
+    def _on_deepspeed(self) -> bool:
+        """Whether DeepSpeed runs the optimizer (Lightning's DeepSpeedStrategy, or a stand-in of that name)."""
+        strategy = getattr(self._trainer, "strategy", None)
+        return strategy is not None and "deepspeed" in type(strategy).__name__.lower()
+
     def setup(self, stage: str) -> None:
-        on_deepspeed = self.trainer is not None and "deepspeed" in type(self.trainer.strategy).__name__.lower()
+        on_deepspeed = self._on_deepspeed()
         if self.hparams.get("deep_from_step", 0) > 0 and on_deepspeed:
             raise ValueError("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which "
                              "DeepSpeed keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or "
                              "deep_from_step=0")
+        if self.hparams.get("optimizer") == "muon" and on_deepspeed:
+            raise ValueError("train.module.optimizer=muon: DeepSpeed ZeRO hands the optimizer flattened partitions of "
+                             "the head's tensors, not the matrices Muon orthogonalises; use FSDP (trainer=8xh100_fsdp) "
+                             "or DDP for Muon, or optimizer=auto (AdamW under DeepSpeed) or adamw")
         if self.hparams.get("clip_scope", "all") == "module" and on_deepspeed:
             raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
                              "engine; use clip_scope=all with a DeepSpeed strategy")
 
+    def optimizer_name(self) -> str:
+        """The optimizer `train.module.optimizer` resolves to for this head and strategy (train/optim.py)."""
+        return resolve_optimizer(self.hparams.get("optimizer", "auto"), head_type(self.head), self._on_deepspeed())
+
     def configure_optimizers(self):
         hp = self.hparams
-        opt = build_optimizer(self.head, hp.optimizer, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
+        name = self.optimizer_name()
+        if hp.get("optimizer", "auto") == "auto" and getattr(self._trainer, "global_rank", 0) == 0:
+            log.info("train.module.optimizer=auto: %s", name)
+        opt = build_optimizer(self.head, name, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
                               hp.muon_weight_decay, deep_lr_scale=hp.get("deep_lr_scale", 1.0))
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)

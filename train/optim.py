@@ -1,6 +1,11 @@
 """Optimizers and learning-rate schedules of the training module (docs/design.md §4).
 
-`adamw` (the default): AdamW over every trainable tensor, weight decay on matrices only.
+`auto` (the default, `resolve_optimizer`): `muon` for the head types where it was measured to accept more
+at the demo's budget (docs/RESULTS.md §8, "Muon at the demo's budget"), `adamw` for the others — and `adamw`
+under DeepSpeed ZeRO, whose optimizer holds flattened partitions of the tensors, not the matrices Muon
+orthogonalises (an explicit `muon` there is refused, train/module.py).
+
+`adamw`: AdamW over every trainable tensor, weight decay on matrices only.
 
 `muon`: Muon (Jordan et al., 2024; the Moonlight scaling of Liu et al., 2025, "Muon is Scalable for
 LLM Training") on the head's hidden matrices, AdamW on everything else (norm weights, biases, and a
@@ -12,7 +17,10 @@ scheduler, checkpoints and resume treat it as any other. A Muon step on a matrix
     O ← NewtonSchulz5(U)                        (≈ the orthogonal polar factor of U)
     W ← (1 − lr·λ) W − lr · 0.2 · √max(rows, cols) · O
 
-the 0.2·√max(A, B) factor matching AdamW's update RMS, so one lr serves both groups. That is
+the 0.2·√max(A, B) factor matching AdamW's update RMS, so one lr serves both groups. Under FSDP2 a matrix
+and its gradient are sharded by rows (DTensors): the momentum is kept per shard, the update U is gathered
+whole for the Newton–Schulz iteration (every rank computes the same O) and each rank applies its own rows —
+the same step as one process (tests/test_multiprocess.py). That is
 `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`, except that the Newton–Schulz iteration runs in a
 chosen dtype (`ns_dtype`): torch's fixes bfloat16, which a CPU without bf16 instructions runs ~170×
 slower than float32 (tests/README.md). tests/test_optim.py checks both groups against torch's own.
@@ -27,6 +35,9 @@ from typing import Any
 import torch
 
 OPTIMIZERS = ("adamw", "muon")
+SETTINGS = ("auto", *OPTIMIZERS)  # train.module.optimizer
+# the head types `auto` trains with Muon: measured at the demo's budget on two seeds (docs/RESULTS.md §8)
+MUON_HEAD_TYPES = ("mtp",)
 SCHEDULES = ("cosine", "linear")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic of Keller Jordan's Muon (torch's default too)
 
@@ -46,6 +57,28 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: tor
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def _orthogonalised(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Newton–Schulz of a whole matrix. A sharded one (FSDP2's DTensor) is gathered, orthogonalised whole
+    and handed back in its own placements; every rank computes the same O, so each keeps its own shard of
+    it without further communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, steps, dtype=dtype)
+    o = newton_schulz(update.full_tensor(), steps, dtype=dtype)
+    return distribute_tensor(o.to(update.dtype), update.device_mesh, update.placements, src_data_rank=None)
+
+
+def resolve_optimizer(setting: str, head_type: str, on_deepspeed: bool) -> str:
+    """`train.module.optimizer` as trained: `auto` is `muon` for MUON_HEAD_TYPES unless DeepSpeed runs the
+    optimizer (ZeRO partitions flattened tensors), `adamw` otherwise; an explicit choice stays as it is."""
+    if setting not in SETTINGS:
+        raise ValueError(f"train.module.optimizer={setting!r}: expected one of {SETTINGS}")
+    if setting != "auto":
+        return setting
+    return "muon" if head_type in MUON_HEAD_TYPES and not on_deepspeed else "adamw"
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -83,7 +116,7 @@ class MuonAdamW(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
         update = grad.lerp(buf, mu) if group["nesterov"] else buf
-        o = newton_schulz(update, group["ns_steps"], dtype=self.ns_dtype)
+        o = _orthogonalised(update, group["ns_steps"], self.ns_dtype)
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
 
