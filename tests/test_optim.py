@@ -110,6 +110,7 @@ def test_auto_is_muon_for_the_measured_heads_and_adamw_under_deepspeed(tiny_targ
     """`train.module.optimizer: auto` (the default): Muon for `mtp` (measured, docs/RESULTS.md §8), AdamW for
     the other heads and under DeepSpeed ZeRO; explicit settings stay; what the module builds follows; an explicit
     Muon under DeepSpeed is refused at setup, naming what to set."""
+    from tests.test_multiprocess import DeepSpeedStrategy
     from train.module import DraftHeadModule
 
     assert resolve_optimizer("auto", "mtp", on_deepspeed=False) == "muon"
@@ -124,9 +125,6 @@ def test_auto_is_muon_for_the_measured_heads_and_adamw_under_deepspeed(tiny_targ
     tied, args, parts = tied_target(tiny_target)
     mtp = build_head({"type": "mtp"}, args, tied)
     mtp.reset_parameters(0, parts.first_input_norm)
-
-    class DeepSpeedStrategy:  # stands for Lightning's: DeepSpeed refuses a CPU-only machine
-        pass
 
     def built(head, setting, strategy=None):
         module = DraftHeadModule(head, optimizer=setting)

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 OPTIMIZERS = ("adamw", "muon")
 SETTINGS = ("auto", *OPTIMIZERS)  # train.module.optimizer
@@ -63,8 +64,6 @@ def _orthogonalised(update: torch.Tensor, steps: int, dtype: torch.dtype) -> tor
     """Newton–Schulz of a whole matrix. A sharded one (FSDP2's DTensor) is gathered, orthogonalised whole
     and handed back in its own placements; every rank computes the same O, so each keeps its own shard of
     it without further communication."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if not isinstance(update, DTensor):
         return newton_schulz(update, steps, dtype=dtype)
     o = newton_schulz(update.full_tensor(), steps, dtype=dtype)
