@@ -2,8 +2,9 @@
 
 On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (the first GPU):
 1. precompute through the engine on CUDA (bf16 store) — tokens/s;
-2. train the default `mtp` head for `--steps` optimizer steps with the `gpu` trainer preset
-   (bf16-mixed) — trained tokens/s over the timed steps, peak GPU memory;
+2. train the default head (`mtp3`; docs/scale.md's H200 figures: the 1-module `mtp`, the default then) for
+   `--steps` optimizer steps with the `gpu` trainer preset (bf16-mixed) — trained tokens/s over the timed steps,
+   peak GPU memory;
 3. the in-loop engine validation at the end of training, on the GPU (τ, engine-vs-training gap);
 4. evaluation of the trained head through the engine on CUDA (τ, α_d, greedy, k = `--k`);
 5. plain decoding in the paged engine at batch 1 and 8 — tokens/s (CUDA-synchronised wall time).

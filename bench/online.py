@@ -1,5 +1,5 @@
 """Online vs offline training on the demo's data (issue 31): the default target (SmolLM2-135M-Instruct)
-and the demo's ShareGPT conversations, the default `mtp` head, float32 (this CPU runs bf16 matrices
+and the demo's ShareGPT conversations, the 1-module `mtp` head (head=mtp), float32 (this CPU runs bf16 matrices
 several times slower), batches of `--batch-tokens` padded tokens.
 
 Three sides, each over the same samples, in one process, their order rotating pair by pair
@@ -57,7 +57,7 @@ def config(samples: int, batch_tokens: int, store_dir: Path, max_length: int = 1
     register_target_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
-            f"data.max_samples={samples}", f"data.max_length={max_length}", "target.dtype=float32",
+            "head=mtp", f"data.max_samples={samples}", f"data.max_length={max_length}", "target.dtype=float32",
             "precompute.store_dtype=float32", "trainer.precision=32-true", f"train.data.batch_tokens={batch_tokens}",
             "train.data.val_fraction=0", "train.data.verify_store=header", "progress=false", "logger=csv",
             f"store_dir={store_dir}", f"run_dir={store_dir.parent / 'run'}"])

@@ -42,9 +42,31 @@ def apply_overrides(cfg: DictConfig, overrides: dict[str, Any], where: str) -> N
 
 def head_preset(name: str) -> tuple[DictConfig, dict[str, Any]]:
     """conf/head/<name>.yaml as an experiment swaps it in: (the `head` section, {dotted path: value} of the
-    settings it makes elsewhere). A plain head file is the section itself and sets nothing else; a preset
-    (`# @package _global_`, as conf/head/mtp3.yaml) names its base head in its defaults (`- mtp@head`), sets `head:`
-    on top of it and other settings beside (train.module.*) — what `head=<name>` composes on the command line."""
+    settings `head=<name>` composes beside it) — what the command line gives. A plain head file is the section
+    itself; a preset (`# @package _global_`, as conf/head/mtp3.yaml) names its base head in its defaults
+    (`- mtp@head`), sets `head:` on top of it and other settings beside (train.module.*). The settings hold every
+    key any head preset sets: the preset's own values, else conf/config.yaml's — so a head swapped into a config
+    composed with a preset (the default head, `mtp3`) does not keep that preset's training settings."""
+    head, own = _head_file(name)
+    config = OmegaConf.load(CONF / "config.yaml")
+    base = {}
+    for key in sorted(_preset_keys()):
+        value = OmegaConf.select(config, key, default="__missing__")
+        if value != "__missing__":
+            base[key] = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+    return head, base | own
+
+
+def _preset_keys() -> set[str]:
+    """The dotted paths that the head presets of conf/head set beside `head`."""
+    keys: set[str] = set()
+    for path in (CONF / "head").glob("*.yaml"):
+        keys |= set(_head_file(path.stem)[1]) if "defaults" in OmegaConf.load(path) else set()
+    return keys
+
+
+def _head_file(name: str) -> tuple[DictConfig, dict[str, Any]]:
+    """conf/head/<name>.yaml's `head` section and the settings it makes itself (its base head's included)."""
     path = CONF / "head" / f"{name}.yaml"
     if not path.exists():
         raise ValueError(f"head={name!r}: no {path}")
@@ -54,7 +76,7 @@ def head_preset(name: str) -> tuple[DictConfig, dict[str, Any]]:
     bases = [d for d in raw.defaults if isinstance(d, str) and d.endswith("@head")]
     if len(bases) != 1 or len(raw.defaults) != 1:
         raise ValueError(f"{path}: a head preset's defaults are one '<head>@head' entry, got {list(raw.defaults)}")
-    base, settings = head_preset(bases[0].removesuffix("@head"))
+    base, settings = _head_file(bases[0].removesuffix("@head"))
     rest = {k: v for k, v in OmegaConf.to_container(raw).items() if k not in ("defaults", "head")}
     return OmegaConf.merge(base, raw.get("head") or {}), settings | flatten(rest)
 

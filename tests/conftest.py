@@ -88,8 +88,10 @@ def compose_config(overrides: list[str]):
 
 @pytest.fixture
 def tiny_overrides(tiny_target, conversations_file, tmp_path) -> list[str]:
-    """Hydra overrides that point the real config at the tiny target and the small data file."""
-    return [f"target.path={tiny_target}", "target.name=tiny", "target.dtype=float32", "target.source=null",
+    """Hydra overrides that point the real config at the tiny target and the small data file. The 1-module `mtp`
+    head: the tests of a mechanism train the head they were written for; the default head (`mtp3`) is named where
+    it is tested (a later `head=` wins)."""
+    return ["head=mtp", f"target.path={tiny_target}", "target.name=tiny", "target.dtype=float32", "target.source=null",
             "data.source=jsonl", f"data.path={conversations_file}", "data.max_length=512",
             f"run_dir={tmp_path / 'run'}", "logger=csv", "progress=false", "precompute.store_dtype=float32",
             "trainer.precision=32-true", "trainer.max_epochs=3", "train.data.batch_tokens=1024",

@@ -119,12 +119,15 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int, deepspeed: bool
     params = [p for p in head.parameters() if p.requires_grad]
     for step in range(steps):
         module.trainer.global_step = step
-        if step and step == cfg.train.module.deep_from_step:
+        if step and module.deep_from() and step == module.deep_start_step():
             module.start_deeper_modules(opt)
         outs = [module.compute_loss(next(it))["loss"] for it in ranks]
         opt.zero_grad()
         (sum(outs) / 2).backward()
-        torch.nn.utils.clip_grad_norm_(params, float(cfg.trainer.gradient_clip_val))
+        if module.clip_scope() == "module":  # each per-depth module by its own norm
+            module._clip_each_module(opt, float(cfg.trainer.gradient_clip_val), "norm")
+        else:
+            torch.nn.utils.clip_grad_norm_(params, float(cfg.trainer.gradient_clip_val))
         opt.step()
         sched.step()
         losses.append(tuple(float(o.detach()) for o in outs))
@@ -169,18 +172,19 @@ def _ranks(record: Path) -> list[dict]:
     return [json.loads((record / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("preset, head", [("ddp", []), ("8xh100_fsdp", []),
+@pytest.mark.parametrize("preset, head", [("ddp", ["head=mtp3", "train.module.deep_from_step=3"]), ("8xh100_fsdp", []),
                                           ("8xh100_fsdp", ["head=eagle3", "head.draft_vocab_size=64",
                                                            "train.module.depth=2"]),
                                           ("8xh100_fsdp", ["head.num_modules=2", "train.module.depth=2",
                                                            "train.module.deep_from_step=3"])],
-                         ids=["ddp", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3"])
+                         ids=["ddp-mtp3", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3"])
 def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """10 optimizer steps on 2 processes: every rank's loss at every step and the saved head equal one
     process computing the same global batches; engine validation at step 5 (rank 0 scores a whole copy
     gathered from the shards, the other rank waits) finishes — a deadlock fails on the timeout; a run
     stopped at step 4 and resumed from its checkpoint continues the same curve to step 10. The EAGLE-3
-    case trains depth 2 (the training-time test through the sharded layer) and its own lm_head. The last trains a
+    case trains depth 2 (the training-time test through the sharded layer) and its own lm_head. The DDP case trains
+    the default head (`mtp3`: 3 modules, each clipped by its own norm, depths 2–3 joining at step 3). The last trains a
     2-module head whose depth 2 joins at step 3 (`deep_from_step`: before it, each rank runs depth 2 at weight 0
     where one process skips it; at it, module 2 becomes a copy of module 1), resumed at step 4 after the copy."""
     full, part, resumed = (tmp_path / n for n in ("full", "part", "resumed"))
@@ -413,10 +417,10 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("preset, head", [("8xh100", []), ("8xh100_zero3", []),
+@pytest.mark.parametrize("preset, head", [("8xh100", ["head=mtp3"]), ("8xh100_zero3", []),
                                           ("8xh100_zero3", ["head=eagle3", "head.draft_vocab_size=64",
                                                             "train.module.depth=2"])],
-                         ids=["zero2-mtp", "zero3-mtp", "zero3-eagle3-depth2"])
+                         ids=["zero2-mtp3", "zero3-mtp", "zero3-eagle3-depth2"])
 def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """ZeRO-2 and ZeRO-3 on 2 processes (the preset's DeepSpeed config through deepspeed.initialize, as
     Lightning's strategy would build it; Lightning itself refuses a CPU accelerator): under ZeRO-3 every
@@ -425,7 +429,8 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     lm_head outside a module call: the KL must still see the whole matrix. In-loop engine validation after
     step 5 finishes on the gathered head (a deadlock fails on the barrier's 120 s timeout) and agrees with the
     training forward (strict, float32); a job resumed from DeepSpeed's own checkpoint of step 4 continues the
-    same curve to the same head."""
+    same curve to the same head. ZeRO-2 trains the default head (`mtp3`), whose `auto` settings are DeepSpeed's:
+    AdamW, every depth from the first step, the whole gradient clipped (DeepSpeed's own clipping)."""
     out = tmp_path / "deepspeed"
     out.mkdir()
     overrides = [*_overrides([*tiny_overrides, *head], preset, out, STEPS), "trainer.accelerator=cpu",

@@ -120,9 +120,11 @@ def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
 def test_best_preset_is_the_study_winner_at_its_largest_budget():
     """conf/experiment/best.yaml trains what the study's winning recipe (bt512) trained at its largest
     budget (bt512_pool2800: the same recipe on a pool large enough for 1.8M fresh tokens): the same head,
-    pool, batches and optimisation, and the default recipe is that variant's."""
+    pool, batches and optimisation; the default recipe is that variant's, its head `mtp3` (that head with a module per
+    draft depth and mtp3's training settings)."""
     from omegaconf import OmegaConf
 
+    from experiments.runner import head_preset
     from experiments.study import data_config, parse_variant, point_config
 
     study, best, default = (compose_config([f"experiment={e}"] if e else []) for e in ("study", "best", None))
@@ -136,8 +138,13 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
     for section in ("head", "data", "train.module", "train.data", "target", "seed"):
         assert OmegaConf.select(best_, section) == OmegaConf.select(point_, section), section
     assert best.trainer.max_epochs == -1 and best.trainer.max_steps > 0  # a step budget, fresh data
-    for section in ("head", "train.module", "train.data"):  # the demo's recipe is the winner's
-        assert OmegaConf.select(default_, section) == OmegaConf.select(best_, section), section
+    assert default_.train.data == best_.train.data  # the demo's batches are the winner's
+    as_container = OmegaConf.to_container
+    assert {**as_container(default_.head), "num_modules": 1} == as_container(best_.head) and default_.head.num_modules == 3
+    mtp3 = {k.removeprefix("train.module."): v for k, v in head_preset("mtp3")[1].items()}
+    assert {k: v for k, v in as_container(default_.train.module).items() if k not in mtp3} == \
+        {k: v for k, v in as_container(best_.train.module).items() if k not in mtp3}
+    assert {k: default_.train.module[k] for k in mtp3} == mtp3
     # the variants the winner was measured against keep the recipe they ran with (batches of 2,048)
     assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
 
@@ -166,11 +173,17 @@ def test_every_head_file_swaps_in_as_the_command_line_composes_it():
         assert {f"train.module.{k}" for k in changed} <= set(settings), name
         for path, value in settings.items():
             assert OmegaConf.select(composed, path) == value, (name, path)
-    assert head_preset("mtp3")[1]["train.module.depth"] == 3 and head_preset("mtp")[1] == {}
+    assert head_preset("mtp3")[1]["train.module.depth"] == 3 and head_preset("mtp")[1]["train.module.depth"] == 1
+    # a plain head swapped into the default config (composed with the `mtp3` preset) trains as `head=<name>` does,
+    # not with mtp3's settings
+    assert plain.train.module.depth == 3
+    for name in ("mtp", "eagle3"):
+        point = point_config(plain, name, parse_variant(name, {"head": name}), 1000, 0)
+        assert point.train.module == compose_config([f"head={name}"]).train.module, name
 
     cfg = compose_config(["experiment=peer_recipe"])
     point = point_config(cfg, "m3", parse_variant("m3", {"head": "mtp3"}), 1000, 0)
-    assert (point.head.num_modules, point.train.module.depth, point.train.module.clip_scope) == (3, 3, "module")
+    assert (point.head.num_modules, point.train.module.depth, point.train.module.clip_scope) == (3, 3, "auto")
     two = point_config(cfg, "m3", parse_variant("m3", {"head": "mtp3", "overrides": {"train.module.depth": 2}}), 1000, 0)
     assert (two.head.num_modules, two.train.module.depth, two.train.module.detach_depths) == (3, 2, True)
     ablated = head_config(compose_config([]), "mtp3")

@@ -387,7 +387,8 @@ def test_offpolicy_weight_leans_training_towards_the_rows_of_greedy_inputs(tiny_
 def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_head(tiny_overrides, tiny_target,
                                                                                     tmp_path):
     """`head=mtp3` (conf/head/mtp3.yaml) sets a 3-module head, 3 TTT steps at equal weights, `detach_depths`,
-    `clip_scope: module`, depths ≥ 2 on every real token from half the run (`loss_on: deep_all`, `deep_from_step: 0.5`),
+    `clip_scope: auto` (module), depths ≥ 2 on every real token from half the run (`loss_on: deep_all`,
+    `deep_from_step: auto` = 0.5),
     and trains through the whole entry point (run_training: checkpoint, validation): module 1
     of the saved head equals the default `head=mtp` run's one module, trained on the same store with the same seed
     and clipping (made to bind: 0.05; with the whole gradient clipped together module 1 ends elsewhere), while
@@ -396,8 +397,8 @@ def test_head_mtp3_preset_trains_a_module_per_depth_whose_first_is_the_default_h
     cfg = compose_config(common + ["head=mtp3"])
     assert (cfg.head.type, cfg.head.num_modules) == ("mtp", 3)
     assert (cfg.train.module.depth, cfg.train.module.depth_decay) == (3, 1.0)
-    assert cfg.train.module.detach_depths is True and cfg.train.module.clip_scope == "module"
-    assert (cfg.train.module.loss_on, cfg.train.module.deep_from_step) == ("deep_all", 0.5)
+    assert cfg.train.module.detach_depths is True and cfg.train.module.clip_scope == "auto"
+    assert (cfg.train.module.loss_on, cfg.train.module.deep_from_step) == ("deep_all", "auto")
     run_precompute(cfg)
     deep_dir, metrics = run_training(cfg)
     assert {"val/acc_d1", "val/acc_d2", "val/acc_d3"} <= set(metrics)
@@ -470,6 +471,50 @@ def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_over
     module.trainer = type("T", (), {"strategy": DeepSpeedStrategy()})()
     with pytest.raises(ValueError, match="DeepSpeed clips the whole gradient"):
         module.setup("fit")
+
+
+def test_the_default_head_is_mtp3_and_its_auto_settings_follow_the_strategy(tiny_target):
+    """The default config's head is `mtp3` (3 modules, Muon); its `clip_scope: auto` and `deep_from_step: auto` are
+    `module` and half the run (step 5 of 10) under DDP, FSDP or one process, and `all` and 0 where DeepSpeed runs the
+    optimizer (it clips inside its engine and keeps the state the copy drops): setup there keeps Lightning's
+    clipping, and the explicit settings stay refused there. `auto` on a 1-module head clips the whole gradient."""
+    import pytest
+
+    from heads.registry import build_head
+    from tests.test_multiprocess import DeepSpeedStrategy
+
+    cfg = compose_config([])
+    assert (cfg.head.type, cfg.head.num_modules, cfg.train.module.depth) == ("mtp", 3, 3)
+    assert (cfg.train.module.optimizer, cfg.train.module.clip_scope, cfg.train.module.deep_from_step) == \
+        ("auto", "auto", "auto")
+    tied, args, _ = tied_target(tiny_target)
+    settings = {k: v for k, v in cfg.train.module.items() if k in ("depth", "depth_decay", "detach_depths", "loss_on",
+                                                                  "clip_scope", "deep_from_step", "optimizer")}
+
+    def module(strategy=None, num_modules=3, **over):
+        m = DraftHeadModule(build_head({"type": "mtp", "num_modules": num_modules}, args, tied), **{**settings, **over})
+        m.trainer = type("T", (), {"estimated_stepping_batches": 10, "global_step": 0, "global_rank": 0,
+                                   **({"strategy": strategy} if strategy else {})})()
+        return m
+
+    plain = module()
+    plain.setup("fit")
+    assert (plain.clip_scope(), plain.deep_from(), plain.deep_start_step(), plain.optimizer_name()) == \
+        ("module", 0.5, 5, "muon")
+    assert "configure_gradient_clipping" in vars(plain)  # each module clipped by its own norm
+    zero = module(DeepSpeedStrategy())
+    zero.setup("fit")  # no refusal
+    assert (zero.clip_scope(), zero.deep_from(), zero.optimizer_name()) == ("all", 0, "adamw")
+    assert "configure_gradient_clipping" not in vars(zero)
+    zero.train()
+    assert zero.deep_started()  # every depth from the first step
+    one = module(num_modules=1)
+    assert one.clip_scope() == "all" and "configure_gradient_clipping" not in vars(one)
+    for over, match in (({"deep_from_step": 0.5}, "deep_from_step drops"), ({"clip_scope": "module"}, "clips the whole")):
+        with pytest.raises(ValueError, match=match):
+            module(DeepSpeedStrategy(), **over).setup("fit")
+    with pytest.raises(ValueError, match="deep_from_step='half'"):
+        module(deep_from_step="half")
 
 
 def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_overrides, tiny_target):

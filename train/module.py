@@ -31,8 +31,14 @@ from train.optim import SETTINGS, build_optimizer, lr_multiplier, resolve_optimi
 # whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
 # `module` = each of the head's per-depth modules (head.depth_modules(): mtp with num_modules > 1, medusa's blocks)
 # by its own norm, the rest of the head as one more group — with `detach_depths`, module 1 then trains exactly as
-# a depth-1 head alone would (the other depths' gradients no longer scale its steps)
-CLIP_SCOPES = ("all", "module")
+# a depth-1 head alone would (the other depths' gradients no longer scale its steps); `auto` = `module` for a head
+# of several per-depth modules, except where DeepSpeed clips the whole gradient inside its engine (there and for
+# a head of one module: `all`)
+CLIP_SCOPES = ("all", "module", "auto")
+# `deep_from_step: auto`: this fraction of the run's steps, or 0 under DeepSpeed (which keeps the optimizer state
+# that start_deeper_modules drops in its own partitions): every depth from the first step, measured level with
+# the half-run start in τ at ≈ 1.7× its training time (docs/RESULTS.md §8, "The deeper modules of `head=mtp3`")
+DEEP_FROM_AUTO = 0.5
 
 # the positions trained on: `assistant` = the store's loss mask (the assistant replies, what the engine drafts
 # in serving); `all` = every real token of the conversation, the user turns and template tokens too (their
@@ -56,7 +62,7 @@ class DraftHeadModule(L.LightningModule):
                  gradient_checkpointing: bool = False, optimizer: str = "auto", schedule: str = "cosine",
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float = 0,
+                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float | str = 0,
                  dropout: float = 0.0, offpolicy_weight: float = 1.0) -> None:
         super().__init__()
         if not 0.0 <= offpolicy_weight <= 1.0:
@@ -83,10 +89,11 @@ class DraftHeadModule(L.LightningModule):
         if not deep_lr_scale > 0:
             raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
         step_ok = isinstance(deep_from_step, int) and not isinstance(deep_from_step, bool) and deep_from_step >= 0
-        if not (step_ok or (isinstance(deep_from_step, float) and 0 < deep_from_step < 1)):
+        if not (step_ok or deep_from_step == "auto" or (isinstance(deep_from_step, float) and 0 < deep_from_step < 1)):
             raise ValueError(f"train.module.deep_from_step={deep_from_step!r}: expected an optimizer step (an integer "
-                             f"≥ 0; 0: every depth trains from the first step) or a fraction of the run's steps in (0, 1)")
-        if deep_from_step > 0 and depth < 2:
+                             f"≥ 0; 0: every depth trains from the first step), a fraction of the run's steps in (0, 1) "
+                             f"or auto ({DEEP_FROM_AUTO}, and 0 under DeepSpeed)")
+        if (deep_from_step == "auto" or deep_from_step > 0) and depth < 2:
             raise ValueError(f"train.module.deep_from_step={deep_from_step} delays the depths ≥ 2, and "
                              f"train.module.depth is {depth}: set depth > 1 or leave deep_from_step at 0")
         # count the agreements on the rows whose inputs are the target's greedy tokens too (held-out scores)
@@ -101,9 +108,9 @@ class DraftHeadModule(L.LightningModule):
         self.head.gradient_checkpointing = gradient_checkpointing
         self.save_hyperparameters(ignore=["head"])
         self._t_last: float | None = None
-        if clip_scope == "module":
+        if clip_scope == "module" or (clip_scope == "auto" and len(head.depth_modules()) > 1):
             # set on the instance, not the class: Lightning's DeepSpeed strategy warns whenever this hook is
-            # overridden (it clips inside its engine), and setup() refuses `module` there
+            # overridden (it clips inside its engine), and setup() refuses `module` there (`auto` drops it there)
             self.configure_gradient_clipping = self._clip_each_module
         # The frozen target tensors (E, W_lm, N_f: gigabytes for a 128k vocabulary) are identical on
         # every rank and never change: DDP must neither broadcast them at wrap time nor before each
@@ -263,14 +270,29 @@ class DraftHeadModule(L.LightningModule):
         if self.trainer is not None and getattr(self, "_epoch_length_synced", None) != self.trainer.current_epoch:
             self._epoch_length_synced = self.trainer.current_epoch  # once per epoch, also a resumed one
             sync_epoch_length(self.trainer)
-        if not self._deep_copied and self.hparams.get("deep_from_step", 0) > 0 and self.deep_started():
+        if not self._deep_copied and self.deep_from() > 0 and self.deep_started():
             self.start_deeper_modules(self.optimizers(use_pl_optimizer=False))
 
     # ---- `deep_from_step`: depth 1 first, then every depth, the deeper modules starting from module 1 --------
+    def deep_from(self) -> int | float:
+        """`deep_from_step` as it applies here: `auto` is DEEP_FROM_AUTO, or 0 where DeepSpeed runs the optimizer."""
+        value = self.hparams.get("deep_from_step", 0)
+        if value == "auto":
+            return 0 if self._on_deepspeed() else DEEP_FROM_AUTO
+        return value
+
+    def clip_scope(self) -> str:
+        """`clip_scope` as it applies here: `auto` is `module` for a head of several per-depth modules outside
+        DeepSpeed, else `all`."""
+        value = self.hparams.get("clip_scope", "all")
+        if value == "auto":
+            return "module" if len(self.head.depth_modules()) > 1 and not self._on_deepspeed() else "all"
+        return value
+
     def deep_start_step(self) -> int:
         """The optimizer step from which the depths ≥ 2 train: `deep_from_step` itself (an integer), or that fraction
         of the run's optimizer steps (a float in (0, 1): the same step for a resumed run of the same length)."""
-        value = self.hparams.get("deep_from_step", 0)
+        value = self.deep_from()
         if isinstance(value, float):
             return max(1, round(value * int(self._trainer.estimated_stepping_batches)))
         return int(value)
@@ -278,7 +300,7 @@ class DraftHeadModule(L.LightningModule):
     def deep_started(self) -> bool:
         """Whether the depths ≥ 2 train now: always outside training (validation and the held-out scores run every
         depth) and without a trainer; in training from optimizer step `deep_start_step()` on."""
-        if not self.hparams.get("deep_from_step", 0) or not self.training or self._trainer is None:
+        if not self.deep_from() or not self.training or self._trainer is None:
             return True
         return self._trainer.global_step >= self.deep_start_step()
 
@@ -367,17 +389,22 @@ class DraftHeadModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         on_deepspeed = self._on_deepspeed()
-        if self.hparams.get("deep_from_step", 0) > 0 and on_deepspeed:
+        if self.hparams.get("deep_from_step", 0) not in (0, "auto") and on_deepspeed:
             raise ValueError("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which "
                              "DeepSpeed keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or "
-                             "deep_from_step=0")
+                             "deep_from_step=0 (or auto: 0 under DeepSpeed)")
         if self.hparams.get("optimizer") == "muon" and on_deepspeed:
             raise ValueError("train.module.optimizer=muon: DeepSpeed ZeRO hands the optimizer flattened partitions of "
                              "the head's tensors, not the matrices Muon orthogonalises; use FSDP (trainer=8xh100_fsdp) "
                              "or DDP for Muon, or optimizer=auto (AdamW under DeepSpeed) or adamw")
         if self.hparams.get("clip_scope", "all") == "module" and on_deepspeed:
             raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
-                             "engine; use clip_scope=all with a DeepSpeed strategy")
+                             "engine; use clip_scope=all (or auto) with a DeepSpeed strategy")
+        if self.clip_scope() == "all":  # `auto` under DeepSpeed: Lightning's own clipping (DeepSpeed's, there)
+            self.__dict__.pop("configure_gradient_clipping", None)
+        for key, resolved in (("deep_from_step", self.deep_from()), ("clip_scope", self.clip_scope())):
+            if self.hparams.get(key) == "auto":
+                log.info("train.module.%s=auto: %s%s", key, resolved, " (DeepSpeed)" if on_deepspeed else "")
 
     def optimizer_name(self) -> str:
         """The optimizer `train.module.optimizer` resolves to for this head and strategy (train/optim.py)."""
