@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 STAGES = {
     "precompute": ("target", "engine_family", "template", "data", "head"),
     "regenerate": ("target", "engine_family", "template", "data"),
-    "train": ("target", "engine_family", "head", "validation"),
+    "train": ("target", "engine_family", "head", "validation", "strategy"),
     "evaluate": ("target", "engine_family", "template", "evaluate"),
     "export": ("target", "engine_family"),
-    "pipeline": ("target", "engine_family", "template", "data", "head", "evaluate_settings", "validation"),
+    "pipeline": ("target", "engine_family", "template", "data", "head", "evaluate_settings", "validation", "strategy"),
 }
 LATER = {"precompute": "training, evaluation and export", "regenerate": "precompute, training and evaluation",
          "train": "training", "evaluate": "evaluation", "export": "export", "pipeline": "the demo's stages"}
@@ -66,10 +66,26 @@ def check_before_work(cfg: Any, stage: str) -> None:
         check_head(cfg.head)
     if "validation" in needs:
         check_engine_validation(cfg)
+    if "strategy" in needs:
+        check_training_strategy(cfg)
     if "evaluate" in needs or "evaluate_settings" in needs:
         from evaluation.evaluate import check_evaluation_config
 
         check_evaluation_config(cfg, heads_must_exist="evaluate" in needs)
+
+
+def check_training_strategy(cfg: Any) -> None:
+    """Training settings the trainer's strategy cannot run, refused before the target loads: under DeepSpeed
+    (trainer=8xh100, 8xh100_zero3, or a strategy named so) an explicit Muon, per-module clipping or a
+    `deep_from_step` (their `auto` forms adapt there)."""
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    name = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
+    if "deepspeed" not in name.lower():
+        return
+    from train.module import deepspeed_conflicts
+
+    if problems := deepspeed_conflicts(cfg.train.module):
+        raise ConfigError(f"trainer.strategy={name}: " + "; ".join(problems))
 
 
 def check_engine_validation(cfg: Any) -> None:

@@ -169,6 +169,16 @@ def test_target_paths_templates_and_head_types(tiny_target, tiny_overrides, tmp_
     for override, stage, words in cases:
         with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=words):
             run_stage(stage, compose_config([*tiny_overrides, *override]))
+    # what DeepSpeed cannot run, before the target loads; the default head (`mtp3`, its settings `auto`) passes there
+    for override, words in ((["train.module.optimizer=muon"], "trainer.strategy=.*DeepSpeedStrategy: "
+                                                               "train.module.optimizer=muon: DeepSpeed ZeRO"),
+                            (["head=mtp3", "train.module.deep_from_step=0.5", "train.module.clip_scope=module"],
+                             "deep_from_step drops .*; train.module.clip_scope=module: DeepSpeed clips")):
+        for stage in ("train", "pipeline"):
+            with pytest.raises(ConfigError, match=words):
+                run_stage(stage, compose_config([*tiny_overrides, "trainer=8xh100", *override]))
+    for head in ("head=mtp3", "head=mtp"):
+        check_before_work(compose_config([*tiny_overrides, "trainer=8xh100", head]), "train")
     # a base model without a chat template: conversations cannot be rendered (training itself needs none)
     base = foreign_target(tiny_target, tmp_path)
     tcfg = json.loads((base / "tokenizer_config.json").read_text())

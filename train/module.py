@@ -49,6 +49,24 @@ LOSS_ON = ("assistant", "all", "deep_all")
 log = logging.getLogger(__name__)
 
 
+def deepspeed_conflicts(settings: Any) -> list[str]:
+    """What the train.module `settings` ask that a DeepSpeed strategy cannot run, each naming the fix (checked
+    before any work by scripts/checks.py, and again by the module's setup)."""
+    out = []
+    if settings.get("deep_from_step", 0) not in (0, "auto"):
+        out.append("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which DeepSpeed "
+                   "keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or deep_from_step=0 (or auto: "
+                   "0 under DeepSpeed)")
+    if settings.get("optimizer") == "muon":
+        out.append("train.module.optimizer=muon: DeepSpeed ZeRO hands the optimizer flattened partitions of the "
+                   "head's tensors, not the matrices Muon orthogonalises; use FSDP (trainer=8xh100_fsdp) or DDP for "
+                   "Muon, or optimizer=auto (AdamW under DeepSpeed) or adamw")
+    if settings.get("clip_scope", "all") == "module":
+        out.append("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its engine; use "
+                   "clip_scope=all (or auto) with a DeepSpeed strategy")
+    return out
+
+
 def _dropout_layers(head: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers whose residual branches `train.module.dropout` drops (heads/layers.py `dropped`)."""
     return [m for m in head.modules() if isinstance(m, (DecoderLayer, Eagle3Layer))]
@@ -389,17 +407,8 @@ class DraftHeadModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         on_deepspeed = self._on_deepspeed()
-        if self.hparams.get("deep_from_step", 0) not in (0, "auto") and on_deepspeed:
-            raise ValueError("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which "
-                             "DeepSpeed keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or "
-                             "deep_from_step=0 (or auto: 0 under DeepSpeed)")
-        if self.hparams.get("optimizer") == "muon" and on_deepspeed:
-            raise ValueError("train.module.optimizer=muon: DeepSpeed ZeRO hands the optimizer flattened partitions of "
-                             "the head's tensors, not the matrices Muon orthogonalises; use FSDP (trainer=8xh100_fsdp) "
-                             "or DDP for Muon, or optimizer=auto (AdamW under DeepSpeed) or adamw")
-        if self.hparams.get("clip_scope", "all") == "module" and on_deepspeed:
-            raise ValueError("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its "
-                             "engine; use clip_scope=all (or auto) with a DeepSpeed strategy")
+        if on_deepspeed and (problems := deepspeed_conflicts(self.hparams)):
+            raise ValueError("; ".join(problems))
         if self.clip_scope() == "all":  # `auto` under DeepSpeed: Lightning's own clipping (DeepSpeed's, there)
             self.__dict__.pop("configure_gradient_clipping", None)
         for key, resolved in (("deep_from_step", self.deep_from()), ("clip_scope", self.clip_scope())):
