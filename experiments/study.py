@@ -154,6 +154,15 @@ def point_config(cfg: DictConfig, name: str, variant: dict[str, Any], budget: in
     return out
 
 
+def head_depth_limit(head: DictConfig) -> int | None:
+    """The largest k a head of this config drafts (heads' `max_depth`): D for an mtp head of D > 1 modules,
+    medusa's num_heads; None: any k."""
+    kind = head.get("type", "mtp")
+    if kind == "mtp" and int(head.get("num_modules", 1)) > 1:
+        return int(head.num_modules)
+    return int(head.get("num_heads", 4)) if kind == "medusa" else None
+
+
 class Study:
     """One study run: its variants and budgets, the stores made so far (one per data config and aux
     layers), the points trained, and the report rewritten after each point."""
@@ -172,6 +181,13 @@ class Study:
         self.ks = [int(k) for k in scfg.ks]
         self.ks_largest = [int(k) for k in (scfg.get("ks_largest") or scfg.ks)]
         self.k_rank = 3 if 3 in self.ks_largest else self.ks_largest[-1]
+        for name, v in self.variants.items():  # a head of D per-depth modules drafts at most k = D: say so now
+            head = point_config(cfg, name, v, self.own[name][-1], int(cfg.seed)).head
+            limit = head_depth_limit(head)
+            for key, ks in (("ks", self.ks), ("ks_largest", self.ks_largest)):
+                if limit is not None and max(ks) > limit:
+                    raise ValueError(f"study.{key}={ks}: variant {name!r} trains a head of {limit} per-depth modules "
+                                     f"(head={v['head']}), which drafts at most k={limit}; set study.{key} to k ≤ {limit}")
         target_dir = resolve_target_dir(cfg.target)
         self.num_layers = target_args(target_dir).num_hidden_layers
         self.fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,

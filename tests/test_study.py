@@ -111,7 +111,9 @@ def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
     base = tiny_overrides + ["experiment=study", f"run_dir={tmp_path / 'run'}", "logger=csv"]
     for variants, message in (("{x:{data:webtext}}", "data='webtext'"), ("{x:{head:nope}}", "conf/head/nope.yaml"),
                               ("{x:{overrides:{train.module.dpth:2}}}", "train.module.dpth"),
-                              ("{x:{epochs:2}}", "unknown keys")):
+                              ("{x:{epochs:2}}", "unknown keys"),
+                              # the study's k = 4 at the largest budget from a 3-module head: refused now, not after training
+                              ("{x:{head:mtp3}}", "study.ks_largest=[1, 2, 3, 4]: variant 'x' trains a head of 3")):
         with pytest.raises(ValueError, match=re.escape(message)):
             run_study(compose_config(base + ["~study.variants", f"+study.variants={variants}"]))
     assert not (tmp_path / "run" / "stores").exists()
