@@ -119,7 +119,7 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int, deepspeed: bool
     params = [p for p in head.parameters() if p.requires_grad]
     for step in range(steps):
         module.trainer.global_step = step
-        if step and module.deep_from() and step == module.deep_start_step():
+        if step and step == module.deep_start_step():  # 0: every depth from the first step, no copy
             module.start_deeper_modules(opt)
         outs = [module.compute_loss(next(it))["loss"] for it in ranks]
         opt.zero_grad()
