@@ -8,6 +8,7 @@ paid once."""
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,46 @@ def test_resume_after_an_interruption_gives_the_same_store(stores, overrides, tm
     assert json.loads((store_dir / "manifest.json").read_text()) == json.loads((stores["vllm"] / "manifest.json").read_text())
 
 
+class _HoldFirstLine:
+    """The worker's stdin, holding the first request line until a second one is written (or `seconds` pass):
+    with two batches in flight both reach the worker before its first reply, however busy the machine is
+    (a second thread scheduled after that reply would queue nothing); with one in flight the second request
+    is sent only after the first's reply, so the first waits out `seconds`. Later lines pass straight through."""
+
+    def __init__(self, stream, seconds: float):
+        self.stream, self.held, self.passing = stream, None, False
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self._release)
+
+    def write(self, line: str) -> int:
+        with self.lock:
+            if not self.passing and self.held is None:
+                self.held = line
+                self.timer.start()
+                return len(line)
+            self._send_held()
+            return self.stream.write(line)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.held is None:
+                self.stream.flush()
+
+    def _send_held(self) -> None:
+        if self.held is not None:
+            self.timer.cancel()
+            self.stream.write(self.held)
+        self.held, self.passing = None, True
+
+    def _release(self) -> None:
+        with self.lock:
+            self._send_held()
+            self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def test_batches_in_flight_queue_in_the_worker_and_give_the_same_store(stores, overrides, tmp_path):
     """issue 29: with `precompute.vllm.in_flight=2` (the default, which made the module's store) two batches
     wait in the worker at once — the backend counts the most requests queued — and the store is byte for
@@ -135,11 +176,16 @@ def test_batches_in_flight_queue_in_the_worker_and_give_the_same_store(stores, o
     stores_bytes = {}
     for n in (1, 2):
         out = tmp_path / f"in_flight_{n}"
-        for kept in vllm_backend._LIVE.values():
-            kept.max_pending = 0
-        run_precompute(compose_config([*overrides, "precompute.backend=vllm", f"store_dir={out}",
-                                       f"precompute.vllm.in_flight={n}"]))
         (live,) = vllm_backend._LIVE.values()  # the module's kept worker, reused
+        live.max_pending = 0
+        stdin = live.proc.stdin
+        live.proc.stdin = _HoldFirstLine(stdin, seconds=3.0)
+        try:
+            run_precompute(compose_config([*overrides, "precompute.backend=vllm", f"store_dir={out}",
+                                           f"precompute.vllm.in_flight={n}"]))
+        finally:
+            live.proc.stdin = stdin
+        assert list(vllm_backend._LIVE.values()) == [live]  # the same worker served the run
         assert live.in_flight == n and live.max_pending == n, (n, live.max_pending)
         stores_bytes[n] = store_bytes(out)
     assert len(stores_bytes[1]) > 3 and stores_bytes[1] == stores_bytes[2] == store_bytes(stores["vllm"])
