@@ -7,7 +7,7 @@ assistant turn is replaced by what the target generates from the conversation so
 its chat template, `data/conversations.py` `tokenize_prompt`), until a stop token (EOS / end of turn,
 `evaluation/evaluate.py` `stop_token_ids`) or `max_new_tokens`.
 
-Backend (`regenerate.backend`): `engine` — the project's engine (inference_eval/engine.py: paged KV
+Backend (`regenerate.backend`): `engine` — the project's engine (inference_eval/engine/: paged KV
 cache, continuous batching, each request its own sampler), the default (`auto`) for Llama-family
 targets; `hf` — HF transformers `generate`, batched with left padding and an attention mask, for any
 other family; `vllm` — real vLLM in its own environment (`regenerate.vllm`: a worker process,

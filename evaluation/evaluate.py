@@ -64,7 +64,7 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
                      stop_ids: set[int], batch_size: int, label: str = "head", warmup: int = 0, repeats: int = 1,
                      sampling: Sampling = GREEDY, outputs: list | None = None, progress: bool = False,
                      progress_log_s: float | None = None) -> EvalResult:
-    """The evaluation of every stage and batch size, through the paged engine (inference_eval/engine.py):
+    """The evaluation of every stage and batch size, through the paged engine (inference_eval/engine/):
     every prompt queued at once, `batch_size` sequences decoded together (continuous batching; 1: one
     slot). `proposer`: None (plain decoding), a head, a draft LM, or an engine proposer (e.g. a
     PagedTreeProposer); k is the tree's depth for a tree. tokens/s = all new tokens / wall time, median

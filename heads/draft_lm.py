@@ -79,7 +79,7 @@ class DraftLMHead(DraftHead):
         self.model.layers = nn.ModuleList(DecoderLayer(self.args) for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    # ---- the engine's draft-model interface (inference_eval/engine.py PagedDraftModelProposer) -------
+    # ---- the engine's draft-model interface (inference_eval/engine/draft_model.py PagedDraftModelProposer) -------
     @property
     def device(self) -> torch.device:
         return self.tied.embed.device

@@ -2,7 +2,7 @@
 rejection-sampling accept rules (`Sampling`, `accept_rejection`), a head's logits over the target
 vocabulary, and the head's cached draft path along one sequence (`refresh`, `draft_chain`) that
 teacher-forced scoring runs (inference_eval/scoring.py). The decoder itself is the paged engine
-(inference_eval/engine.py, `engine_generate`), which imports this module, never the other way round.
+(inference_eval/engine/, `engine_generate`), which imports this module, never the other way round.
 (The earlier batch-1 loop over a contiguous cache survives only as the tests' reference,
 tests/reference_decoding.py; tests/helpers.py has the engine with one slot as `generate_speculative`.)
 

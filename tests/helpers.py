@@ -149,7 +149,7 @@ def assert_cached_decode_equals_full_forward(hf, model, ids: torch.Tensor) -> No
 def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
                          stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
                          ) -> tuple[list[int], SpecStats]:
-    """Speculative decoding of one prompt by the paged engine (inference_eval/engine.py) with one slot —
+    """Speculative decoding of one prompt by the paged engine (inference_eval/engine/) with one slot —
     the one decoder every stage runs (the tests' shorthand for `engine_generate` of one prompt). `proposer`: a head from heads/, a draft LM, or an engine proposer.
     Greedy: output equal to `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s
     (rejection sampling). Returns the new tokens and the acceptance stats."""

@@ -136,7 +136,7 @@ def _every_step_reference(target, draft, prompt: list[int], k: int, n: int) -> t
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_vllm_schedule_drafts_in_every_step(setup, k):
-    """The draft-model proposer's default schedule is vLLM's `draft_model` one (inference_eval/engine.py
+    """The draft-model proposer's default schedule is vLLM's `draft_model` one (inference_eval/engine/draft_model.py
     PagedDraftModelProposer): the step that prefills a request drafts for it too, so in a batch joining at
     different steps each request's acceptance counts and verification passes equal a cache-free loop that
     drafts in every step — the figures vLLM's metrics give. The seed's schedule

@@ -1,4 +1,4 @@
-"""The batched engine (inference_eval/engine.py, paged.py): paged attention == contiguous attention,
+"""The batched engine (inference_eval/engine/, paged.py): paged attention == contiguous attention,
 continuous batching with requests joining at different steps, preemption + recompute, and
 speculative rounds for a batch (heads, draft model, tree) — every output equal to plain greedy
 decoding token for token, acceptance equal to the batch-1 reference loop, and sampling that keeps
@@ -271,7 +271,8 @@ class OracleTree:
     """A tree proposer that knows each request's greedy continuation: decoy branches first, the true
     path last, so the accepted nodes are never the first rows and the cache must be compacted."""
 
-    tree, capture_layers = True, ()
+    # the Proposer protocol's declared capabilities (inference_eval/engine/base.py)
+    tree, capture_layers, supports_k1, speculate_beside_prefill = True, (), False, True
 
     def __init__(self, continuations, depth=3):
         self.cont, self.depth = continuations, depth

@@ -200,7 +200,7 @@ def first_reply_prompt(ids: torch.Tensor, loss_mask: torch.Tensor) -> list[int] 
 
 def engine_decode(target, head, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
                   sampling: Sampling | list[Sampling] = GREEDY):
-    """The prompts through the paged engine (inference_eval/engine.py) together, as serving runs them:
+    """The prompts through the paged engine (inference_eval/engine/) together, as serving runs them:
     (outputs in prompt order, the engine's stats). `head` None: plain decoding."""
     return engine_generate(target, prompts, max_new_tokens, proposer=head, k=k, stop_ids=stop_ids,
                            sampling=sampling, max_batch=len(prompts))
