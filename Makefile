@@ -32,6 +32,8 @@ ifeq ($(TORCH),cuda)
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c "import torch; assert torch.version.cuda, 'TORCH=cuda: a CPU torch was installed; set TORCH=cpu or check the index'; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs visible:', torch.cuda.device_count())"
+	# a CUDA wheel that sees no GPU would run every stage on the CPU: stop here, naming what to check
+	$(PY) -c "import os, sys, torch; torch.cuda.is_available() and torch.cuda.device_count() > 0 or sys.exit('TORCH=cuda: torch ' + torch.__version__ + ' (CUDA ' + str(torch.version.cuda) + ') sees no GPU. Check: the driver (nvidia-smi runs and lists the GPUs), CUDA_VISIBLE_DEVICES (now ' + os.environ.get('CUDA_VISIBLE_DEVICES', 'unset') + '), and that the wheel CUDA version ' + str(torch.version.cuda) + ' is at most the CUDA Version nvidia-smi prints (an older driver needs a newer one or an older wheel). No GPU on purpose: rm -rf $(VENV), then make install TORCH=cpu')"
 else
 	$(PY) -m pip install -q "$$(grep -E '^torch==' requirements.txt)"
 	$(PY) -m pip install -q -r requirements.txt

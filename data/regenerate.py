@@ -82,9 +82,9 @@ from data.prompts import stop_token_ids
 from data.sources import load_conversations, resolve_target_dir
 from data.store import DTYPES
 from inference_eval.engine import engine_generate
-from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint
+from inference_eval.model import LlamaForCausalLM, target_fingerprint
 from inference_eval.speculative import GREEDY, Sampling
-from inference_eval.targets import resolve_backend, trusts_remote_code
+from inference_eval.targets import resolve_backend, resolve_target_device, trusts_remote_code
 
 if TYPE_CHECKING:
     from data.sources import Conversations
@@ -434,7 +434,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
                  "no model loaded", out, len(convs.items))
         return out, RegenerateStats(skipped_done=len(convs.items), rejected=dict(convs.rejected), cached=True)
     rcfg = cfg.regenerate
-    device = resolve_device(rcfg.get("device") or cfg.target.get("device", "auto"))
+    device = resolve_target_device(rcfg.get("device") or cfg.target.get("device", "auto"))
     tokenizer = load_tokenizer(plan.target_dir, cfg.data)  # with data.chat_template's template when set
     if meta["backend"] == "engine":
         from inference_eval.model import LlamaForCausalLM

@@ -23,9 +23,10 @@ from data.store import DTYPES, FeatureStore
 from evaluation.tau_stats import tau_standard_error
 from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
                                   round_cost)
-from inference_eval.model import LlamaForCausalLM, resolve_device, target_fingerprint, tied_from_model, tied_target
+from inference_eval.model import LlamaForCausalLM, target_fingerprint, tied_from_model, tied_target
 from inference_eval.scoring import simulated_tau
 from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
+from inference_eval.targets import resolve_target_device
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +303,7 @@ def load_evaluation_target(cfg: Any) -> EvalTarget:
     target_dir = resolve_target_dir(cfg.target)
     log.info("evaluate: loading the target %s (%s) from %s", cfg.target.name, cfg.target.dtype, target_dir)
     tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
-    device = resolve_device(cfg.target.get("device", "auto"))
+    device = resolve_target_device(cfg.target.get("device", "auto"))
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
     head_dtype = cfg.evaluate.get("head_dtype") or cfg.target.dtype
     if head_dtype == cfg.target.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy

@@ -1,17 +1,25 @@
 """Stage plumbing around the target: which backend a stage runs it with (`resolve_backend`), HF
 transformers behind the engine model's forward signature for families the engine lacks (`HFTarget`), and
-`load_target`, the target a stage runs as its config places it (the engine's model, HF, or a vLLM worker).
+`load_target`, the target a stage runs as its config places it (the engine's model, HF, or a vLLM worker),
+and what the `auto` placements choose: `target.device=auto` (`resolve_target_device`) and `trainer=auto`
+(`auto_accelerator`) — CUDA where torch sees it, the CPU only on a machine without GPUs (`cuda_visible`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from inference_eval.model import LlamaForCausalLM, TargetOutput, auto_compute_dtype, resolve_device, target_args
+
+log = logging.getLogger(__name__)
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
@@ -93,12 +101,66 @@ def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
         from inference_eval.vllm_backend import VLLMBackend
 
         return VLLMBackend.from_config(cfg, target_dir, dtype)
-    device = resolve_device(cfg.target.get("device", "auto"))
+    device = resolve_target_device(cfg.target.get("device", "auto"))
     if backend == "engine":
         return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
     return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
                                     trust_remote_code=trusts_remote_code(cfg),
                                     device_map=cfg.target.get("device_map"))
+
+
+class GPUNotVisible(RuntimeError):
+    """`nvidia-smi` lists GPUs that torch cannot use: an `auto` setting would quietly run on the CPU."""
+
+
+def nvidia_smi_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (`GPU 0: NVIDIA H100 80GB HBM3 (UUID: ...)`, one line each); none where
+    the tool is missing or fails (a machine without an NVIDIA driver)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line for line in out.stdout.splitlines() if line.startswith("GPU ")] if out.returncode == 0 else []
+
+
+def cuda_visible(setting: str, force_cpu: str, torch_sees: bool | None = None,
+                 listed_gpus: Callable[[], list[str]] | None = None) -> bool:
+    """Whether an `auto` setting (`setting`) runs on CUDA: True where torch sees a GPU, False on a machine
+    whose `nvidia-smi` lists none. Where it lists GPUs that torch cannot see (a CPU wheel, a driver older than
+    the wheel's CUDA, CUDA_VISIBLE_DEVICES hiding them) it raises GPUNotVisible instead of falling back: a GPU
+    node's work on its CPU takes hours where it took minutes, and nothing else would say why. `force_cpu`: the
+    setting that runs on the CPU anyway. `torch_sees` (default torch.cuda.is_available()) and `listed_gpus`
+    (default `nvidia-smi -L`) are what a test injects."""
+    if torch.cuda.is_available() if torch_sees is None else torch_sees:
+        return True
+    listed = (listed_gpus or nvidia_smi_gpus)()
+    if not listed:
+        return False
+    raise GPUNotVisible(
+        f"{setting}: `nvidia-smi -L` lists {len(listed)} GPU(s) ({listed[0]}) but torch {torch.__version__} sees none "
+        f"(its CUDA build: {torch.version.cuda or 'none, a CPU wheel'}; CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Check the driver (`nvidia-smi` runs and its "
+        f"'CUDA Version' is at least the wheel's), CUDA_VISIBLE_DEVICES, and that .venv holds the CUDA torch (remove "
+        f".venv, then `make install TORCH=cuda`). To run on the CPU anyway: {force_cpu}")
+
+
+def resolve_target_device(spec: str | torch.device | None = "auto",
+                          listed_gpus: Callable[[], list[str]] | None = None) -> torch.device:
+    """`target.device` as `resolve_device` places it (auto: this rank's GPU, else the CPU), except that
+    `auto` refuses the CPU on a machine whose GPUs torch cannot see (`cuda_visible`)."""
+    if spec is None or str(spec) == "auto":
+        cuda_visible("target.device=auto", "target.device=cpu", listed_gpus=listed_gpus)
+    return resolve_device(spec)
+
+
+def auto_accelerator(torch_sees: bool | None = None, listed_gpus: Callable[[], list[str]] | None = None) -> str:
+    """`trainer=auto` (the default, conf/trainer/auto.yaml: the `cpu` preset with this accelerator): `gpu`
+    where torch sees CUDA — with `precision: auto` (bf16-mixed there) that is the `gpu` preset — else `cpu`, the
+    `cpu` preset itself; refused where `nvidia-smi` lists GPUs torch cannot see (`cuda_visible`)."""
+    on_gpu = cuda_visible("trainer=auto", "trainer=cpu", torch_sees, listed_gpus)
+    log.info("trainer=auto: the %s preset (%s)", "gpu" if on_gpu else "cpu",
+             f"torch sees {torch.cuda.device_count()} CUDA device(s)" if on_gpu else "no GPU on this machine")
+    return "gpu" if on_gpu else "cpu"
 
 
 def trusts_remote_code(cfg) -> bool:
@@ -107,9 +169,12 @@ def trusts_remote_code(cfg) -> bool:
 
 
 def register_target_resolvers() -> None:
-    """The target config's resolver `compute_dtype` (`target.dtype: auto`, conf/target/smollm2.yaml):
-    inference_eval/model.py `auto_compute_dtype`. Every entry point registers it before reading a config
-    (scripts/runtime.py); code that composes the config itself calls this first."""
+    """The config's resolvers of what `auto` places where: `compute_dtype` (`target.dtype: auto`,
+    conf/target/smollm2.yaml: inference_eval/model.py `auto_compute_dtype`) and `auto_accelerator`
+    (`trainer=auto`, conf/trainer/auto.yaml; cached, so a config resolves it, and logs the choice, once).
+    Every entry point registers them before reading a config (scripts/runtime.py); code that composes the
+    config itself calls this first."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("compute_dtype", auto_compute_dtype, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("auto_accelerator", auto_accelerator, replace=True, use_cache=True)

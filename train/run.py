@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import OmegaConf
 
 from artifacts.checkpoint import save_native
@@ -77,6 +79,74 @@ class Checkpoints(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+
+RUN_DIR_TOKEN = ".rank0-token"  # written by global rank 0 at start-up, read by every rank, removed
+
+
+class RunDirNotShared(RuntimeError):
+    """A rank does not see the run directory global rank 0 writes to."""
+
+
+def run_dir_problem(run_dir: str | Path, rank: int, token: str, wait_s: float = 10.0) -> str | None:
+    """None when this rank reads `token` in <run_dir>/.rank0-token — what global rank 0 wrote there before
+    this call (`check_run_dir_shared`) — else what is wrong, naming the directory and the rank. A shared
+    filesystem may show another node's new file a little late: it is read again for up to `wait_s` seconds.
+    A file left by an earlier run holds another token, so a directory local to each node cannot pass."""
+    path = Path(run_dir) / RUN_DIR_TOKEN
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            seen = path.read_text()
+        except OSError:  # absent, or a stale handle to a file another node replaced
+            seen = None
+        if seen == token or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if seen == token:
+        return None
+    found = "no such file" if seen is None else "a file from another run (a token other than rank 0's)"
+    return (f"rank {rank} does not see the run directory {Path(run_dir).resolve()} that global rank 0 writes: "
+            f"its {path.name} there reads as {found} ({wait_s:g} s after rank 0 wrote it). Every rank must see one "
+            "run directory (checkpoints, the held-out split, the saved head, locks and store merges assume it): "
+            "put run_dir on a filesystem every node mounts at the same path (NFS, Lustre, ...)")
+
+
+def check_run_dir_shared(run_dir: str | Path, strategy) -> None:
+    """Collective, every rank at start-up (`SharedRunDir`): global rank 0 writes a random token to
+    <run_dir>/.rank0-token and sends it to every rank (Lightning's `strategy.broadcast`, which rank 0 enters
+    after the write: the barrier), each reads the file (`run_dir_problem`), and all fail together — naming the
+    ranks that do not see it — rather than some training on while others stop."""
+    rank = strategy.global_rank
+    path = Path(run_dir) / RUN_DIR_TOKEN
+    token = None
+    if rank == 0:
+        token = secrets.token_hex(16)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, token.encode())
+    token = strategy.broadcast(token, src=0)
+    problem = run_dir_problem(run_dir, rank, token)
+    if problem:
+        log.error("train: %s", problem)
+    everyone = strategy.reduce_boolean_decision(problem is None, all=True)  # after every rank has read it
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    if not everyone:
+        raise RunDirNotShared(problem or f"rank {rank}: another rank does not see the run directory "
+                              f"{Path(run_dir).resolve()} (its log names it): every rank must see one run directory; "
+                              "put run_dir on a filesystem every node mounts at the same path")
+
+
+class SharedRunDir(Callback):
+    """`check_run_dir_shared` where the ranks' process group exists (the setup hook), before any step; one
+    process: nothing to check."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = run_dir
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.world_size > 1:
+            check_run_dir_shared(self.run_dir, trainer.strategy)
 
 
 def resolve_precision(precision: Any, accelerator: Any) -> Any:
@@ -160,8 +230,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
-    callbacks = [*(instantiate(cfg.trainer.get("callbacks")) or []), *(extra_callbacks or []), checkpoints,
-                 ProgressLog(log_interval(cfg))]
+    callbacks = [SharedRunDir(cfg.run_dir), *(instantiate(cfg.trainer.get("callbacks")) or []),
+                 *(extra_callbacks or []), checkpoints, ProgressLog(log_interval(cfg))]
     if getattr(dm, "write_through", None) is not None:
         callbacks.append(dm.write_through)
     ev = cfg.train.get("engine_validation")

@@ -55,7 +55,8 @@ def whole_head_state(trainer: L.Trainer, head: torch.nn.Module) -> dict[str, tor
 
 def whole_head(trainer: L.Trainer, head: torch.nn.Module) -> torch.nn.Module | None:
     """On global rank 0: the head itself when it is whole, else a whole copy gathered from the shards
-    (`whole_head_state`, collective: every rank must call); None on the other ranks."""
+    (`whole_head_state`, collective: every rank must call) on the device and in the dtype of the target
+    tensors it shares with the head (`head.tied`, this rank's device); None on the other ranks."""
     state = whole_head_state(trainer, head)
     if not trainer.is_global_zero:
         return None
@@ -63,4 +64,6 @@ def whole_head(trainer: L.Trainer, head: torch.nn.Module) -> torch.nn.Module | N
         return head
     copy = build_head(head.cfg.to_dict(), head.args, head.tied)
     copy.load_state_dict(state, strict=True)
-    return copy.to(head.tied.embed.dtype)
+    # the gathered state is on the CPU (offloaded), the tied tensors where training runs (a GPU): the copy goes to
+    # them, never they to it — they are the training head's own (a no-op for them, as they are already there)
+    return copy.to(head.tied.embed.device, head.tied.embed.dtype)

@@ -304,6 +304,17 @@ def vllm_settings(cfg: Any) -> dict | None:
     return None if section is None else OmegaConf.to_container(section, resolve=True)
 
 
+def on_device(head: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The head with every parameter and buffer on `device`, where the engine scores it: the head itself when
+    all of it is there, else a float32 copy there (tied target tensors included) — the head training updates
+    stays where training runs it. Every tensor is looked at, not one: a copy gathered from shards
+    (train/strategies.py `whole_head`) has its own parameters but the training head's tied tensors, so
+    where one of them is says nothing of the others."""
+    if all(t.device == device for t in (*head.parameters(), *head.buffers())):
+        return head
+    return copy.deepcopy(head).to(device, torch.float32)
+
+
 class EngineValidation(L.Callback):
     def __init__(self, settings: EngineValidationSettings, target=None) -> None:
         """`target`: an engine model of the target already loaded (online training's), used instead of
@@ -339,13 +350,28 @@ class EngineValidation(L.Callback):
             self.run(trainer, pl_module)
 
     # ---- the work -----------------------------------------------------------------------------------
+    def engine_device(self) -> torch.device:
+        """Where the engine scores the head, so where all of the scored head must be: the target's device
+        (spechead's engine: the target loaded, or `target.device` — auto: this rank's GPU, else the CPU), the
+        CPU for engine=vllm (the head is exported from there)."""
+        if self.s.engine != "spechead":
+            return torch.device("cpu")
+        if self._target is not None:
+            return self._target.device
+        from inference_eval.targets import resolve_target_device
+
+        device = resolve_target_device(self.s.device)
+        if device.type == "cuda" and device.index is None:  # `cuda`: the current GPU, as tensors name it
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
     def _load(self):
         if self._target is None:
             from data.store import DTYPES
-            from inference_eval.model import LlamaForCausalLM, resolve_device
+            from inference_eval.model import LlamaForCausalLM
 
             self._target = LlamaForCausalLM.from_pretrained(self.s.target_dir, dtype=DTYPES[self.s.target_dtype],
-                                                            device=resolve_device(self.s.device))
+                                                            device=self.engine_device())
         return self._target
 
     def _stop_ids(self) -> set[int]:
@@ -379,9 +405,10 @@ class EngineValidation(L.Callback):
             log.info("engine validation at step %d (%s): %d held-out conversations teacher-forced, %d prompts "
                      "decoded (k=%d, %d new tokens)", trainer.global_step, self.s.engine, self.s.conversations,
                      self.s.prompts, self.s.k, self.s.max_new_tokens)
-            device = self._load().device if self.s.engine == "spechead" else torch.device("cpu")
-            if head.tied.embed.device != device:  # trained elsewhere than the engine runs: score a copy there
-                head = copy.deepcopy(head).to(device, torch.float32)
+            if self.s.engine == "spechead":
+                self._load()
+            device = self.engine_device()
+            head = on_device(head, device)  # all of it where the engine runs (a gathered copy included)
             head.eval()
             # the data module's samples with their states (online: computed); any module with a store: its records
             samples = getattr(dm, "sample_with_states", None) or dm.store.__getitem__
