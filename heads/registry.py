@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from heads.base import DraftHead, TiedTarget, check_aux_ids
+from heads.dflash import DFlashConfig, DFlashHead, DSparkConfig, DSparkHead, default_target_layers
 from heads.draft_lm import DraftLMConfig, DraftLMHead
 from heads.eagle1 import Eagle1Config, Eagle1Head
 from heads.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
@@ -14,7 +15,8 @@ from heads.mtp import MTPConfig, MTPHead
 
 HEAD_TYPES = {"mtp": (MTPConfig, MTPHead), "eagle1": (Eagle1Config, Eagle1Head),
               "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHead),
-              "draft_lm": (DraftLMConfig, DraftLMHead)}
+              "draft_lm": (DraftLMConfig, DraftLMHead), "dflash": (DFlashConfig, DFlashHead),
+              "dspark": (DSparkConfig, DSparkHead)}
 
 
 def head_type(head: DraftHead) -> str:
@@ -37,10 +39,13 @@ def build_head(head_cfg: dict[str, Any], args: LlamaArgs, tied: TiedTarget) -> D
 
 def head_aux_layers(head_cfg: Any, num_layers: int) -> tuple[int, ...]:
     """The target layers (inputs of) a head config reads besides H: EAGLE-3's (its default when unset), an
-    `mtp` head's `aux_layers` (none when unset), nothing for the other heads."""
+    `mtp` head's `aux_layers` (none when unset), a block head's `target_layers` (its default when unset), nothing
+    for the other heads."""
     kind = head_cfg.get("type", "mtp")
     if kind == "eagle3":
         return tuple(int(i) for i in (head_cfg.get("aux_layers") or default_aux_layers(num_layers)))
+    if kind in ("dflash", "dspark"):
+        return tuple(int(i) for i in (head_cfg.get("target_layers") or default_target_layers(num_layers)))
     if kind == "mtp":
         return tuple(int(i) for i in (head_cfg.get("aux_layers") or ()))
     return ()

@@ -23,6 +23,7 @@ from heads.eagle3 import Eagle3Layer
 from heads.layers import DecoderLayer
 from heads.registry import head_type
 from heads.unroll import unroll
+from train.block_loss import BlockLossConfig, block_terms
 from train.data import TokenBudgetBatches
 from train.losses import depth_terms, greedy_inputs
 from train.optim import SETTINGS, build_optimizer, lr_multiplier, resolve_optimizer
@@ -81,8 +82,10 @@ class DraftHeadModule(L.LightningModule):
                  muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
                  kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
                  input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float | str = 0,
-                 dropout: float = 0.0, offpolicy_weight: float = 1.0) -> None:
+                 dropout: float = 0.0, offpolicy_weight: float = 1.0, block: dict | None = None) -> None:
         super().__init__()
+        # the block drafters' loss settings (train/block_loss.py); checked for every head, used by dflash / dspark
+        self.block_cfg = BlockLossConfig(**(block or {}))
         if not 0.0 <= offpolicy_weight <= 1.0:
             raise ValueError(f"train.module.offpolicy_weight={offpolicy_weight!r}: expected a weight in [0, 1] "
                              "(1: every row alike, the default; 0: only rows the greedy target would produce)")
@@ -168,6 +171,12 @@ class DraftHeadModule(L.LightningModule):
         Row i of depth d estimates H_{i+d}; its teacher is softmax(W_lm N_f(H_{i+d})), which
         predicts t_{i+d+1}, so its loss mask is that of t_{i+d+1} (`loss_on: all`: every real token)."""
         hp = self.hparams
+        if getattr(self.head, "block", False):  # a block drafter: random anchors, one pass per block
+            # anchors from (seed, step) and each row's tokens, not the rank (N processes draw what one does); held-out
+            # scores draw the same anchors at every step
+            step = self._trainer.global_step if self._trainer is not None else 0
+            salt = hash((torch.initial_seed() & 0xFFFFFFFF, step)) & 0x7FFFFFFF if self.training else 0
+            return block_terms(self.head, batch, self.block_cfg, salt, hp.loss_on, hp.kl_chunk_size)
         hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
         t = hidden.shape[1]
@@ -469,8 +478,8 @@ def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, An
         for d in range(1, depth + 1):
             agree[d - 1] += int(out[f"agree_count_d{d}"])
             count[d - 1] += int(out[f"n_count_d{d}"])
-            agree_on[d - 1] += int(out[f"agree_on_count_d{d}"])
-            count_on[d - 1] += int(out[f"n_on_count_d{d}"])
+            agree_on[d - 1] += int(out.get(f"agree_on_count_d{d}", 0))  # not counted for block heads
+            count_on[d - 1] += int(out.get(f"n_on_count_d{d}", 0))
     head.train(was_training)
     acc = [a / max(c, 1) for a, c in zip(agree, count)]
     sim_tau, survive = 1.0, 1.0

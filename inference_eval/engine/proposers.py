@@ -3,6 +3,7 @@ one)."""
 
 from __future__ import annotations
 
+from inference_eval.engine.block import PagedBlockProposer
 from inference_eval.engine.draft_model import PagedDraftModelProposer
 from inference_eval.engine.head import PagedHeadProposer
 from inference_eval.engine.tree import PagedTreeProposer
@@ -18,6 +19,10 @@ def engine_proposer(x, tree: dict | None = None):
         x = x.draft
     if hasattr(x, "lm_head") and hasattr(x, "model"):
         return PagedDraftModelProposer(x)
+    if getattr(x, "block", False):
+        if tree:
+            raise ValueError(f"a draft tree needs a chain head, not the block head {x.kind}")
+        return PagedBlockProposer(x)
     if tree:
         return PagedTreeProposer(x, **tree)
     return PagedHeadProposer(x)

@@ -1,0 +1,102 @@
+"""The block proposer (`PagedBlockProposer`): a parallel block drafter (heads/dflash.py: dflash, dspark) in the
+engine — one draft forward per round drafts k tokens for every sequence, verified as a chain by the scheduler.
+
+The draft's KV cache is a pool over the engine's block tables, one layer per draft layer:
+- context: after every target pass (prefill, verification) the states of the positions it processed become the
+  context entries c_p (the head's `target_input` of the captured layers) — each draft layer's k_proj / v_proj of
+  c_p, k_norm, RoPE at p, written at p's slot. A verification writes all k + 1 of its rows, the rejected ones too:
+  those lie at or past the next round's anchor and the next block overwrites them before anything reads them;
+- block: a round's pass runs the rows [t_m, MASK, …] at positions m.. (`block_rows(k)` of them: vLLM shortens the
+  block to the drafts served), each row seeing the context < m and every row of its block (non-causal); their
+  keys are written at m.. and overwritten by the context once the target has verified those positions.
+
+Draft i (1..k) predicts t_{m+i} from block row i - 1 + first_row: greedy (argmax) or sampled from the row's own
+distribution for rejection sampling (a row's distribution depends on the context only, or — DSpark's Markov bias
+— on the draft before it too, drawn left to right). This is vLLM's DFlash proposer (and its DSpark one at
+`sample_from_anchor`), so the per-position acceptance counts of the two engines agree (tests/test_vllm_serving.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference_eval.engine.base import ChainProposer, Engine, Request, target_state
+from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
+
+
+class PagedBlockProposer(ChainProposer):
+    def __init__(self, head) -> None:
+        if not getattr(head, "block", False):
+            raise ValueError(f"PagedBlockProposer drafts with a block head (dflash, dspark), not {head.kind}")
+        self.head = head
+        self.capture_layers = head.capture_layers
+        self.passes = 0  # draft forward passes
+
+    def check(self, k: int) -> None:
+        if k > self.head.max_depth:
+            raise ValueError(f"k={k} draft tokens, but the {self.head.kind} head's block of {self.head.block_size} "
+                             f"drafts at most {self.head.max_depth}")
+
+    def lookahead(self, k: int) -> int:
+        return max(k + 1, self.head.block_rows(k))
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pool = self._pool(self.head.num_cache_layers, self.head.layer_args, self.head.dtype)
+
+    def _write_context(self, reqs: list[Request], states: torch.Tensor, rows: list[tuple[int, int]],
+                       starts: list[int]) -> None:
+        """Context entries for each sequence's rows [s, e) of a target pass (`states` [1, N, K·H] or its aux list),
+        at positions start.. of that sequence."""
+        dev = self.engine.device
+        idx = torch.cat([torch.arange(s, e, device=dev) for s, e in rows])
+        slots = torch.cat([r.table.slots[p: p + (e - s)] for r, p, (s, e) in zip(reqs, starts, rows)])
+        positions = torch.cat([torch.arange(p, p + (e - s), device=dev) for p, (s, e) in zip(starts, rows)])
+        ctx = states[:, idx]
+        for i, (k, v) in enumerate(self.head.context_kv(ctx, positions[None])):
+            self.pool.k[i].index_copy_(0, slots, k[0].transpose(0, 1).to(self.pool.k[i].dtype))
+            self.pool.v[i].index_copy_(0, slots, v[0].transpose(0, 1).to(self.pool.v[i].dtype))
+
+    def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
+        self._write_context(reqs, target_state(self.head, out.hidden, out.aux), rows, [0] * len(reqs))
+
+    def update(self, reqs: list[Request], vout, rows: list[tuple[int, int]], accepted: list[int],
+               emitted: list[list[int]], argmax: torch.Tensor | None) -> None:
+        self._write_context(reqs, target_state(self.head, vout.hidden, vout.aux), rows, [r.m for r in reqs])
+
+    def block_hidden(self, reqs: list[Request], k: int) -> torch.Tensor:
+        """One draft pass over every sequence's block at its m: the last layer's rows [B, block_rows(k), H]."""
+        dev, n = self.engine.device, self.head.block_rows(k)
+        anchors = torch.tensor([r.tokens[-1] for r in reqs], device=dev)
+        ids = self.head.block_inputs(anchors, n).view(1, -1)
+        positions = torch.tensor([[r.m + j for j in range(n)] for r in reqs], device=dev).view(1, -1)
+        full = torch.ones(n, n, dtype=torch.bool, device=dev)  # non-causal within the block
+        batch = PagedBatch([SeqSlice(r.table, r.m, n, 0, full) for r in reqs], dev)
+        self.passes += 1
+        return self.head(ids, positions, PagedCache(self.pool, batch)).view(len(reqs), n, -1)
+
+    def draft_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary [B, V] of block rows `h` [B, H] after tokens `prev` [B] (−inf outside
+        a reduced draft vocabulary)."""
+        logits = self.head.row_logits(h, prev)
+        ids = self.head.draft_ids
+        if ids is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.head.args.vocab_size), float("-inf"))
+        out[..., ids] = logits
+        return out
+
+    def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
+        h = self.block_hidden(reqs, k)
+        first = self.head.first_row
+        prev = torch.tensor([r.tokens[-1] for r in reqs], device=self.engine.device)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        qs: list[list] = [[] for _ in reqs]
+        for i in range(k):  # left to right: a row's Markov bias (DSpark) reads the draft before it
+            logits = self.draft_logits(h[:, first + i], prev)
+            picks = [r.sampling.pick(logits[j]) for j, r in enumerate(reqs)]
+            for j, (d, q) in enumerate(picks):
+                drafts[j].append(d)
+                qs[j].append(q)
+            prev = torch.tensor([d for d, _ in picks], device=self.engine.device)
+        return drafts, qs
