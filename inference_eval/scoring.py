@@ -7,12 +7,21 @@ for depth 1, then `draft_chain` for depths 2..D — which is what the draft loop
 has accepted up to row i. Depth d's state at row i estimates H_{i+d}; its logits predict t_{i+d+1}.
 Training's validation scores these states with the training loss (train/validation.py); evaluation
 only needs their agreement with the target (`simulated_tau`).
+
+A block head (dflash, dspark) has no chain: `block_states` runs the engine's block proposer over the target's
+states of the whole sequence, anchoring a block at row i + 1 for each scored row i (the target has accepted up to
+i); its draft d predicts t_{i+d+1}, the token chain depth d at row i predicts.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
+from inference_eval.engine.base import target_state
+from inference_eval.engine.block import PagedBlockProposer
+from inference_eval.paged import BlockAllocator, BlockTable
 from inference_eval.speculative import draft_chain, full_vocab_logits, refresh
 
 
@@ -64,6 +73,41 @@ def teacher_forced_states(target, head, ids: torch.Tensor, depth: int, rows: lis
     return states, hidden
 
 
+@torch.no_grad()
+def block_states(target, head, ids: torch.Tensor, rows: list[int], block_size: int = 16
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the block rows [len(rows), head.block_rows(D), H] of the engine's block pass anchored at each row i + 1,
+    the target's states H [1, T, H] in float32): one target pass over `ids` [T] whose states fill the draft's
+    context cache once, then the blocks in descending anchor order (a block writes its slots a.., which only
+    anchors > a read as context)."""
+    t, dev = ids.shape[0], target.device
+    ids = ids.to(dev)
+    out = target(ids[None], logits="none", capture_layers=head.capture_layers)
+    k = head.max_depth
+    rows_per_block = head.block_rows(k)
+    blocks = -(-(t + rows_per_block) // block_size)
+    prop = PagedBlockProposer(head)
+    prop.attach(SimpleNamespace(device=dev, num_blocks=blocks, block_size=block_size, k=k))
+    table = BlockTable(block_size, dev)
+    table.extend(BlockAllocator(blocks).allocate(blocks))
+    seq = SimpleNamespace(table=table)
+    prop.write_context([seq], target_state(head, out.hidden, out.aux), [(0, t)], [0])
+    found = {}
+    for i in sorted(rows, reverse=True):
+        a = i + 1
+        found[i] = prop.block_hidden([SimpleNamespace(table=table, m=a, tokens=ids[: a + 1].tolist())], k)[0]
+    h = torch.stack([found[i] for i in rows]) if rows else out.hidden.new_zeros(0, rows_per_block, head.args.hidden_size)
+    return h, out.hidden.float()
+
+
+def block_agreement(head, h: torch.Tensor, prev: torch.Tensor, teacher: torch.Tensor) -> int:
+    """How many block rows `h` [N, H] (after tokens `prev` [N]) draft the target's top-1 token of `teacher` [N, H]."""
+    if h.shape[0] == 0:
+        return 0
+    mine = PagedBlockProposer(head).draft_logits(h.to(head.dtype), prev).argmax(-1)
+    return int((mine == head.tied.teacher_logits(teacher.to(head.dtype)).argmax(-1)).sum())
+
+
 def agreement(head, preds: torch.Tensor, teacher: torch.Tensor, depth: int) -> int:
     """How many of the head's states `preds` [N, H] have the target's top-1 token (from `teacher`, the
     states they estimate) as their own top-1 over the target vocabulary."""
@@ -86,6 +130,15 @@ def simulated_tau(target, head, prompts: list[list[int]], continuations: list[li
         mask = torch.zeros(seq.shape[0], dtype=torch.bool)
         mask[len(p):] = True
         rows = select_rows(mask, None)
+        if getattr(head, "block", False):
+            h, hidden = block_states(target, head, seq, rows)
+            for d in range(1, k + 1):
+                keep = scored_rows(mask, rows, d)
+                at = torch.tensor([rows[j] + d for j in keep], dtype=torch.long)
+                agree[d - 1] += block_agreement(head, h[keep, head.first_row + d - 1], seq.to(h.device)[at],
+                                                hidden[0, at])
+                n[d - 1] += len(keep)
+            continue
         states, hidden = teacher_forced_states(target, head, seq, k, rows)
         for d in range(1, k + 1):
             keep = scored_rows(mask, rows, d)

@@ -302,3 +302,30 @@ def test_block_head_settings_are_checked(varied):
     with pytest.raises(ValueError, match="at most 3"):
         engine_generate(LlamaForCausalLM.from_pretrained(path), [[1, 2, 3]], 4, proposer=head, k=4)
     assert default_target_layers(30) == (2, 11, 19, 28) and default_target_layers(36, 5) == (2, 10, 18, 26, 34)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overrides, kind):
+    """precompute (the store captures the head's target layers: `precompute.aux_layers: auto`) → training with
+    in-loop engine validation (the engine's block pass and the training forward score the same held-out rows: equal
+    KL and top-1 per draft position, float32) → evaluation in the engine, k = 3 drafts per block."""
+    from data.precompute import run_precompute
+    from data.store import FeatureStore
+    from evaluation.evaluate import run_evaluation
+    from tests.conftest import compose_config
+    from train.run import run_training
+
+    cfg = compose_config([*tiny_overrides, f"head={kind}", "head.num_layers=1", "head.block_size=4",
+                          "trainer.max_epochs=1", "train.module.block.anchors=8"])
+    store, _ = run_precompute(cfg)
+    assert FeatureStore(store).aux_layers == [1]  # default_target_layers of the 2-layer target
+    _, metrics = run_training(cfg)
+    for d in range(1, 4):
+        # float32: a KL near 0 is a difference of two close sums, so compare at 1e-3 of its size
+        assert metrics[f"engine_val/kl_d{d}"] == pytest.approx(metrics[f"engine_val/train_kl_d{d}"], rel=1e-3)
+        assert metrics[f"engine_val/gap_acc_d{d}"] == 0.0 and metrics[f"engine_val/reg_d{d}"] == 0.0
+        assert f"val/kl_d{d}" in metrics and f"train/tv_d{d}" in metrics
+    assert ("train/conf_d1" in metrics) == (kind == "dspark")
+    report = run_evaluation(cfg)
+    for res in report["results"].values():
+        assert res["k"] == 3 and len(res["alpha"]) == 3 and res["tau"] >= 1.0

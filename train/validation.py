@@ -64,10 +64,12 @@ import torch
 
 from core.files import atomic_write_bytes
 from core.progress import Progress
+from heads.dflash import block_unroll
 from heads.unroll import unroll
 from inference_eval.engine import engine_generate
-from inference_eval.scoring import scored_rows, select_rows, simulated_tau, teacher_forced_states
+from inference_eval.scoring import block_states, scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
+from train.block_loss import row_terms
 from train.losses import depth_terms
 from train.strategies import whole_head
 
@@ -166,6 +168,9 @@ def engine_teacher_forced(target, head, ids: torch.Tensor, loss_mask: torch.Tens
     """Per-depth scores of `head` on one conversation through the engine (inference_eval/scoring.py:
     the target recomputes H and the aux layers, the head runs its cached draft path with the true
     tokens forced), with the training loss's parts."""
+    if getattr(head, "block", False):  # the engine's block pass anchored after each row
+        h, hidden = block_states(target, head, ids, rows)
+        return block_scores(head, h, ids.to(h.device), hidden[0], loss_mask, rows, depth)
     states, hidden = teacher_forced_states(target, head, ids, depth, rows)
     scores = []
     for d in range(1, depth + 1):
@@ -183,12 +188,34 @@ def training_forward_scores(head, sample: dict[str, torch.Tensor], depth: int, r
     dev = head.tied.embed.device
     hidden = sample["hidden"][None].to(dev).float()
     aux = sample["aux_hidden"][None].to(dev).float() if "aux_hidden" in sample else None
+    if getattr(head, "block", False):  # the training forward's blocks at the same anchors
+        ids = sample["input_ids"].to(dev)
+        h = block_unroll(head, aux.to(head.dtype), ids[None], torch.tensor([[i + 1 for i in rows]], device=dev))[0]
+        return block_scores(head, h, ids, hidden[0], sample["loss_mask"], rows, depth)
     outs = unroll(head, hidden.to(head.dtype), sample["input_ids"][None].to(dev), depth,
                   aux.to(head.dtype) if aux is not None else None)
     scores = []
     for d in range(1, depth + 1):
         keep = [rows[j] for j in scored_rows(sample["loss_mask"], rows, d)]
         scores.append(score_rows(head, outs[d - 1][0, keep], hidden[0, [i + d for i in keep]], d, normed))
+    return scores
+
+
+def block_scores(head, h: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, loss_mask: torch.Tensor,
+                 rows: list[int], depth: int) -> list[DepthScores]:
+    """Per-draft-position scores of a block head's rows `h` [len(rows), R, H], the block of row i anchored at i + 1:
+    draft d (row first_row + d - 1, after the token t_{i+d}) against the target's states H_{i+d} of `hidden` [T, H]
+    — train/block_loss.py's KL and agreement."""
+    scores = []
+    for d in range(1, depth + 1):
+        keep = scored_rows(loss_mask, rows, d)
+        if not keep:
+            scores.append(DepthScores())
+            continue
+        at = torch.tensor([rows[j] + d for j in keep], device=h.device)
+        kl, _, _, agree, _ = row_terms(head, h[keep, head.first_row + d - 1].to(head.dtype), ids[at],
+                                       hidden[at].to(head.dtype))
+        scores.append(DepthScores(0.0, float(kl.sum()), int(agree.sum()), len(keep)))
     return scores
 
 

@@ -44,7 +44,7 @@ class PagedBlockProposer(ChainProposer):
         self.engine = engine
         self.pool = self._pool(self.head.num_cache_layers, self.head.layer_args, self.head.dtype)
 
-    def _write_context(self, reqs: list[Request], states: torch.Tensor, rows: list[tuple[int, int]],
+    def write_context(self, reqs: list[Request], states: torch.Tensor, rows: list[tuple[int, int]],
                        starts: list[int]) -> None:
         """Context entries for each sequence's rows [s, e) of a target pass (`states` [1, N, K·H] or its aux list),
         at positions start.. of that sequence."""
@@ -58,11 +58,11 @@ class PagedBlockProposer(ChainProposer):
             self.pool.v[i].index_copy_(0, slots, v[0].transpose(0, 1).to(self.pool.v[i].dtype))
 
     def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
-        self._write_context(reqs, target_state(self.head, out.hidden, out.aux), rows, [0] * len(reqs))
+        self.write_context(reqs, target_state(self.head, out.hidden, out.aux), rows, [0] * len(reqs))
 
     def update(self, reqs: list[Request], vout, rows: list[tuple[int, int]], accepted: list[int],
                emitted: list[list[int]], argmax: torch.Tensor | None) -> None:
-        self._write_context(reqs, target_state(self.head, vout.hidden, vout.aux), rows, [r.m for r in reqs])
+        self.write_context(reqs, target_state(self.head, vout.hidden, vout.aux), rows, [r.m for r in reqs])
 
     def block_hidden(self, reqs: list[Request], k: int) -> torch.Tensor:
         """One draft pass over every sequence's block at its m: the last layer's rows [B, block_rows(k), H]."""
