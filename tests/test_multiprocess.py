@@ -94,6 +94,7 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int, deepspeed: bool
     from train.data import FeatureDataModule
     from train.module import DraftHeadModule
 
+    L.seed_everything(int(cfg.seed))  # as run_training seeds each rank (a block head's anchors read the seed)
     tied, args, _ = tied_target(cfg.target.path)
     head = load_native(init_dir, tied, args)
     module = DraftHeadModule(head, **OmegaConf.to_container(cfg.train.module, resolve=True))
@@ -137,11 +138,13 @@ def _reference(cfg, store_dir: Path, init_dir: Path, steps: int, deepspeed: bool
         """The held-out split's per-token loss after `step` steps, one process, every batch."""
         head.load_state_dict(states[step - 1])
         total = n = 0.0
+        module.eval()  # as Lightning's validation loop runs it (a block head's held-out anchors are fixed)
         with torch.no_grad():
             for b in dm._loader(dm.val_idx, shuffle=False):
                 out = module.compute_loss(b)
                 total += float(out["loss"]) * float(out["n_tokens"])
                 n += float(out["n_tokens"])
+        module.train()
         return total / n
 
     return losses, states[-1], val_loss
@@ -176,15 +179,18 @@ def _ranks(record: Path) -> list[dict]:
                                           ("8xh100_fsdp", ["head=eagle3", "head.draft_vocab_size=64",
                                                            "train.module.depth=2"]),
                                           ("8xh100_fsdp", ["head.num_modules=2", "train.module.depth=2",
-                                                           "train.module.deep_from_step=3"])],
-                         ids=["ddp-mtp3", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3"])
+                                                           "train.module.deep_from_step=3"]),
+                                          ("ddp", ["head=dflash", "head.num_layers=1", "head.block_size=4",
+                                                   "train.module.block.anchors=8"])],
+                         ids=["ddp-mtp3", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3", "ddp-dflash"])
 def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """10 optimizer steps on 2 processes: every rank's loss at every step and the saved head equal one
     process computing the same global batches; engine validation at step 5 (rank 0 scores a whole copy
     gathered from the shards, the other rank waits) finishes — a deadlock fails on the timeout; a run
     stopped at step 4 and resumed from its checkpoint continues the same curve to step 10. The EAGLE-3
     case trains depth 2 (the training-time test through the sharded layer) and its own lm_head. The DDP case trains
-    the default head (`mtp3`: 3 modules, each clipped by its own norm, depths 2–3 joining at step 3). The last trains a
+    the default head (`mtp3`: 3 modules, each clipped by its own norm, depths 2–3 joining at step 3), and a `dflash`
+    block head (its anchors drawn from each row's tokens, so one process draws what the two ranks drew). One trains a
     2-module head whose depth 2 joins at step 3 (`deep_from_step`: before it, each rank runs depth 2 at weight 0
     where one process skips it; at it, module 2 becomes a copy of module 1), resumed at step 4 after the copy."""
     full, part, resumed = (tmp_path / n for n in ("full", "part", "resumed"))
@@ -197,8 +203,9 @@ def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp
     proc = torchrun("scripts.train", _overrides(common, preset, full, STEPS), timeout=600)
     ranks = _ranks(full)
     assert [r["world_size"] for r in ranks] == [2, 2], proc.stdout[-2000:]
-    # optimizer=auto: Muon for mtp (under FSDP2: each matrix's update gathered whole), AdamW for eagle3
-    assert f"train.module.optimizer=auto: {'adamw' if 'head=eagle3' in head else 'muon'}" in proc.stdout + proc.stderr
+    # optimizer=auto: Muon for mtp (under FSDP2: each matrix's update gathered whole), AdamW for eagle3 and dflash
+    adamw = "head=eagle3" in head or "head=dflash" in head
+    assert f"train.module.optimizer=auto: {'adamw' if adamw else 'muon'}" in proc.stdout + proc.stderr
     # the new store's sha256 checked once for both ranks (rank 0 hashed, rank 1 found its stamp)
     assert (proc.stdout + proc.stderr).count(" verified in ") == 1
     assert [len(r["steps"]) for r in ranks] == [STEPS, STEPS]
