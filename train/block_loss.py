@@ -31,7 +31,7 @@ WEIGHTS = ("decay", "dpace")
 
 @dataclass(frozen=True)
 class BlockLossConfig:
-    anchors: int = 32  # blocks per batch row (fewer where the row has fewer trainable positions)
+    anchors: int = 64  # blocks per batch row (fewer where the row has fewer trainable positions)
     gamma: float = 4.0  # DFlash's position decay exp(-(i-1)/γ)
     weights: str = "decay"  # decay | dpace
     dpace_alpha: float = 0.5  # D-PACE's smoothing of the per-position confidence
