@@ -329,3 +329,27 @@ def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overr
     report = run_evaluation(cfg)
     for res in report["results"].values():
         assert res["k"] == 3 and len(res["alpha"]) == 3 and res["tau"] >= 1.0
+
+
+def test_dspark_confidence_ends_a_sequences_block_early_and_stays_lossless(varied, trained):
+    """`stop_below`: each sequence's drafts end where the confidence head's Π σ(c) falls below it — fewer drafts
+    verified (the deeper positions are reached less often), the output still plain greedy decoding, and each
+    round still drafts at least one token."""
+    target, _, _, prompts, reference = varied
+    head = trained["dspark"]
+    k = head.max_depth
+    full, eng_full = engine_generate(target, prompts, 20, proposer=PagedBlockProposer(head), k=k, arrivals=ARRIVALS)
+    with torch.no_grad():  # a confidence head that predicts rejection after the first draft everywhere: σ(−4) ≈ 0.02
+        saved = {k: v.clone() for k, v in head.confidence_head.state_dict().items()}
+        head.confidence_head.proj.bias.fill_(-4.0)
+        head.confidence_head.proj.weight.zero_()
+    try:
+        short, eng = engine_generate(target, prompts, 20, proposer=PagedBlockProposer(head, stop_below=0.5), k=k,
+                                     arrivals=ARRIVALS)
+    finally:
+        head.confidence_head.load_state_dict(saved)
+    assert full == short == reference
+    assert eng.stats.reached[0] == eng.stats.steps and sum(eng.stats.reached[1:]) == 0  # one draft per round
+    assert sum(eng_full.stats.reached[1:]) > 0
+    with pytest.raises(ValueError, match="no confidence head"):
+        PagedBlockProposer(_head(varied[1], "dflash"), stop_below=0.5)

@@ -25,10 +25,19 @@ from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
 
 
 class PagedBlockProposer(ChainProposer):
-    def __init__(self, head) -> None:
+    """`stop_below` (a head with a confidence head, DSpark's): a sequence's drafts end after the first draft at
+    which the predicted probability that every draft so far is accepted, Π_j σ(c_j), falls below it (at least one
+    draft each round) — an adaptive draft length per request and round; the target verifies fewer rows. None: k."""
+
+    def __init__(self, head, stop_below: float | None = None) -> None:
         if not getattr(head, "block", False):
             raise ValueError(f"PagedBlockProposer drafts with a block head (dflash, dspark), not {head.kind}")
-        self.head = head
+        if stop_below is not None and not hasattr(head, "confidence_head"):
+            raise ValueError(f"stop_below={stop_below}: the {head.kind} head has no confidence head to stop by "
+                             "(head=dspark with head.confidence=true has)")
+        if stop_below is not None and not 0.0 < stop_below < 1.0:
+            raise ValueError(f"stop_below={stop_below!r}: expected a probability in (0, 1)")
+        self.head, self.stop_below = head, stop_below
         self.capture_layers = head.capture_layers
         self.passes = 0  # draft forward passes
 
@@ -92,11 +101,16 @@ class PagedBlockProposer(ChainProposer):
         prev = torch.tensor([r.tokens[-1] for r in reqs], device=self.engine.device)
         drafts: list[list[int]] = [[] for _ in reqs]
         qs: list[list] = [[] for _ in reqs]
+        live = list(range(len(reqs)))  # the sequences still drafting this round
+        survive = torch.ones(len(reqs), device=h.device)
         for i in range(k):  # left to right: a row's Markov bias (DSpark) reads the draft before it
             logits = self.draft_logits(h[:, first + i], prev)
-            picks = [r.sampling.pick(logits[j]) for j, r in enumerate(reqs)]
-            for j, (d, q) in enumerate(picks):
-                drafts[j].append(d)
-                qs[j].append(q)
+            picks = [reqs[j].sampling.pick(logits[j]) if j in live else (0, None) for j in range(len(reqs))]
+            for j in live:
+                drafts[j].append(picks[j][0])
+                qs[j].append(picks[j][1])
+            if self.stop_below is not None:  # Π σ(c): the chance that every draft so far is accepted
+                survive = survive * torch.sigmoid(self.head.confidence(h[:, first + i], prev).float())
+                live = [j for j in live if float(survive[j]) >= self.stop_below]
             prev = torch.tensor([d for d, _ in picks], device=self.engine.device)
         return drafts, qs

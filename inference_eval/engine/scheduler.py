@@ -271,37 +271,48 @@ class Engine:
             self.stats.emitted += 1
             self._finish_check(r)
 
-    def _count(self, req: Request, a: int, emitted: int) -> None:
+    def _count(self, req: Request, a: int, emitted: int, drafted: int | None = None) -> None:
+        """A round's statistics: draft positions reached (up to the first rejection, at most the `drafted` ones —
+        k unless the proposer ended this sequence's drafts early), accepted, and the tokens emitted."""
         for st in (req.stats, self.stats):
-            for d in range(min(a + 1, self.k)):
+            for d in range(min(a + 1, self.k if drafted is None else drafted)):
                 st.reached[d] += 1
                 st.accepted[d] += int(d < a)
             st.steps += 1
             st.emitted += emitted
 
     def _chain_round(self) -> None:
+        """Draft (up to k tokens per sequence: a proposer may end a sequence's drafts early), verify every
+        sequence's t_m and drafts in one packed pass, accept, and let the proposer update."""
         reqs, k = list(self.running), self.k
         drafts, qs = self.proposer.propose(reqs, k)
+        n = [len(d) for d in drafts]
         ids = [[r.tokens[-1]] + d for r, d in zip(reqs, drafts)]
-        vout = self.forward(self.target, self.pool, ids, [list(range(r.m, r.m + k + 1)) for r in reqs],
-                            [SeqSlice(r.table, r.m, k + 1) for r in reqs], self.capture)
-        logits = target_logits(self.target, vout.hidden[0]).view(len(reqs), k + 1, -1)
+        vout = self.forward(self.target, self.pool, ids, [list(range(r.m, r.m + j + 1)) for r, j in zip(reqs, n)],
+                            [SeqSlice(r.table, r.m, j + 1) for r, j in zip(reqs, n)], self.capture)
+        flat = target_logits(self.target, vout.hidden[0])
+        rows, r0 = [], 0
+        for j in n:
+            rows.append((r0, r0 + j + 1))
+            r0 += j + 1
+        uniform = all(j == k for j in n)
+        logits = flat.view(len(reqs), k + 1, -1) if uniform else [flat[a:b] for a, b in rows]
         greedy = all(r.sampling.greedy for r in reqs)
-        argmax = logits.argmax(-1)  # [B, k+1]
+        argmax = logits.argmax(-1) if uniform else [x.argmax(-1) for x in logits]  # [B, k+1] when uniform
         accepted, emitted = [], []
         for i, r in enumerate(reqs):
             if r.sampling.greedy:
-                a = accept_greedy(torch.tensor(drafts[i], device=argmax.device), argmax[i])
-                last = int(argmax[i, a])
+                a = accept_greedy(torch.tensor(drafts[i], device=argmax[i].device), argmax[i])
+                last = int(argmax[i][a])
             else:
                 a, last = accept_rejection(drafts[i], torch.stack(qs[i]), r.sampling.probs(logits[i]),
                                            r.sampling.generator)
             accepted.append(a)
             emitted.append(drafts[i][:a] + [last])
-        rows = [(i * (k + 1), (i + 1) * (k + 1)) for i in range(len(reqs))]
-        self.proposer.update(reqs, vout, rows, accepted, emitted, argmax if greedy else None)
-        for r, a, e in zip(reqs, accepted, emitted):
-            self._count(r, a, len(e))
+        # the target's argmax [B, k+1] for a greedy batch that drafted k everywhere (a chain head's fixed-shape refresh)
+        self.proposer.update(reqs, vout, rows, accepted, emitted, argmax if greedy and uniform else None)
+        for r, a, e, j in zip(reqs, accepted, emitted, n):
+            self._count(r, a, len(e), j)
             r.cached = r.m + a + 1
             r.output.extend(e)
             self._finish_check(r)
