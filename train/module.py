@@ -151,12 +151,12 @@ class DraftHeadModule(L.LightningModule):
             return
         from torch.distributed.fsdp import fully_shard
 
+        from train.strategies import fsdp_unit_settings
+
         dp = mesh["data_parallel"]
-        reshard = getattr(self.trainer.strategy, "reshard_after_forward", True)
-        for layer in self.head.modules():
-            if getattr(layer, "fsdp_unit", False):
-                fully_shard(layer, mesh=dp, reshard_after_forward=reshard)
-        fully_shard(self, mesh=dp, reshard_after_forward=reshard)
+        strategy = self.trainer.strategy
+        for layer, kwargs in fsdp_unit_settings(self, strategy, self.hparams.get("depth", 1)):
+            fully_shard(layer, mesh=dp, **kwargs)
         self._sharded = True
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -433,8 +433,10 @@ class DraftHeadModule(L.LightningModule):
         name = self.optimizer_name()
         if hp.get("optimizer", "auto") == "auto" and getattr(self._trainer, "global_rank", 0) == 0:
             log.info("train.module.optimizer=auto: %s", name)
+        # several ranks hold the same updates (DDP's averaged gradients, FSDP2's shards): each orthogonalises its share
+        several = getattr(self._trainer, "world_size", 1) > 1
         opt = build_optimizer(self.head, name, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
-                              hp.muon_weight_decay, deep_lr_scale=hp.get("deep_lr_scale", 1.0))
+                              hp.muon_weight_decay, deep_lr_scale=hp.get("deep_lr_scale", 1.0), divide_ns=several)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)
         lr_multiplier(0, total, warm, hp.schedule, hp.min_lr_ratio)  # a wrong name fails here, not at step 1

@@ -19,8 +19,11 @@ scheduler, checkpoints and resume treat it as any other. A Muon step on a matrix
 
 the 0.2·√max(A, B) factor matching AdamW's update RMS, so one lr serves both groups. Under FSDP2 a matrix
 and its gradient are sharded by rows (DTensors): the momentum is kept per shard, the update U is gathered
-whole for the Newton–Schulz iteration (every rank computes the same O) and each rank applies its own rows —
-the same step as one process (tests/test_multiprocess.py). That is
+whole for the Newton–Schulz iteration and each rank applies its own rows — the same step as one process
+(tests/test_multiprocess.py). Over several ranks (`divide_ns`: FSDP2's shards, or DDP's identical gradients) the
+iteration is divided: each rank orthogonalises its share of the matrices (`ns_owners`, balanced by FLOPs) and one
+all-gather of the results gives every rank every O — bit for bit what one process computes, at 1/world of its
+cost (≈ 73 TFLOP per step for an 8B-shaped head on every rank otherwise; tests/test_gpu_correct_scale.py). That is
 `torch.optim.Muon(adjust_lr_fn="match_rms_adamw")`, except that the Newton–Schulz iteration runs in a
 chosen dtype (`ns_dtype`): torch's fixes bfloat16, which a CPU without bf16 instructions runs ~170×
 slower than float32 (tests/README.md). tests/test_optim.py checks both groups against torch's own.
@@ -61,14 +64,80 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: tor
     return x.T if tall else x
 
 
-def _orthogonalised(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Newton–Schulz of a whole matrix. A sharded one (FSDP2's DTensor) is gathered, orthogonalised whole
-    and handed back in its own placements; every rank computes the same O, so each keeps its own shard of
-    it without further communication."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, steps, dtype=dtype)
-    o = newton_schulz(update.full_tensor(), steps, dtype=dtype)
-    return distribute_tensor(o.to(update.dtype), update.device_mesh, update.placements, src_data_rank=None)
+def ns_flops(shape: tuple[int, ...], steps: int = 5) -> int:
+    """Multiply-add FLOPs of `newton_schulz` on a matrix of `shape`: per step X Xᵀ (2·m²·n), the quadratic in the
+    Gram matrix (2·m³) and its product with X (2·m²·n), m the shorter side."""
+    m, n = sorted(shape[:2])
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def ns_owners(shapes: list[tuple[int, ...]], world: int) -> list[int]:
+    """The rank that orthogonalises each matrix: the largest first, each to the rank with the fewest FLOPs so far
+    (ties: the lowest rank) — the same answer on every rank, from the shapes alone."""
+    load = [0] * world
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += ns_flops(shapes[i])
+    return owners
+
+
+def _whole(update: torch.Tensor) -> torch.Tensor:
+    return update.full_tensor() if isinstance(update, DTensor) else update
+
+
+def _in_placements(o: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """O in the update's own form: a DTensor's local shard of it (no communication: every rank holds O whole)."""
+    if not isinstance(like, DTensor):
+        return o
+    return distribute_tensor(o.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def orthogonalise(updates: list[torch.Tensor], steps: int, dtype: torch.dtype,
+                  group: "torch.distributed.ProcessGroup | None" = None) -> list[torch.Tensor]:
+    """Newton–Schulz of every update, each whole (a sharded one, FSDP2's DTensor, gathered first). With `group`
+    (several ranks holding the same updates): rank r computes only the matrices `ns_owners` gives it, then one
+    all-gather of a flat buffer per rank hands every rank every O."""
+    import torch.distributed as dist
+
+    wholes = [_whole(u) for u in updates]
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return [_in_placements(newton_schulz(w, steps, dtype=dtype), u) for w, u in zip(wholes, updates)]
+    rank = dist.get_rank(group)
+    owners = ns_owners([tuple(w.shape) for w in wholes], world)
+    sizes = [sum(w.numel() for w, o in zip(wholes, owners) if o == r) for r in range(world)]
+    out_dtype = wholes[0].dtype
+    mine = [newton_schulz(w, steps, dtype=dtype).to(out_dtype).reshape(-1)
+            for w, o in zip(wholes, owners) if o == rank]
+    buf = torch.zeros(max(sizes), dtype=out_dtype, device=wholes[0].device)  # padded to the largest share
+    if mine:
+        torch.cat(mine, out=buf[:sizes[rank]])
+    gathered = torch.empty(world * buf.numel(), dtype=out_dtype, device=buf.device)
+    dist.all_gather_into_tensor(gathered, buf, group=group)
+    gathered = gathered.view(world, -1)  # [world, largest share]
+    offsets = [0] * world
+    result = []
+    for w, o, u in zip(wholes, owners, updates):
+        flat = gathered[o, offsets[o]:offsets[o] + w.numel()]
+        offsets[o] += w.numel()
+        result.append(_in_placements(flat.view(w.shape), u))
+    return result
+
+
+def ns_group(params: list[torch.Tensor]) -> "torch.distributed.ProcessGroup | None":
+    """The ranks that divide the Newton–Schulz work of `params`: a sharded matrix's own mesh (FSDP2), else every
+    rank of the default group (DDP: every rank holds the same averaged gradient); None in one process."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if sharded:
+        mesh = sharded[0].device_mesh
+        return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
+    return dist.group.WORLD
 
 
 def resolve_optimizer(setting: str, head_type: str, on_deepspeed: bool) -> str:
@@ -86,11 +155,14 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, groups: Iterable[dict[str, Any]], lr: float = 1e-3, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32) -> None:
+                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: torch.dtype = torch.float32,
+                 divide_ns: bool = False) -> None:
         defaults = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps, "momentum": momentum,
                     "nesterov": nesterov, "ns_steps": ns_steps, "muon": False}
         super().__init__(list(groups), defaults)
         self.ns_dtype = ns_dtype
+        # several ranks with the same updates (DDP's averaged gradients, FSDP2's shards): divide Newton–Schulz
+        self.divide_ns = divide_ns
         for group in self.param_groups:
             if group["muon"]:
                 bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
@@ -103,22 +175,37 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        muon: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # (parameter, update, group): orthogonalised together
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    (self._muon if group["muon"] else self._adamw)(p, p.grad, self.state[p], group)
+                if p.grad is None:
+                    continue
+                if group["muon"]:
+                    muon.append((p, self._muon_update(p.grad, self.state[p], group), group))
+                else:
+                    self._adamw(p, p.grad, self.state[p], group)
+        by_steps: dict[int, list[int]] = {}
+        for i, (_, _, group) in enumerate(muon):
+            by_steps.setdefault(group["ns_steps"], []).append(i)
+        for steps, idx in by_steps.items():
+            params = [muon[i][0] for i in idx]
+            group_ = ns_group(params) if self.divide_ns else None
+            for i, o in zip(idx, orthogonalise([muon[i][1] for i in idx], steps, self.ns_dtype, group_)):
+                p, _, group = muon[i]
+                lr = group["lr"]
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
         return loss
 
-    def _muon(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-        mu, lr = group["momentum"], group["lr"]
+    @staticmethod
+    def _muon_update(grad: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        """The momentum step of Muon: the buffer B and the (Nesterov) update U that Newton–Schulz orthogonalises."""
+        mu = group["momentum"]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)
-        update = grad.lerp(buf, mu) if group["nesterov"] else buf
-        o = _orthogonalised(update, group["ns_steps"], self.ns_dtype)
-        p.mul_(1 - lr * group["weight_decay"])
-        p.add_(o.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        return grad.lerp(buf, mu) if group["nesterov"] else buf
 
     def _adamw(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         (b1, b2), lr = group["betas"], group["lr"]
@@ -168,10 +255,12 @@ def split_deep_groups(head: torch.nn.Module, groups: list[dict[str, Any]], deep_
 
 def build_optimizer(head: torch.nn.Module, optimizer: str, lr: float, weight_decay: float,
                     betas: tuple[float, float], momentum: float = 0.95, muon_weight_decay: float = 0.1,
-                    ns_dtype: torch.dtype | None = None, deep_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+                    ns_dtype: torch.dtype | None = None, deep_lr_scale: float = 1.0,
+                    divide_ns: bool = False) -> torch.optim.Optimizer:
     """`train.module.optimizer`: adamw | muon (module docstring). `ns_dtype` None: bfloat16 on CUDA
     (as torch's Muon), float32 elsewhere. `deep_lr_scale`: the peak lr of the per-depth modules of depth ≥ 2
-    (`head.depth_modules()[1:]`) is `deep_lr_scale × lr`, each group split in two (the schedule scales both)."""
+    (`head.depth_modules()[1:]`) is `deep_lr_scale × lr`, each group split in two (the schedule scales both).
+    `divide_ns`: over several ranks, each orthogonalises its share of Muon's matrices (`orthogonalise`)."""
     groups = parameter_groups(head, optimizer, weight_decay, muon_weight_decay)
     if deep_lr_scale != 1.0:
         groups = split_deep_groups(head, groups, lr * deep_lr_scale)
@@ -181,7 +270,7 @@ def build_optimizer(head: torch.nn.Module, optimizer: str, lr: float, weight_dec
         on_cuda = any(p.is_cuda for g in groups for p in g["params"])
         ns_dtype = torch.bfloat16 if on_cuda else torch.float32
     return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas), momentum=momentum,
-                     ns_dtype=ns_dtype)
+                     ns_dtype=ns_dtype, divide_ns=divide_ns)
 
 
 def lr_multiplier(step: int, total: int, warmup: int, schedule: str, min_lr_ratio: float) -> float:

@@ -6,6 +6,10 @@ rank in one `data_parallel` dimension, tensor parallel 1); the sharding itself i
 (`fully_shard`), and the module itself is the root unit, so the head's own tensors outside its layers
 (fc, norms, EAGLE-3's lm_head) are gathered around the module call that computes the loss
 (`DraftHeadModule.forward`). The frozen target tensors are buffers: never sharded, never gathered.
+`fsdp_unit_settings` says how each unit is sharded: under bf16 precision the gathered weights are bf16 and the
+gradients reduced in fp32 (`MixedPrecisionPolicy`; the sharded master weights and optimizer states stay fp32), and a
+layer the training-time-test unroll calls at several depths keeps its gathered weights until its backward
+(`reshard_after_forward=False`) instead of one all-gather per call — the others follow the preset's setting.
 Unlike Lightning's FSDP (v1) strategy it runs on CPU processes too (gloo), which is how
 tests/test_multiprocess.py executes it."""
 
@@ -22,15 +26,52 @@ class FSDP2Strategy(ModelParallelStrategy):
     strategy_name = "spechead_fsdp2"
 
     def __init__(self, save_distributed_checkpoint: bool = False, reshard_after_forward: bool = True,
-                 **kwargs) -> None:
+                 mixed_precision: bool = True, **kwargs) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.reshard_after_forward = reshard_after_forward
+        # bf16 gathers with fp32 reduction where the trainer's precision is bf16 (`fsdp_mixed_precision`)
+        self.mixed_precision = mixed_precision
 
     def setup_environment(self) -> None:
         # every process of every node shards the head: one data-parallel dimension of world size
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+
+def fsdp_mixed_precision(precision: str | None):
+    """FSDP2's policy for a trainer precision: bf16 parameters in forward and backward (the all-gathers move half
+    the bytes) with gradients reduce-scattered in fp32 for `bf16-mixed` / `bf16-true`; None (fp32 throughout) else."""
+    if not str(precision).startswith("bf16"):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def unroll_calls(head: torch.nn.Module, layer: torch.nn.Module, depth: int) -> int:
+    """How many of the unrolled depths 1..`depth` run `layer` (a head's decoder layer): 1 for a module per depth
+    (mtp3), `depth` for one layer reused at every depth (mtp, eagle3). A head that drafts another way: `depth`."""
+    try:
+        return sum(any(m is layer for m in head.decoder(d).modules()) for d in range(1, depth + 1))
+    except (NotImplementedError, AttributeError, IndexError):
+        return depth
+
+
+def fsdp_unit_settings(module: torch.nn.Module, strategy, depth: int) -> list[tuple[torch.nn.Module, dict]]:
+    """(unit, fully_shard keyword arguments) for the training module under FSDP2, the head's layers first and the
+    module itself (the root unit) last: the precision policy of the trainer (`fsdp_mixed_precision`, unless the
+    strategy's `mixed_precision` is off), and `reshard_after_forward=False` for a layer the unroll calls more than
+    once in a step (each call would gather it again; it is freed after its backward instead)."""
+    reshard = getattr(strategy, "reshard_after_forward", True)
+    policy = None
+    if getattr(strategy, "mixed_precision", False):
+        policy = fsdp_mixed_precision(getattr(getattr(strategy, "precision_plugin", None), "precision", None))
+    extra = {"mp_policy": policy} if policy is not None else {}
+    head = module.head
+    units = [m for m in head.modules() if getattr(m, "fsdp_unit", False)]
+    out = [(m, {"reshard_after_forward": reshard and unroll_calls(head, m, depth) <= 1, **extra}) for m in units]
+    return out + [(module, {"reshard_after_forward": reshard, **extra})]
 
 
 def whole_head_state(trainer: L.Trainer, head: torch.nn.Module) -> dict[str, torch.Tensor] | None:
