@@ -1,2 +1,3 @@
-"""Artifacts on disk: native head checkpoints, every engine export format, their validators and the
-draft-hf reader/writer. Writes go through `core.files.atomic_dir`; heads/ itself opens no file."""
+"""Artifacts on disk: native head checkpoints and artifact markers (checkpoint.py), the export formats, one
+module each, and their registry (formats/), exporting and loading over it (export.py), the validator CLI
+(validate.py). Writes go through `core.files.atomic_dir`; heads/ itself opens no file."""

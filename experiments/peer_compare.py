@@ -14,7 +14,7 @@ by one harness.
 3. **The peer**: the training split exported in its format (experiments/peer_data.py), its own
    `speculators train` (experiments/peer_shims.py in `.venv-speculators`) for the same epochs — or the
    same N tokens (`--max-steps`, `peer_schedule`) — with `peer_compare.peer_args` added, its last
-   checkpoint read by artifacts/speculators.py — the reader evaluate's `load_any` uses — into a native
+   checkpoint read by artifacts/formats/speculators.py — the reader evaluate's `load_any` uses — into a native
    checkpoint.
 4. **Scoring, the same for every head**: held-out top-1 per depth against the target's full argmax
    (the TTT unroll over the held-out split), the engine's τ and α_d at each k of `peer_compare.ks`, and,
@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from artifacts.checkpoint import load_native
 from artifacts.export import default_formats, export_head
-from artifacts.speculators import to_native
+from artifacts.formats.speculators import to_native
 from core.files import atomic_write_bytes
 from core.paths import CONF
 from data.prompts import mtbench_prompts

@@ -10,9 +10,9 @@ batch (issue 28, docs/RESULTS.md §8).
    over the export (experiments/peer_data.py, its multipack sampler, `shift_batch`, its collate), its loss
    config — with `--ttt-steps 1`; then, instead of training, one batch of its epoch 0 goes through its forward
    (its autocast, its `compute_metrics` / `compound_loss`) and `loss.backward()`. Written: the weights
-   (`save_pretrained`, the checkpoint format artifacts/speculators.py reads), the batch, the sampler's rows,
+   (`save_pretrained`, the checkpoint format artifacts/formats/speculators.py reads), the batch, the sampler's rows,
    the loss, every parameter's gradient before its `clip_grad_norm_(…, 1.0)` and that total norm.
-2. **Ours** (this process): the same weights read into our `Eagle3Head` (artifacts/speculators.py, lm_head
+2. **Ours** (this process): the same weights read into our `Eagle3Head` (artifacts/formats/speculators.py, lm_head
    frozen as the peer's), the same conversations from the store the export came from, collated by our
    training collate, and `DraftHeadModule.compute_loss` at depth 1 with `w_hidden: 0` (KL only), backward.
    Compared: the loss, per parameter the gradient's cosine and norm ratio, the total norm (our
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from safetensors.torch import load_file
 
-    from artifacts.speculators import read_speculators_eagle3
+    from artifacts.formats.speculators import read_speculators_eagle3
     from data.store import FeatureStore
     from inference_eval.model import tied_target
 

@@ -54,7 +54,7 @@ speculators' EAGLE-3 defaults differ from the original EAGLE-3 and from ours: no
 norm_before_fc and norm_output are on (EAGLE-3.1), the draft lm_head stays frozen at the verifier's
 rows, the optimizer is Muon at lr 1e-3 with a linear decay, 3 training-time-test steps, and every draft
 layer uses sliding-window attention (window 2048) unless `--full-attention-indices 0` is given.
-artifacts/speculators.py reads the checkpoints it writes (`<save_path>/<epoch>/`).
+artifacts/formats/speculators.py reads the checkpoints it writes (`<save_path>/<epoch>/`).
 """
 
 from __future__ import annotations

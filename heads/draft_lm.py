@@ -24,7 +24,7 @@ residual stream at layer N is not the one N_f was fitted to, and a free norm cos
 Layer-skip drafts (`LlamaForCausalLM.truncated`) keep N_f frozen instead; `init: target` with
 training off is exactly that draft.
 
-Export (`draft-hf`, artifacts/draft_hf.py): a plain HF checkpoint of the target's own class (`LlamaForCausalLM` for a Llama
+Export (`draft-hf`, artifacts/formats/draft_hf.py): a plain HF checkpoint of the target's own class (`LlamaForCausalLM` for a Llama
 target) — the target's config with `num_hidden_layers: N`, `model.embed_tokens.weight` copied from the target (and `lm_head.weight` for an
 untied target), the draft's layers and norm — which vLLM / SGLang load as a separate draft model and
 spechead's engine loads with `LlamaForCausalLM.from_pretrained` (`evaluate.draft_models.<label>.path`).

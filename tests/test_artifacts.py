@@ -32,7 +32,8 @@ from artifacts.checkpoint import (ARTIFACT_MARKER, ArtifactError, TargetMismatch
                                   check_target_fingerprint, export_kind, load_native, save_native)
 from heads.registry import build_head
 from core.files import recover_interrupted_save
-from artifacts.export import WRITERS, export_head, load_any, load_export, probe_logits
+from artifacts.export import export_head, load_any, load_export, probe_logits
+from artifacts.formats import FORMATS
 from inference_eval.model import tied_target
 
 KILL_STEPS = ("mkdir", "fsync", "replace", "rename", "unlink", "rmdir")  # os functions a save goes through
@@ -282,7 +283,7 @@ def test_killed_export_leaves_old_or_new(tiny_target, fp, tmp_path, exchange, mo
 
     def write(head, out):
         with atomic_artifact_dir(out, export_kind("eagle1-sglang"), {"target_fingerprint": fp}) as tmp:
-            WRITERS["eagle1-sglang"](head, tmp, tiny_target)
+            FORMATS["eagle1-sglang"].write(head, tmp, tiny_target)
 
     snaps = []
     for i, h in enumerate(heads):

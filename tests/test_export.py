@@ -15,8 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from heads.medusa import MedusaConfig, MedusaHead
 from heads.registry import build_head
-from artifacts.export import default_formats, export_head, load_export, probe_logits
+from artifacts.export import (ENGINE_FORMATS, VLLM_METHODS, default_formats, detect_format, export_head, load_any,
+                              load_export, probe_logits)
+from artifacts.formats import FORMATS, register
+from artifacts.formats.base import ExportFormat, head_state, loaded, read_json, write_config
 from artifacts.validate import ExportValidationError, check_export, main as validate_main, validate_export
 from inference_eval.model import LlamaForCausalLM, tied_target
 from tests.helpers import generate_speculative
@@ -386,8 +390,7 @@ def test_engine_name_mappings_cover_every_parameter(exported):
 # ---- mtp-vllm: spechead's vLLM plugin (inference_eval/vllm_plugin.py; served in tests/test_vllm_serving.py) --
 @pytest.mark.parametrize("modules", [1, 2, 3])
 def test_mtp_vllm_layout_and_round_trip(tiny_target, tmp_path, modules):
-    from artifacts.export import detect_format
-    from artifacts.validate import MTP_VLLM_ARCH
+    from artifacts.formats.mtp_vllm import MTP_VLLM_ARCH
 
     tied, args, _ = tied_target(tiny_target)
     head = _perturb(build_head({"type": "mtp", "num_modules": modules}, args, tied), 11)
@@ -408,8 +411,6 @@ def test_mtp_vllm_with_aux_layers_round_trip_and_defects(tiny_target, tmp_path):
     """An mtp head with `aux_layers`: the aux ids are [aux…, L], its fusion tensors travel, the read-back head
     computes the same fused state (probe_logits goes through target_input), a wrong fusion tensor changes the
     probe; the DeepSeek layouts refuse it before writing anything."""
-    from artifacts.export import detect_format
-
     tied, args, _ = tied_target(tiny_target)
     head = _perturb(build_head({"type": "mtp", "aux_layers": [1]}, args, tied), 5)
     assert head.aux_fc.weight.abs().max() > 0  # (perturbed: the fusion is not the zero start)
@@ -439,7 +440,7 @@ def test_mtp_vllm_with_aux_layers_round_trip_and_defects(tiny_target, tmp_path):
 
 def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
     from inference_eval.vllm_plugin import MTP_ARCH  # importable without vLLM: the classes are built lazily
-    from artifacts.validate import MTP_VLLM_ARCH
+    from artifacts.formats.mtp_vllm import MTP_VLLM_ARCH
 
     assert MTP_ARCH == MTP_VLLM_ARCH
     tied, args, _ = tied_target(tiny_target)
@@ -460,3 +461,97 @@ def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
         ({"config": {"num_hidden_layers": 2}}, ["missing tensor 'layers.1.hnorm.weight'"]),
     ]):
         assert_rejects_planted_defect(src, tmp_path / f"bad{i}", "mtp-vllm", tiny_target, defect, expected)
+
+
+# ---- the format registry: the one table the export stage, the loader and the validator read -------------
+def test_every_registered_format_is_detected_as_itself(exported, tiny_target, deep_target, tmp_path):
+    """One directory per registered format, each detected as its own name, valid, and read back as the head
+    that wrote it: a format registered without a case here fails the first assertion."""
+    from tests.test_peer import FLAGS, our_head, write_speculators_format
+
+    tied, args, _ = tied_target(tiny_target)
+    dirs = {fmt: (path, tiny_target) for fmt, path in exported.items() if fmt != "eagle1-sglang-bias"}
+    for i, (fmt, spec) in enumerate({"mtp-vllm": {"type": "mtp"}, "medusa-vllm": {"type": "medusa"},
+                                     "draft-hf": {"type": "draft_lm", "num_layers": 1}}.items()):
+        head = _perturb(build_head(spec, args, tied), 20 + i)
+        dirs[fmt] = (export_head(head, {fmt: tmp_path / fmt}, tiny_target)[fmt], tiny_target)
+    deep_tied, deep_args, _ = tied_target(deep_target)
+    eagle3 = _perturb(build_head({"type": "eagle3"}, deep_args, deep_tied), 23)
+    dirs["eagle3"] = (export_head(eagle3, {"eagle3": tmp_path / "eagle3"}, deep_target)["eagle3"], deep_target)
+    peer, _, _ = our_head(tiny_target, FLAGS["eagle31"])
+    dirs["speculators-eagle3"] = (write_speculators_format(peer, tiny_target, tmp_path / "peer"), tiny_target)
+    assert sorted(dirs) == sorted(FORMATS)
+    for fmt, (path, target) in dirs.items():
+        assert detect_format(path) == fmt
+        assert validate_export(path, fmt, target) == [], fmt
+    assert torch.equal(probe_logits(load_any(dirs["speculators-eagle3"][0], tied, args)), probe_logits(peer))
+    # the tables other code reads are the formats' own declarations
+    assert dict(VLLM_METHODS) == {"draft-hf": "draft_model", "eagle1-vllm": "eagle", "eagle3": "eagle3",
+                                  "medusa-vllm": "medusa", "mtp-vllm": "eagle3", "speculators-eagle3": "eagle3"}
+    assert dict(ENGINE_FORMATS) == {"mtp": ("mtp-stitched", "mtp-standalone", "mtp-vllm"),
+                                    "eagle1": ("eagle1-vllm", "eagle1-sglang"), "eagle3": ("eagle3",),
+                                    "medusa": ("medusa-vllm",), "draft_lm": ("draft-hf",)}
+    # the peer's format is read, never written
+    with pytest.raises(ValueError, match="'speculators-eagle3' does not apply to a 'eagle3' head"):
+        export_head(eagle3, {"speculators-eagle3": tmp_path / "no"}, deep_target)
+
+
+class ToyFormat(ExportFormat):
+    """A format no artifacts/ module knows: a Medusa head's own tensors and a config that names the format."""
+
+    name = "toy-medusa"
+    head_kind = "medusa"
+
+    def detect(self, path, cfg):
+        return cfg.get("toy_format") == 1
+
+    def write(self, head, out, target_dir):
+        save_file(head_state(head), out / "toy.safetensors")
+        write_config(out, {"toy_format": 1, "num_heads": head.cfg.num_heads, "num_layers": head.cfg.num_layers,
+                           "bias": head.cfg.bias})
+
+    def read(self, path, tied, args):
+        cfg = read_json(path / "config.json")
+        head = MedusaHead(args, MedusaConfig(num_heads=cfg["num_heads"], num_layers=cfg["num_layers"],
+                                             bias=cfg["bias"]), tied)
+        return loaded(head, load_file(path / "toy.safetensors"), tied)
+
+    def validate(self, path, cfg, infos, target, tcfg, problems):
+        names = ("weight", "bias") if cfg["bias"] else ("weight",)
+        want = {f"blocks.{j}.layers.{l}.{n}" for j in range(cfg["num_heads"]) for l in range(cfg["num_layers"])
+                for n in names}
+        problems += [f"missing tensor {k!r}" for k in sorted(want - set(infos))]
+
+
+@pytest.fixture
+def toy_format():
+    fmt = register(ToyFormat())
+    yield fmt
+    del FORMATS[fmt.name]
+
+
+def test_a_format_registered_outside_artifacts_goes_through_every_public_function(toy_format, heads, tiny_target,
+                                                                                  tmp_path, capsys):
+    """Registering one class is all a new format needs: the export stage lists and writes it, detection,
+    the loader and the validator (and its CLI) find it, and a planted defect is reported."""
+    tied, args, _ = tied_target(tiny_target)
+    head = _perturb(build_head({"type": "medusa"}, args, tied), 31)
+    assert ENGINE_FORMATS["medusa"] == ("medusa-vllm", "toy-medusa") and "toy-medusa" not in VLLM_METHODS
+    assert default_formats(head) == ["native", "medusa-vllm", "toy-medusa"]
+    out = export_head(head, {"toy-medusa": tmp_path / "toy"}, tiny_target)["toy-medusa"]  # validated, read back
+    assert sorted(p.name for p in out.iterdir()) == [".spechead-artifact.json", "config.json", "toy.safetensors"]
+    assert json.loads((out / ".spechead-artifact.json").read_text())["kind"] == "export:toy-medusa"
+    assert detect_format(out) == "toy-medusa"
+    assert torch.equal(probe_logits(load_any(out, tied, args)), probe_logits(head))
+    assert validate_export(out, "toy-medusa", tiny_target) == []
+    assert validate_main([str(out), "--format", "toy-medusa"]) == 0
+    assert "valid toy-medusa export" in capsys.readouterr().out
+    bad = _plant(out, tmp_path / "bad", drop=["blocks.0.layers.0.weight"])
+    assert validate_export(bad, "toy-medusa") == ["missing tensor 'blocks.0.layers.0.weight'"]
+    with pytest.raises(ExportValidationError, match="not a valid 'toy-medusa' export"):
+        check_export(bad, "toy-medusa")
+    with pytest.raises(ValueError, match="'toy-medusa' does not apply to a 'mtp' head; it exports to: native, "
+                                         "mtp-stitched, mtp-standalone, mtp-vllm$"):
+        export_head(heads["mtp"], {"toy-medusa": tmp_path / "mtp"}, tiny_target)
+    with pytest.raises(ValueError, match="registered already"):
+        register(ToyFormat())

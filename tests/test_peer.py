@@ -1,4 +1,4 @@
-"""The peer trainer's EAGLE-3 checkpoints (speculators 0.9.0 format, artifacts/speculators.py) read into our
+"""The peer trainer's EAGLE-3 checkpoints (speculators 0.9.0 format, artifacts/formats/speculators.py) read into our
 Eagle3Head: a checkpoint written here in that format gives our head's logits; one written by speculators' own
 classes (in .venv-speculators, a subprocess) gives speculators' own forward's logits at every TTT step;
 planted mismatches are clear errors. Also the export of a store for the peer (experiments/peer_data.py)."""
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from artifacts.export import detect_format, load_any
-from artifacts.speculators import read_speculators_eagle3
+from artifacts.formats.speculators import read_speculators_eagle3
 from heads.registry import build_head
 from heads.unroll import unroll
 from inference_eval.model import tied_target

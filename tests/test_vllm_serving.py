@@ -145,7 +145,7 @@ def served(tmp_path_factory):
     from data.assets import ensure_smollm2_checkpoint
     from data.precompute import run_precompute
     from artifacts.export import export_head, load_any, load_export
-    from artifacts.speculators import SPECULATORS_EAGLE3
+    from artifacts.formats.speculators import SPECULATORS_EAGLE3
     from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
     from train.run import run_training
@@ -253,7 +253,7 @@ def test_vllm_serves_the_export_losslessly_with_the_engines_acceptance(served, l
 def test_vllm_serves_the_peers_checkpoint_with_the_engines_acceptance(served):
     """The peer's EAGLE-3 (speculators 0.9, its defaults: EAGLE-3.1 norms, frozen lm_head rows) goes through
     the same scoring on both sides: vLLM reads speculators' checkpoint as written, the engine reads it with
-    artifacts/speculators.py (load_export) — equal per-position acceptance, lossless output."""
+    artifacts/formats/speculators.py (load_export) — equal per-position acceptance, lossless output."""
     if "peer" not in served["vllm"]:
         pytest.skip(f"{SPEC_PYTHON} is absent: `make speculators-env` builds the peer trainer's environment")
     test_vllm_serves_the_export_losslessly_with_the_engines_acceptance(served, "peer")
@@ -277,7 +277,7 @@ def test_a_zeroed_eh_proj_loads_silently_but_fails_the_acceptance_comparison(ser
 def test_the_plugin_is_registered_in_the_vllm_environment():
     """The entry point `make vllm-env` installs: vLLM's plugin loader finds it and the architecture named
     by the mtp-vllm export resolves in vLLM's registry."""
-    from artifacts.validate import MTP_VLLM_ARCH
+    from artifacts.formats.mtp_vllm import MTP_VLLM_ARCH
 
     code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "from vllm import ModelRegistry; "

@@ -1,4 +1,5 @@
-"""Read an EAGLE-3 checkpoint in the vllm-project/speculators format into our Eagle3Head.
+"""`speculators-eagle3`, the peer's format: an EAGLE-3 checkpoint in the vllm-project/speculators format, read
+into our Eagle3Head.
 
 The peer trainer (speculators 0.9.0, experiments/peer_shims.py) writes `<save_path>/<epoch>/config.json` +
 `model.safetensors` (docs/reference/export_formats.md §5, §9.4):
@@ -51,7 +52,9 @@ import torch
 from safetensors import safe_open
 
 from artifacts.checkpoint import save_native
-from heads.base import TiedTarget
+from artifacts.formats.base import ExportFormat
+from core.safetensors_io import TensorInfo
+from heads.base import DraftHead, TiedTarget
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs, TiedConventions
 from inference_eval.model import tied_target
@@ -70,18 +73,7 @@ LAYER_TENSORS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention
                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 IGNORED_TENSORS = {"verifier_lm_head.weight", "verifier_norm.weight"}  # excluded on save; harmless if present
-
-
-SPECULATORS_EAGLE3 = "speculators-eagle3"  # the format name artifacts/export.py detect_format gives such a dir
-
-
-def is_speculators_dir(path: str | Path) -> bool:
-    """A directory whose config.json is in the speculators format (has `speculators_config`)."""
-    cfg = Path(path) / "config.json"
-    try:
-        return "speculators_config" in json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return False
+SPECULATORS_EAGLE3 = "speculators-eagle3"  # the format's name (artifacts/formats/__init__.py FORMATS)
 
 
 def _fail(where: Path, field: str, why: str) -> ValueError:
@@ -353,6 +345,34 @@ def _check_embed(where: Path, embed: torch.Tensor, target: torch.Tensor, atol: f
     if diff > atol:
         raise _fail(where, "embed_tokens.weight", f"differs from the target's embeddings by up to {diff:.3g} "
                     f"(> {atol:.3g}): a draft trained with its own embeddings, or another target")
+
+
+class SpeculatorsEagle3(ExportFormat):
+    """The peer's format: read (and validated by reading) only; spechead writes EAGLE-3 as `eagle3`."""
+
+    name = SPECULATORS_EAGLE3
+    vllm_method = "eagle3"  # vLLM serves the directory as it is (see above)
+
+    def detect(self, path: Path, cfg: dict[str, Any]) -> bool:
+        return "speculators_config" in cfg
+
+    def read(self, path: Path, tied: TiedTarget, args: LlamaArgs) -> DraftHead:
+        return read_speculators_eagle3(path, tied, args)
+
+    def validate(self, path: Path, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
+                 tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+        """What the reader refuses: the config's fields alone, and against the target when it is given (the
+        reader raises on the first violation, so at most one is listed)."""
+        try:
+            _read_config(path)
+            if target is not None:
+                tied, args, _ = tied_target(target)
+                read_speculators_eagle3(path, tied, args)
+        except (ValueError, OSError) as e:
+            problems.append(str(e))
+
+
+SPECULATORS = SpeculatorsEagle3()
 
 
 def to_native(path: str | Path, out: str | Path, target_dir: str | Path | None = None,
