@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 def probe_logits(head: DraftHead, seed: int = 0, length: int = 8) -> torch.Tensor:
     """Head logits (and, for a sub-vocabulary, the target ids of its rows) on a fixed random
     (state, token) sequence at every depth the head defines up to 3 — a fingerprint of the function."""
-    if isinstance(head, DraftLMHead):  # a draft LM reads tokens only: its logits on a fixed token sequence
-        return head.probe(seed, length)
+    if isinstance(head, DraftLMHead) or getattr(head, "block", False):  # a draft LM reads tokens only; a block head
+        return head.probe(seed, length)                                      # drafts blocks: each its own probe
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, length, head.args.hidden_size, generator=gen).to(head.dtype)
     tokens = torch.randint(0, head.args.vocab_size, (1, length), generator=gen)

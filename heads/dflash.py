@@ -276,6 +276,26 @@ class DFlashHead(DraftHead):
         return None
 
     @torch.no_grad()
+    def probe(self, seed: int = 0, length: int = 12) -> torch.Tensor:
+        """A fingerprint of the function: every block row's logits (after the true token before it), and the
+        confidence where there is one, for blocks at three anchors of fixed random target states and tokens."""
+        gen = torch.Generator().manual_seed(seed)
+        aux = torch.randn(1, length, self.state_size, generator=gen).to(self.dtype)
+        ids = torch.randint(0, self.args.vocab_size, (1, length), generator=gen)
+        anchors = torch.tensor([[1, length // 2, length - 2]])
+        h = block_unroll(self, aux.to(self.tied.embed.device), ids.to(self.tied.embed.device),
+                         anchors.to(self.tied.embed.device))[0]  # [3, B, H]
+        prev = ids[0, (anchors[0, :, None] + torch.arange(self.block_size) - self.first_row).clamp(0, length - 1)]
+        prev = prev.to(h.device)
+        outs = [self.row_logits(h, prev).float().reshape(-1)]
+        conf = self.confidence(h, prev)
+        if conf is not None:
+            outs.append(conf.float().reshape(-1))
+        if self.draft_ids is not None:
+            outs.append(self.draft_ids.float())
+        return torch.cat(outs)
+
+    @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:
         """Random layers (init_random: norms 1); the final norm starts as the target's N_f (the draft's output then
         lives where the target's last state lives); a reduced lm_head as the target's rows (set_draft_vocab first)."""

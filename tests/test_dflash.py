@@ -353,3 +353,93 @@ def test_dspark_confidence_ends_a_sequences_block_early_and_stays_lossless(varie
     assert sum(eng_full.stats.reached[1:]) > 0
     with pytest.raises(ValueError, match="no confidence head"):
         PagedBlockProposer(_head(varied[1], "dflash"), stop_below=0.5)
+
+
+def _export(head, kind, tmp_path, target_dir):
+    from artifacts.export import export_head
+
+    fmt = f"{kind}-vllm"
+    return export_head(head, {fmt: tmp_path / fmt}, target_dir)[fmt], fmt
+
+
+@pytest.mark.parametrize("vocab", [None, 300], ids=["full_vocab", "reduced_vocab"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_block_head_export_round_trip_and_vllm_config(varied, tmp_path, kind, vocab):
+    """The vLLM export (dflash-vllm / dspark-vllm) reads back to the same function, bit for bit (export_head proves
+    it with the head's probe; here the engine's block pass too), with vLLM's config keys: the layer ids one lower
+    (vLLM names the output of layer i, spechead the input), the mask id, the block size, Qwen3 layers."""
+    import json
+
+    from artifacts.export import load_export
+    from artifacts.formats import detect_format
+    from artifacts.validate import validate_export
+
+    target, path, batch, *_ = varied
+    head = _head(path, kind, vocab, jitter=0.05, batch=batch).eval()
+    out, fmt = _export(head, kind, tmp_path, path)
+    assert detect_format(out) == fmt and validate_export(out, fmt, path) == []
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [0], "use_aux_hidden_state": True}
+    assert (cfg["architectures"], cfg["model_type"], cfg["block_size"], cfg["num_hidden_layers"]) == \
+        ([{"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[kind]], "qwen3", 4, 2)
+    assert cfg["rope_parameters"]["rope_theta"] == head.args.rope_theta
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "layers.1.self_attn.k_norm.weight" in keys and "t2d" not in keys and "embed_tokens.weight" not in keys
+    assert ("d2t" in keys) == ("lm_head.weight" in keys) == (vocab is not None)
+    assert ("markov_head.markov_w1.weight" in keys) == ("confidence_head.proj.bias" in keys) == (kind == "dspark")
+    tied, args, _ = tied_target(path)
+    back = load_export(out, fmt, tied, args).eval()
+    ids = batch["input_ids"][0].tolist()
+    assert torch.equal(_engine_block(target, back, ids, 9, back.max_depth),
+                       _engine_block(target, head, ids, 9, head.max_depth))
+
+
+def test_block_export_defects_are_named_or_change_acceptance(varied, trained, tmp_path):
+    """A zeroed fc, a mask id outside the vocabulary and layer ids past the target are named by the validator; a
+    mask id or layer ids that are valid but not the trained ones load — and change what the engine accepts."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from artifacts.export import load_export
+    from artifacts.validate import validate_export
+
+    target, path, _, prompts, _ = varied
+    good, fmt = _export(trained["dflash"], "dflash", tmp_path, path)
+
+    def variant(name, edit_cfg=None, edit_state=None):
+        d = tmp_path / name
+        d.mkdir()
+        for f in good.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        if edit_cfg:
+            cfg = json.loads((d / "config.json").read_text())
+            edit_cfg(cfg)
+            (d / "config.json").write_text(json.dumps(cfg))
+        if edit_state:
+            state = load_file(d / "model.safetensors")
+            edit_state(state)
+            save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+        return d
+
+    zeroed = variant("zeroed_fc", edit_state=lambda s: s.__setitem__("fc.weight", torch.zeros_like(s["fc.weight"])))
+    assert any("'fc.weight' is all zeros" in p for p in validate_export(zeroed, fmt, path))
+    far = variant("mask_far", edit_cfg=lambda c: (c["dflash_config"].__setitem__("mask_token_id", 9999),
+                                                  c.__setitem__("mask_token_id", 9999)))
+    assert any("mask_token_id 9999 is not a token id" in p for p in validate_export(far, fmt, path))
+    deep = variant("layers_far", edit_cfg=lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1]))
+    assert any("target_layer_ids [1] name outputs of target layers" in p for p in validate_export(deep, fmt, path))
+
+    tied, args, _ = tied_target(path)
+
+    def accepted(d):
+        return engine_generate(target, prompts, 20, proposer=load_export(d, fmt, tied, args), k=3)[1].stats.accepted
+
+    base = accepted(good)
+    other_mask = variant("mask_other", edit_cfg=lambda c: (c["dflash_config"].__setitem__("mask_token_id", 7),
+                                                           c.__setitem__("mask_token_id", 7)))
+    assert validate_export(other_mask, fmt, path) == [] and accepted(other_mask) != base
+    assert accepted(zeroed) != base

@@ -478,6 +478,10 @@ def test_every_registered_format_is_detected_as_itself(exported, tiny_target, de
     deep_tied, deep_args, _ = tied_target(deep_target)
     eagle3 = _perturb(build_head({"type": "eagle3"}, deep_args, deep_tied), 23)
     dirs["eagle3"] = (export_head(eagle3, {"eagle3": tmp_path / "eagle3"}, deep_target)["eagle3"], deep_target)
+    for i, kind in enumerate(("dflash", "dspark")):
+        block = _perturb(build_head({"type": kind, "num_layers": 1, "block_size": 3}, args, tied), 30 + i)
+        fmt = f"{kind}-vllm"
+        dirs[fmt] = (export_head(block, {fmt: tmp_path / fmt}, tiny_target)[fmt], tiny_target)
     peer, _, _ = our_head(tiny_target, FLAGS["eagle31"])
     dirs["speculators-eagle3"] = (write_speculators_format(peer, tiny_target, tmp_path / "peer"), tiny_target)
     assert sorted(dirs) == sorted(FORMATS)
@@ -487,10 +491,12 @@ def test_every_registered_format_is_detected_as_itself(exported, tiny_target, de
     assert torch.equal(probe_logits(load_any(dirs["speculators-eagle3"][0], tied, args)), probe_logits(peer))
     # the tables other code reads are the formats' own declarations
     assert dict(VLLM_METHODS) == {"draft-hf": "draft_model", "eagle1-vllm": "eagle", "eagle3": "eagle3",
-                                  "medusa-vllm": "medusa", "mtp-vllm": "eagle3", "speculators-eagle3": "eagle3"}
+                                  "medusa-vllm": "medusa", "mtp-vllm": "eagle3", "speculators-eagle3": "eagle3",
+                                  "dflash-vllm": "dflash", "dspark-vllm": "dspark"}
     assert dict(ENGINE_FORMATS) == {"mtp": ("mtp-stitched", "mtp-standalone", "mtp-vllm"),
                                     "eagle1": ("eagle1-vllm", "eagle1-sglang"), "eagle3": ("eagle3",),
-                                    "medusa": ("medusa-vllm",), "draft_lm": ("draft-hf",)}
+                                    "medusa": ("medusa-vllm",), "draft_lm": ("draft-hf",),
+                                    "dflash": ("dflash-vllm",), "dspark": ("dspark-vllm",)}
     # the peer's format is read, never written
     with pytest.raises(ValueError, match="'speculators-eagle3' does not apply to a 'eagle3' head"):
         export_head(eagle3, {"speculators-eagle3": tmp_path / "no"}, deep_target)

@@ -11,6 +11,7 @@ validator (artifacts/validate.py and its CLI) read. A new format is one module p
     mtp_vllm.py       `mtp-vllm`                         mtp; vLLM `eagle3` with spechead's plugin
     eagle3.py         `eagle3`                           eagle3; vLLM `eagle3`, SGLang `EAGLE3`
     eagle1.py         `eagle1-vllm`, `eagle1-sglang`     eagle1; vLLM `eagle`, SGLang `EAGLE`
+    dflash.py         `dflash-vllm`, `dspark-vllm`       dflash, dspark; vLLM `dflash`, `dspark` (GPU runner only)
 
 Registration order matters twice: `detect_format` answers the first format whose `detect` holds (the
 peer's config and mtp-vllm's also carry EAGLE-3's aux ids, so both come before `eagle3`), and a head kind's
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from artifacts.formats import draft_hf, eagle1, eagle3, medusa, mtp_deepseek, mtp_vllm, native, speculators
+from artifacts.formats import dflash, draft_hf, eagle1, eagle3, medusa, mtp_deepseek, mtp_vllm, native, speculators
 from artifacts.formats.base import ExportFormat, read_json
 
 FORMATS: dict[str, ExportFormat] = {}
@@ -38,7 +39,7 @@ def register(fmt: ExportFormat) -> ExportFormat:
 
 for _fmt in (native.NATIVE, speculators.SPECULATORS, draft_hf.DRAFT_HF, medusa.MEDUSA_VLLM,
              mtp_deepseek.MTP_STITCHED, mtp_deepseek.MTP_STANDALONE, mtp_vllm.MTP_VLLM, eagle3.EAGLE3,
-             eagle1.EAGLE1_VLLM, eagle1.EAGLE1_SGLANG):
+             eagle1.EAGLE1_VLLM, eagle1.EAGLE1_SGLANG, dflash.DFLASH_VLLM, dflash.DSPARK_VLLM):
     register(_fmt)
 
 
