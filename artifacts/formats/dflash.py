@@ -131,6 +131,18 @@ class BlockFormat(ExportFormat):
 
     def validate(self, path: Path, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:
+        ids = self._check_config(cfg, tcfg, problems)
+        try:
+            a = LlamaArgs.from_hf_config({**cfg, "model_type": "qwen3"})
+        except (KeyError, ValueError, TypeError) as e:
+            problems.append(f"the export's config.json does not size a Qwen3 layer: {e!r}")
+            return
+        check_positions(cfg, tcfg, problems)
+        if ids is not None and isinstance(cfg.get("num_hidden_layers"), int):
+            self._check_tensors(cfg, infos, a, ids, problems)
+
+    def _check_config(self, cfg: dict[str, Any], tcfg: dict[str, Any] | None, problems: list[str]) -> list[int] | None:
+        """The config's keys against vLLM's reading and the target; the target layer ids, or None if unreadable."""
         if cfg.get("architectures") != [self.arch]:
             problems.append(f"architectures must be [{self.arch!r}], got {cfg.get('architectures')}")
         if cfg.get("model_type") != "qwen3":
@@ -139,7 +151,7 @@ class BlockFormat(ExportFormat):
         if cfg.get("attention_bias"):
             problems.append("attention_bias is set: vLLM's DFlash layers would add q/k/v/o biases the head has not")
         dc = cfg.get("dflash_config") or {}
-        n_layers, vocab, hidden = cfg.get("num_hidden_layers"), cfg.get("vocab_size"), cfg.get("hidden_size")
+        vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
         mask = dc.get("mask_token_id")
         if mask is None or mask != cfg.get("mask_token_id", mask):
             problems.append(f"dflash_config.mask_token_id {mask!r} must be written (and equal the top-level "
@@ -161,9 +173,8 @@ class BlockFormat(ExportFormat):
         if cfg.get("target_hidden_size", hidden) != hidden:
             problems.append(f"target_hidden_size {cfg.get('target_hidden_size')} differs from hidden_size {hidden}")
         if tcfg is not None:
-            for key in ("hidden_size", "vocab_size"):
-                if cfg.get(key) != tcfg.get(key):
-                    problems.append(f"{key} {cfg.get(key)} differs from the target's {tcfg.get(key)}")
+            problems += [f"{key} {cfg.get(key)} differs from the target's {tcfg.get(key)}"
+                         for key in ("hidden_size", "vocab_size") if cfg.get(key) != tcfg.get(key)]
         if not isinstance(cfg.get("block_size"), int) or cfg["block_size"] < 2:
             problems.append(f"block_size {cfg.get('block_size')!r} must be an integer ≥ 2")
         if self.spark:
@@ -173,17 +184,14 @@ class BlockFormat(ExportFormat):
                 problems.append(f"markov_head_type {cfg.get('markov_head_type')!r}: spechead's Markov bias is vanilla")
             if cfg.get("enable_confidence_head") and not cfg.get("confidence_head_with_markov"):
                 problems.append("confidence_head_with_markov must be true: the head's confidence reads W1[x_{j-1}]")
-        try:
-            a = LlamaArgs.from_hf_config({**cfg, "model_type": "qwen3"})
-        except (KeyError, ValueError, TypeError) as e:
-            problems.append(f"the export's config.json does not size a Qwen3 layer: {e!r}")
-            return
-        check_positions(cfg, tcfg, problems)
-        if ids is None or not isinstance(n_layers, int):
-            return
+        return ids
+
+    def _check_tensors(self, cfg: dict[str, Any], infos: dict[str, TensorInfo], a: LlamaArgs, ids: list[int],
+                       problems: list[str]) -> None:
+        """The exact key set and shapes, d2t, one dtype, finite values, and an fc that reads the target."""
         vd = cfg.get("draft_vocab_size") or a.vocab_size
         rank = cfg.get("markov_rank") if self.spark else None
-        expected = block_shapes(a, n_layers, len(ids), vd, rank, bool(cfg.get("enable_confidence_head")))
+        expected = block_shapes(a, cfg["num_hidden_layers"], len(ids), vd, rank, bool(cfg.get("enable_confidence_head")))
         check_keys(infos, expected, problems, eagle=True, optional=("d2t",))
         if vd < a.vocab_size and "d2t" not in infos:
             problems.append(f"missing tensor 'd2t': required when draft_vocab_size {vd} < vocab_size {a.vocab_size}")
