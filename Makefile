@@ -18,7 +18,7 @@ endif
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-serving test-kernels install bench clean-runs vllm-env speculators-env
+.PHONY: demo test test-fast test-serving test-kernels install bench clean-runs vllm-env speculators-env
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ SERVING_TESTS := tests/test_vllm_serving.py
 
 test: $(STAMP)
 	WANDB_MODE=disabled $(PY) -m pytest tests --ignore=$(SERVING_TESTS) $(ARGS)
+
+# the unit tier (`-m unit`, ≤ 3 min on 2 cores): tiny targets built in code, no real model, no second
+# process, no vLLM — every package has some of it (tests/README.md)
+test-fast: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest tests -m unit $(ARGS)
 
 test-serving: $(STAMP)
 	WANDB_MODE=disabled $(PY) -m pytest $(SERVING_TESTS) $(ARGS)

@@ -3,7 +3,7 @@ then beside a bounded busy loop (one process spinning on one core for at most `-
 stopped when the bench ends) — and compares the two runs' last lines (core/timing.py's `key=`,
 `key_min=`, `key_max=` figures).
 
-The check (issue 32): the busy run's per-core figure (`<key>_1t`) holds the quiet run's median within
+The check: the busy run's per-core figure (`<key>_1t`) holds the quiet run's median within
 its own printed spread (busy min ≤ quiet median ≤ busy max, widened by `--slack`). The whole-machine
 figure is printed beside it, for contrast: that is the one a busy machine moves.
 

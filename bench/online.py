@@ -1,4 +1,4 @@
-"""Online vs offline training on the demo's data (issue 31): the default target (SmolLM2-135M-Instruct)
+"""Online vs offline training on the demo's data: the default target (SmolLM2-135M-Instruct)
 and the demo's ShareGPT conversations, the 1-module `mtp` head (head=mtp), float32 (this CPU runs bf16 matrices
 several times slower), batches of `--batch-tokens` padded tokens.
 

@@ -7,7 +7,7 @@ Default: the chunked-KL step vs a naive step that materialises full student and 
 
 `--depth D` (≥ 2): a training-time-test step to depth D (heads/unroll.py, the chunked KL and the hidden
 regression at every depth, as train/module.py computes them) with the unroll's attention as one SDPA call
-under a block mask (`sdpa`, the default since issue 29) vs the dense formulation it replaced, which keeps
+under a block mask (`sdpa`, the default) vs the dense formulation it replaced, which keeps
 [B, H, T, T] scores per depth (`dense`, heads/layers.py `dense_unrolled_attention`). Last line:
 `train_step depth=<D> seq=<T> mem_ratio=<peak/dense> speed_ratio=<tok_s/dense> tok_s=<x> dense_tok_s=<y>`.
 

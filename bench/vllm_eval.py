@@ -1,4 +1,4 @@
-"""Evaluation and regeneration through real vLLM against spechead's engine (issue 30's figures): the default
+"""Evaluation and regeneration through real vLLM against spechead's engine (bench/README.md's figures): the default
 target (SmolLM2-135M-Instruct) in float32, one trained head, side by side in one run.
 
 Four sides, their order rotating pair by pair (core/timing.py `measure_pairs`, no warm-up: every call is a

@@ -1,5 +1,5 @@
 """One loss and one gradient, both codes: speculators 0.9's EAGLE-3 step against ours on the same weights and
-batch (issue 28, docs/RESULTS.md §8).
+batch (docs/RESULTS.md §8).
 
     .venv/bin/python -m experiments.peer_grad --data runs/peer_compare_100k/peer/data --out runs/peer_grad \
         [--weights runs/peer_compare_100k_ttt1/peer/ckpt/0] [--batch 0] [--seed 42]

@@ -1,4 +1,4 @@
-"""The recipe study (issue #16, docs/RESULTS.md §7): which training recipe buys the most τ per
+"""The recipe study (docs/RESULTS.md §7): which training recipe buys the most τ per
 CPU-hour, and does τ keep rising with the token budget.
 
     python -m scripts.study experiment=study                 # the RESULTS.md run

@@ -55,8 +55,8 @@ class Eagle3Config:
     norm_output: bool = False
     train_lm_head: bool = True  # False: lm_head stays at the target's rows of the draft vocabulary (speculators' default)
     # the norms' start (reset_parameters): `ones` sets 1 (the default; speculators' init, HF's default for every norm
-    # of its draft), `target` copies the target's (input_layernorm ← its layer 0's input norm, norm ← N_f; the
-    # default before issue 28, ≈ 0.045 top-1 and τ below `ones` on SmolLM2: docs/RESULTS.md §8)
+    # of its draft), `target` copies the target's (input_layernorm ← its layer 0's input norm, norm ← N_f;
+    # ≈ 0.045 top-1 and τ below `ones` on SmolLM2: docs/RESULTS.md §8)
     input_norm_init: Literal["target", "ones"] = "ones"
     norm_init: Literal["target", "ones"] = "ones"
 

@@ -256,9 +256,10 @@ def unrolled_mask(t: int, n_extra: int, mask: torch.Tensor | None, device: torch
 def dense_unrolled_attention(q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor],
                              blocks: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
                              scale: float) -> torch.Tensor:
-    """The training-time test's attention written out (spechead's formulation before issue 29): explicit
-    [B, H, T, T] scores over the depth-1 keys, one dot product per later depth's key at the same row,
-    one softmax (fp32 or wider) over both. Memory O(B·H·T²) per depth, kept for backward."""
+    """The training-time test's attention written out (`unrolled_impl = "dense"`, the reference the SDPA
+    path is compared with): explicit [B, H, T, T] scores over the depth-1 keys, one dot product per later
+    depth's key at the same row, one softmax (fp32 or wider) over both. Memory O(B·H·T²) per depth, kept for
+    backward."""
     t = q.shape[2]
     rep = q.shape[1] // base[0].shape[1]
     k_base, v_base = (z.repeat_interleave(rep, dim=1) for z in base)  # [B, nH, T, d]

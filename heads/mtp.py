@@ -51,12 +51,12 @@ class MTPConfig:
     # as N_f either way, so with `ones` (and init=copy) step 0 projects ≈ N_f(x̂) = N_f(H_i): the target's own
     # logits; with `target` N_f applies twice (N_f(N_f(H_i))), far off where N_f's multipliers are far from 1
     # (Gemma-3-270M's span 0.19..301: a starting KL of 110 against 6.4). `auto`: ones for a target whose
-    # final norm is not Llama's (Gemma's (1 + w)), target for the Llama family (the default before issue 28).
+    # final norm is not Llama's (Gemma's (1 + w)), target for the Llama family.
     # `ones` is the default: with enorm at 1 too it trained +0.02 held-out top-1 at every depth on two seeds
     # at the demo's budget (docs/RESULTS.md §8)
     hnorm_init: Literal["auto", "target", "ones"] = "ones"
     # enorm's start: `ones` = 1 (the default), `target` = the target's layer-0 input norm (it normalises the same
-    # embeddings; the default before issue 28). SmolLM2's layer-0 input norm is ≈ 0 (RMS 0.04), so `target` starts
+    # embeddings). SmolLM2's layer-0 input norm is ≈ 0 (RMS 0.04), so `target` starts
     # a head that barely sees t_{i+1}: `ones` trained +0.08 τ at 100k tokens and more at the demo's budget
     # (docs/RESULTS.md §8)
     enorm_init: Literal["target", "ones"] = "ones"

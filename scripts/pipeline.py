@@ -3,7 +3,7 @@
 `pipeline.regenerate: true` first replaces the data's assistant turns by the target's own replies
 (data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
 
-Every setting the stages need is checked before the first one starts (data/checks.py). Last line:
+Every setting the stages need is checked before the first one starts (scripts/checks.py). Last line:
 `demo tau_trained=<x> tau_untrained=<y> speedup=<s> speedup_min=<a> speedup_max=<b> verdict=<faster|not_faster|within_noise>
 predicted_speedup=<p> k=<k> draft_vocab=<n|all> runtime_s=<z> disk_mb=<d>` —
 the trained head's τ and its speedup over plain decoding at the k (and draft vocabulary) `evaluate.k=auto`

@@ -182,8 +182,8 @@ def stage_main(fn):
 def close_process_group() -> None:
     """Several processes (torchrun): every rank waits here until all have finished the stage, then the process
     groups are destroyed. Left to interpreter exit, each rank tears its gloo (or NCCL) groups down on its own
-    while another may still be writing the head or in a collective — a rank aborted that way (SIGABRT at exit,
-    CI on 2026-12-04). Nothing to do in one process."""
+    while another may still be writing the head or in a collective — a rank can abort that way (SIGABRT at
+    exit). Nothing to do in one process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -73,6 +73,7 @@ def _user_dir(path: Path) -> dict[str, bytes]:
 
 
 # ---- refusing to replace what is not ours ------------------------------------------------------------
+@pytest.mark.unit
 def test_save_refuses_a_foreign_directory_and_keeps_it(mtp_heads, tmp_path):
     out = tmp_path / "head"
     before = _user_dir(out)
@@ -84,6 +85,7 @@ def test_save_refuses_a_foreign_directory_and_keeps_it(mtp_heads, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["head"]  # no temp dir left behind
 
 
+@pytest.mark.unit
 def test_save_refuses_a_file_a_symlink_and_an_artifact_of_another_kind(mtp_heads, tmp_path, tiny_target):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ArtifactError, match=r"/f: exists and is not a directory"):
@@ -106,6 +108,7 @@ def test_save_refuses_a_file_a_symlink_and_an_artifact_of_another_kind(mtp_heads
     assert json.loads((real / ARTIFACT_MARKER).read_text())["kind"] == "native-head"
 
 
+@pytest.mark.unit
 def test_save_replaces_an_empty_dir_the_same_kind_and_a_legacy_native_head(mtp_heads, tmp_path, tiny_target):
     tied, args, _ = tied_target(tiny_target)
     out = tmp_path / "head"
@@ -121,6 +124,7 @@ def test_save_replaces_an_empty_dir_the_same_kind_and_a_legacy_native_head(mtp_h
     assert sorted(os.listdir(out)) == [ARTIFACT_MARKER, "config.json", "model.safetensors"]
 
 
+@pytest.mark.unit
 def test_export_checks_every_directory_before_writing_any(tiny_target, tmp_path):
     eagle = _head(tiny_target, "eagle1", 0)
     before = _user_dir(tmp_path / "sglang")
@@ -142,6 +146,7 @@ def test_export_checks_every_directory_before_writing_any(tiny_target, tmp_path)
 
 
 # ---- leftovers of an interrupted swap ---------------------------------------------------------------
+@pytest.mark.unit
 def test_recovery_restores_a_parked_old_artifact_and_removes_temp_dirs(mtp_heads, tmp_path, tiny_target):
     runs = tmp_path / "runs"
     save_native(mtp_heads[0], runs / "head")
@@ -363,6 +368,7 @@ def retrained_target(tiny_target, tmp_path_factory):
     return path
 
 
+@pytest.mark.unit
 def test_fingerprint_check_compares_identity_keys_generically(tmp_path, caplog):
     stored = {"name": "a", "config_sha256": "c1", "weights_sha256": "w1", "compute_dtype": "bfloat16",
               "versions": {"torch": "2.1"}, "only_stored": 1}
@@ -382,6 +388,7 @@ def test_fingerprint_check_compares_identity_keys_generically(tmp_path, caplog):
     assert "['only_expected', 'only_stored'] recorded on one side only" in caplog.text
 
 
+@pytest.mark.unit
 def test_fingerprint_check_across_weight_hash_methods(tmp_path, caplog):
     """data/store.py: `weights_sha256` hashes the safetensors headers (`weights_hash: header`), plus the
     bytes as `weights_content_sha256` with `full`; a fingerprint without `weights_hash` is older and its
@@ -406,6 +413,7 @@ def test_fingerprint_check_across_weight_hash_methods(tmp_path, caplog):
         check_target_fingerprint(legacy, {**header, "config_sha256": "c2"}, tmp_path)
 
 
+@pytest.mark.unit
 def test_load_native_refuses_another_target_and_dtype(mtp_heads, fp, tiny_target, other_target, retrained_target,
                                                       tmp_path, caplog):
     tied, args, _ = tied_target(tiny_target)
@@ -436,6 +444,7 @@ def test_load_native_refuses_another_target_and_dtype(mtp_heads, fp, tiny_target
     assert f"{legacy}: records no target fingerprint" in caplog.text and "'tiny'" in caplog.text
 
 
+@pytest.mark.unit
 def test_export_refuses_another_target_before_writing(tiny_target, other_target, fp, tmp_path):
     eagle = _head(tiny_target, "eagle1", 0)
     other = target_fingerprint(other_target, "tiny", "float32")
@@ -459,6 +468,7 @@ def test_export_refuses_another_target_before_writing(tiny_target, other_target,
     assert torch.equal(probe_logits(back), probe_logits(eagle))
 
 
+@pytest.mark.unit
 def test_scripts_export_and_evaluate_refuse_another_target(tiny_overrides, tiny_target, other_target, fp, tmp_path):
     from evaluation.evaluate import run_evaluation
     from scripts.export import run_export

@@ -25,6 +25,7 @@ def sharegpt_records() -> list[dict]:
 # ------------------------------------------------------------------------------ package lookup
 
 
+@pytest.mark.unit
 def test_missing_package_names_install_command(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -38,6 +39,7 @@ def test_missing_package_names_install_command(monkeypatch):
         assets.sharegpt_path()
 
 
+@pytest.mark.unit
 def test_missing_file_in_installed_package_names_install_command(monkeypatch, tmp_path):
     class FakeDist:
         def locate_file(self, relpath):
@@ -69,6 +71,7 @@ def test_sharegpt_recovers_all_complete_records(sharegpt_records, caplog):
     assert len(load_sharegpt(limit=5)) == 5
 
 
+@pytest.mark.unit
 def test_truncated_array_stops_cleanly_and_logs_offset(tmp_path, caplog):
     records = [{"id": str(i), "conversations": [{"from": "human", "value": "x, ] y" * i}]} for i in range(3)]
     text = json.dumps(records, indent=2)
@@ -83,6 +86,7 @@ def test_truncated_array_stops_cleanly_and_logs_offset(tmp_path, caplog):
     assert f"{path}:{line}: truncated" in caplog.text and "after 2 complete records" in caplog.text
 
 
+@pytest.mark.unit
 def test_complete_and_cut_after_comma_arrays(tmp_path, caplog):
     path = tmp_path / "ok.json"
     path.write_text(' \n[ {"a": 1} ,\n{"a": [2, 3]}\n]\n', encoding="utf-8")
@@ -109,6 +113,7 @@ def test_mtbench_has_80_questions_two_turns_ten_per_category():
     assert questions[0]["turns"][1] == "Rewrite your previous response. Start every sentence with the letter A."
 
 
+@pytest.mark.unit
 def test_mtbench_malformed_line_names_file_and_line(tmp_path):
     path = tmp_path / "mt.jsonl"
     good = json.dumps({"question_id": 1, "category": "math", "turns": ["a", "b"]})
@@ -170,6 +175,7 @@ def test_losing_a_concurrent_conversion_reuses_the_winner(monkeypatch, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
+@pytest.mark.unit
 def test_cache_root_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECHEAD_CACHE", str(tmp_path))
     assert assets.cache_dir() == tmp_path

@@ -46,6 +46,7 @@ def masked_text(tokenizer, ids, mask) -> str:
     return tokenizer.decode([t for t, m in zip(ids, mask) if m])
 
 
+@pytest.mark.unit
 def test_a_template_file_renders_a_base_models_conversations(tiny_target, tiny_overrides, tmp_path):
     base = base_target(tiny_target, tmp_path)
     template = tmp_path / "hash.jinja"
@@ -68,6 +69,7 @@ def test_a_template_file_renders_a_base_models_conversations(tiny_target, tiny_o
     assert manifest["source"]["chat_template_sha256"] == hashlib.sha256(HASH_TEMPLATE.encode()).hexdigest()
 
 
+@pytest.mark.unit
 def test_another_template_file_is_another_store(tiny_overrides, tmp_path):
     """The template file's content is part of the store's `source`: a store precomputed with one template is
     never resumed with another (same file name, new content), and the same template resumes it."""
@@ -154,6 +156,7 @@ def test_plain_text_end_to_end_on_a_base_model(tiny_target, tiny_overrides, tmp_
     assert report["results"]["trained"]["tau"] >= 1.0
 
 
+@pytest.mark.unit
 def test_raw_prompts_without_a_template_and_templated_ones_with_it(tiny_target, tmp_path):
     from data.conversations import load_tokenizer
     from data.prompts import jsonl_prompts
@@ -174,6 +177,7 @@ def test_raw_prompts_without_a_template_and_templated_ones_with_it(tiny_target, 
         jsonl_prompts(tokenizer, chat, None)
 
 
+@pytest.mark.unit
 def test_a_template_less_tokenizer_stops_tokenizing_with_the_cause(tiny_target, tmp_path):
     """The issue's symptom: every conversation rejected one by one ({'ValueError': 50}) hid the cause."""
     tokenizer = base_tokenizer(base_target(tiny_target, tmp_path))
@@ -185,6 +189,7 @@ def test_a_template_less_tokenizer_stops_tokenizing_with_the_cause(tiny_target, 
     assert [s[0] for s in tokenize_all(tokenizer, [("t", "plain text needs no template")], 512, rejected)] == ["t"]
 
 
+@pytest.mark.unit
 def test_template_problems_are_refused_before_any_work(tiny_target, tiny_overrides, tmp_path, no_work):
     base = base_target(tiny_target, tmp_path)
     at_base = [*tiny_overrides, f"target.path={base}"]
@@ -224,6 +229,7 @@ def test_template_problems_are_refused_before_any_work(tiny_target, tiny_overrid
         check_before_work(compose_config([*at_base, *override]), stage)
 
 
+@pytest.mark.unit
 def test_plain_text_keeps_the_tokenizers_bos_out_of_the_loss():
     """A tokenizer that adds BOS (Llama 3, Gemma): the ids are BOS + the text's, the BOS is masked out and
     the text's first token, which the target generates after BOS, is learned."""

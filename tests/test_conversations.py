@@ -56,6 +56,7 @@ def masked_runs(tokenizer, tokenized: TokenizedConversation) -> list[str]:
 # -------------------------------------------------------------------------------- normalisation
 
 
+@pytest.mark.unit
 def test_sharegpt_roles_are_mapped():
     messages, reason = normalize_sharegpt(
         sharegpt(("system", "S"), ("human", "a"), ("gpt", "b"), ("user", "c"), ("chatgpt", "d"),
@@ -66,6 +67,7 @@ def test_sharegpt_roles_are_mapped():
     assert [m["content"] for m in messages] == list("Sabcdefghij")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "record, reason",
     [
@@ -89,6 +91,7 @@ def test_sharegpt_drop_reasons(record, reason):
     assert normalize_sharegpt(record) == (None, reason)
 
 
+@pytest.mark.unit
 def test_leading_assistant_turns_are_dropped_but_system_kept():
     got, _ = normalize_sharegpt(sharegpt(("gpt", "tail of a split chat"), ("human", "q"), ("gpt", "a")))
     assert got == [user("q"), assistant("a")]
@@ -96,6 +99,7 @@ def test_leading_assistant_turns_are_dropped_but_system_kept():
     assert got == [system("s"), user("q"), assistant("a")]
 
 
+@pytest.mark.unit
 def test_same_role_turns_merge_blank_turns_vanish_trailing_user_dropped():
     got, reason = normalize_sharegpt(
         sharegpt(("human", "q1"), ("human", "q2"), ("gpt", ""), ("human", "q3"), ("gpt", "a1"), ("gpt", "a2 "),
@@ -105,6 +109,7 @@ def test_same_role_turns_merge_blank_turns_vanish_trailing_user_dropped():
     assert got == [user("q1\n\nq2\n\nq3"), assistant("a1\n\na2 ")]
 
 
+@pytest.mark.unit
 def test_openai_messages_and_dispatch():
     record = {"messages": [system("s"), user("q"), assistant("a"), user("again")]}
     assert normalize_messages(record) == ([system("s"), user("q"), assistant("a")], None)
@@ -130,6 +135,7 @@ def test_real_sharegpt_policy_counts():
 # ----------------------------------------------------------------------------- masks, tiny
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_mask_is_exactly_the_assistant_turns(template):
     tokenizer = make_tiny_tokenizer(template)
@@ -145,6 +151,7 @@ def test_mask_is_exactly_the_assistant_turns(template):
     assert tokenizer.decode(tokenized.input_ids) == tokenizer.apply_chat_template(messages, tokenize=False)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_mask_with_explicit_system_prompt(template):
     tokenizer = make_tiny_tokenizer(template)
@@ -156,6 +163,7 @@ def test_mask_with_explicit_system_prompt(template):
     assert "Be terse." in rendered and "helpful" not in rendered and "curious" not in rendered
 
 
+@pytest.mark.unit
 def test_chatml_default_system_prompt_and_newline_after_end_of_turn():
     tokenizer = make_tiny_tokenizer("chatml")
     tokenized = tokenize_conversation(tokenizer, [user("Hi"), assistant("Hey.")])
@@ -167,6 +175,7 @@ def test_chatml_default_system_prompt_and_newline_after_end_of_turn():
     assert tokenized.loss_mask[-2:] == [1, 0]  # the end of turn is learned, the glue after it is not
 
 
+@pytest.mark.unit
 def test_prompt_tokens_are_the_prefix_of_the_training_tokens():
     tokenizer = make_tiny_tokenizer("llama3")
     messages = [user("Hi"), assistant("Hey."), user("Again"), assistant("Sure.")]
@@ -177,6 +186,7 @@ def test_prompt_tokens_are_the_prefix_of_the_training_tokens():
         assert full.loss_mask[len(prompt) - 1] == 0 and full.loss_mask[len(prompt)] == 1
 
 
+@pytest.mark.unit
 def test_truncation_keeps_prefix_or_raises():
     tokenizer = make_tiny_tokenizer("chatml")
     messages = [user("Hi"), assistant("Hey."), user("More"), assistant("Fine.")]
@@ -189,6 +199,7 @@ def test_truncation_keeps_prefix_or_raises():
         tokenize_conversation(tokenizer, messages, max_length=first_one)
 
 
+@pytest.mark.unit
 def test_non_incremental_template_raises():
     tokenizer = make_tiny_tokenizer("chatml")
     messages = [user("Hi"), assistant("Hey."), user("More"), assistant("Fine.")]
@@ -210,6 +221,7 @@ def test_non_incremental_template_raises():
         tokenize_conversation(tokenizer, messages)
 
 
+@pytest.mark.unit
 def test_template_without_assistant_content_raises():
     tokenizer = make_tiny_tokenizer("chatml")
     tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
@@ -217,6 +229,7 @@ def test_template_without_assistant_content_raises():
         tokenize_conversation(tokenizer, [user("Hi"), assistant("Hey.")])
 
 
+@pytest.mark.unit
 def test_refusals_raise_a_value_error_with_a_reason_but_prompts_keep_jinjas_error():
     """tokenize_conversation turns what the template or tokenizer raises into a ValueError with a
     `reason` (precompute rejects that one conversation); tokenize_prompt lets jinja's TemplateError
@@ -245,6 +258,7 @@ def test_refusals_raise_a_value_error_with_a_reason_but_prompts_keep_jinjas_erro
     assert TooLongError("x").reason == "too_long" and TemplateMaskError("x").reason == "template_mask"
 
 
+@pytest.mark.unit
 def test_explain_record_names_the_field():
     from data.conversations import Drop, explain_record
 

@@ -20,6 +20,8 @@ from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree
                            paged_steps_per_sequence, pool_and_tables as _tables, random_hf_model)
 from tests.numerics import assert_matches_hf, assert_same_function, float64_copy
 
+pytestmark = pytest.mark.unit
+
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707,
         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
 RANK, ROPE = 16, 8

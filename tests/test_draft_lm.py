@@ -76,6 +76,7 @@ def setup(tmp_path_factory):
             "losses": losses, "prompts": prompts, "reference": reference}
 
 
+@pytest.mark.unit
 def test_target_init_is_the_layer_skip_draft(setup):
     """init: target with the final norm still N_f computes exactly the engine's truncated target."""
     target, path = setup["target"], setup["path"]
@@ -93,6 +94,7 @@ def test_target_init_is_the_layer_skip_draft(setup):
     assert sorted({k.split(".")[1] for k in head.state_dict()}) == ["layers", "norm"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_speculative_equals_plain_batch1_and_batch8(setup, k):
     target, head, prompts, reference = setup["target"], setup["head"], setup["prompts"], setup["reference"]
@@ -134,6 +136,7 @@ def _every_step_reference(target, draft, prompt: list[int], k: int, n: int) -> t
     return out[:n], {"accepted": accepted, "reached": reached, "steps": steps}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 3])
 def test_vllm_schedule_drafts_in_every_step(setup, k):
     """The draft-model proposer's default schedule is vLLM's `draft_model` one (inference_eval/engine/draft_model.py
@@ -161,6 +164,7 @@ def test_vllm_schedule_drafts_in_every_step(setup, k):
     assert eng.stats.accepted == eng.stats.reached == [4] * k and eng.stats.steps == 4
 
 
+@pytest.mark.unit
 def test_training_raises_acceptance(setup):
     """40 steps on the target's own continuations: the KL falls and the engine accepts more drafts."""
     losses = setup["losses"]
@@ -186,6 +190,7 @@ def _naive_loss(head, batch, depth, gamma=0.8):
     return total
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("depth", [1, 2])
 def test_chunked_kl_equals_naive_reference(setup, depth):
     """Padded rows of different lengths with partial loss masks, chunk size 7 (not a divisor)."""
@@ -218,6 +223,7 @@ def test_chunked_kl_equals_naive_reference(setup, depth):
         torch.testing.assert_close(cv, gv, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.unit
 def test_packed_rows_equal_separate_rows(setup):
     """Packed samples attend within themselves: the summed KL and agreement equal those of the samples
     scored one by one."""
@@ -284,6 +290,7 @@ def test_export_reloads_with_identical_logits(setup, tmp_path):
     assert cli.returncode == 1 and "model.embed_tokens.weight" in cli.stderr, cli.stderr[-2000:]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_export_of_other_families(family, tmp_path):
     """A Qwen2 (q/k/v bias, untied lm_head) or Qwen3 (q/k norms) target: the draft is of the target's own
@@ -305,6 +312,7 @@ def test_export_of_other_families(family, tmp_path):
         assert_matches_hf(hf(ids).logits, head(ids).logits, head.args, ids.shape[1])
 
 
+@pytest.mark.unit
 def test_native_round_trip(setup, tmp_path):
     head, path = setup["head"], setup["path"]
     tied, args, _ = tied_target(path)
@@ -346,6 +354,7 @@ def test_hydra_training_run(tiny_overrides, tiny_target):
     assert not torch.equal(trained.model.layers[0].mlp.up_proj.weight, untrained.model.layers[0].mlp.up_proj.weight)
 
 
+@pytest.mark.unit
 def test_evaluation_native_export_and_draft_model_path(tiny_overrides, tiny_target, tmp_path):
     """scripts.evaluate serves the draft LM by every route: its native checkpoint and its draft-hf export
     as `evaluate.heads`, the export as `evaluate.draft_models.<label>.path`. Untrained with init: target

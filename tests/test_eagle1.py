@@ -21,6 +21,8 @@ from train.data import collate
 from train.losses import hidden_regression
 from train.module import DraftHeadModule
 
+pytestmark = pytest.mark.unit
+
 EAGLE_KEYS = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
               *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
               *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}

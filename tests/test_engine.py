@@ -62,6 +62,7 @@ def reference(varied):
     return [generate_plain(target, p, 20) for p in prompts]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("prefill_per_sequence", [True, False])
 def test_paged_attention_equals_contiguous(varied, prefill_per_sequence):
     """Prefill (per-sequence path), then decode and multi-token verification (padded batch path),
@@ -102,6 +103,7 @@ def test_paged_attention_equals_contiguous(varied, prefill_per_sequence):
         assert_same_function(torch.cat(mine), torch.cat(want))
 
 
+@pytest.mark.unit
 def test_packed_rows_equal_separate_forwards(varied):
     """Varlen prefill without a cache (precompute): samples packed in one row, a 1-token one among
     them, give each sample's own hidden states and captured layer inputs; a length mismatch is refused."""
@@ -125,12 +127,14 @@ def test_packed_rows_equal_separate_forwards(varied):
         PackedRows([3, 0])
 
 
+@pytest.mark.unit
 def test_tree_mask_attention_equals_separate_branches(varied):
     """Two branches verified in one pass through a tree mask give each branch's own logits."""
     target, _, prompts, *_ = varied
     assert_tree_verification_equals_branches(target, prompts[2])
 
 
+@pytest.mark.unit
 def test_block_allocator_and_errors(varied):
     target = varied[0]
     alloc = BlockAllocator(3)
@@ -147,6 +151,7 @@ def test_block_allocator_and_errors(varied):
         eng.add_request([], 4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("max_batch", [8, 3])
 def test_continuous_batching_plain_equals_reference(varied, reference, max_batch):
     target, _, prompts, *_ = varied
@@ -155,6 +160,7 @@ def test_continuous_batching_plain_equals_reference(varied, reference, max_batch
     assert eng.stats.steps == sum(len(o) - 1 for o in out)  # one target pass per token after the prefill
 
 
+@pytest.mark.unit
 def test_stop_ids_and_lengths(varied, reference):
     target, _, prompts, *_ = varied
     stop = {reference[0][5]}
@@ -170,6 +176,7 @@ def test_stop_ids_and_lengths(varied, reference):
     assert eng.alloc.num_free == eng.num_blocks  # every page came back
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("proposer", [None, "head", "draft_model"])
 def test_preemption_and_recompute_give_identical_output(varied, reference, proposer):
     target, head, prompts, *_ = varied
@@ -187,6 +194,7 @@ def test_preemption_and_recompute_give_identical_output(varied, reference, propo
         assert small == big  # plainly (the seed's schedule), so its rounds — and its draws — differ
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_head_speculative_batch_equals_plain_and_batch1(varied, reference, k):
     target, head, prompts, *_ = varied
@@ -198,6 +206,7 @@ def test_head_speculative_batch_equals_plain_and_batch1(varied, reference, k):
     assert 0 < eng.stats.alpha[0] < 1 and eng.stats.tau > 1.5  # rounds both accept and reject
 
 
+@pytest.mark.unit
 def test_draft_model_batch(varied, reference):
     """The seed's draft-model schedule is lossless in a batch joining at different steps (steps that
     prefill a newcomer decode plainly, so its acceptance counts differ from the batch-1 loop's)."""
@@ -210,6 +219,7 @@ def test_draft_model_batch(varied, reference):
     assert out == [r[:9] for r in reference] and eng.stats.alpha == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.unit
 def test_draft_model_schedule_pass_counts(varied, reference):
     """Per speculative round k draft passes and one target pass: d_1 comes from the logits carried
     from the last round (no pass), d_2..d_k take k-1, and one pass after acceptance feeds the bonus
@@ -318,6 +328,7 @@ class OracleTree:
         return None
 
 
+@pytest.mark.unit
 def test_tree_verification_compacts_the_cache(varied, reference):
     target, _, prompts, *_ = varied
     full = [r + [0] * 8 for r in reference]
@@ -326,6 +337,7 @@ def test_tree_verification_compacts_the_cache(varied, reference):
     assert eng.stats.tau > 2.5  # paths of 2-3 accepted nodes, stored after the decoys
 
 
+@pytest.mark.unit
 def test_eagle_tree_proposer(varied, reference):
     target, head, prompts, *_ = varied
     chain, ceng = engine_generate(target, prompts, 20, proposer=head, k=3)
@@ -337,6 +349,7 @@ def test_eagle_tree_proposer(varied, reference):
         PagedTreeProposer(type("Parallel", (), {"chain": False, "kind": "medusa"})())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("proposer", ["head", "draft_model"])
 def test_engine_sampling_matches_the_targets_joint_distribution(tiny_target, proposer):
     from tests.test_heads_family import make
@@ -356,6 +369,7 @@ def test_engine_sampling_matches_the_targets_joint_distribution(tiny_target, pro
     assert sum(eng.stats.reached) - sum(eng.stats.accepted) > n // 4  # the residual path ran often
 
 
+@pytest.mark.unit
 def test_draft_vocabulary_pruning(varied, reference):
     """FR-Spec style drafting among frequent tokens only: the whole vocabulary gives the unpruned
     drafts exactly; a small one drafts only its ids and stays lossless (chain and tree)."""
@@ -387,6 +401,7 @@ def test_draft_vocabulary_pruning(varied, reference):
         PagedHeadProposer(make(varied[3], "eagle3"), few)
 
 
+@pytest.mark.unit
 def test_a_one_wide_tree_is_the_chain(varied, reference):
     """topk = 1, total = depth = k: the tree is the chain (same drafts through the tree-mask path with
     offsets), so it accepts exactly what the chain head accepts; sampled requests are refused."""
@@ -402,6 +417,7 @@ def test_a_one_wide_tree_is_the_chain(varied, reference):
         eng.add_request(prompts[0], 8, sampling=Sampling(0.8))
 
 
+@pytest.mark.unit
 def test_a_one_wide_tree_is_the_chain_with_separate_modules(varied, reference, mtp3):
     """The same with 3 separate modules: at each level the tree runs every module of a deeper level on that
     level's nodes too (their entries in its own cache, as the chain writes slot m+j−2 of every deeper module),
@@ -415,6 +431,7 @@ def test_a_one_wide_tree_is_the_chain_with_separate_modules(varied, reference, m
     assert chain.stats.accepted[2] > 0, chain.stats  # depth 3 (module 3) accepted drafts: its keys mattered
 
 
+@pytest.mark.unit
 def test_greedy_and_sampled_requests_share_a_batch(varied, reference):
     target, head, prompts, *_ = varied
     samplings = [Sampling(0.9, top_k=20, generator=torch.Generator().manual_seed(i)) if i % 2 else Sampling()
@@ -426,6 +443,7 @@ def test_greedy_and_sampled_requests_share_a_batch(varied, reference):
         assert all(len(o) == 20 for o in out)
 
 
+@pytest.mark.unit
 def test_grouped_attention_takes_a_strided_sdpa_output(monkeypatch):
     """CUDA's SDPA returned [B, nKV, g·T, d] in a strided layout on an H200 (`view` failed there, never
     on CPU): folding the query heads back must not assume a contiguous result."""
@@ -466,6 +484,7 @@ def _k1(target, head, prompts, k1_schedule=True, guard=False, arrivals=ARRIVALS,
     return [res[r].tokens for r in rids], eng, rounds
 
 
+@pytest.mark.unit
 def test_k1_round_reads_nothing_back_inside_its_device_part(varied, reference):
     """The whole device part — drafting the fresh sequences, the 2-token verification, acceptance, the
     head's re-run on both rows and the next drafts — runs under a guard that raises on any value read
@@ -485,6 +504,7 @@ def test_k1_round_reads_nothing_back_inside_its_device_part(varied, reference):
         generic.step()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("max_batch", [8, 1])
 def test_k1_round_equals_the_generic_chain_round(varied, reference, max_batch):
     """Same verification rows, same acceptance: the same tokens and the same counts as the generic
@@ -497,12 +517,14 @@ def test_k1_round_equals_the_generic_chain_round(varied, reference, max_batch):
     assert eng_fast.stats.emitted == eng_slow.stats.emitted
 
 
+@pytest.mark.unit
 def test_k1_round_with_preemption_in_the_middle(varied, reference):
     target, head, prompts, *_ = varied
     out, eng, rounds = _k1(target, head, prompts, block_size=4, num_blocks=30, arrivals=[0] * 8)
     assert eng.preemptions >= 1 and rounds and out == reference
 
 
+@pytest.mark.unit
 def test_k1_round_mixes_with_sampled_requests(varied, reference):
     """A sampled request in the batch sends its rounds to the generic path; the greedy ones stay exact."""
     target, head, prompts, *_ = varied
@@ -511,6 +533,7 @@ def test_k1_round_mixes_with_sampled_requests(varied, reference):
     assert out[1:] == reference[1:]
 
 
+@pytest.mark.unit
 def test_round_cost_counts_a_round_in_plain_steps(varied):
     """inference_eval.engine.round_cost: plain steps and speculative rounds interleaved, medians. A
     proposer made slower by a known delay per round costs that delay more, in plain-step units; τ is
@@ -538,6 +561,7 @@ def test_round_cost_counts_a_round_in_plain_steps(varied):
     assert slow["predicted_speedup"] < base["predicted_speedup"]
 
 
+@pytest.mark.unit
 def test_evaluate_paired_rotates_the_sides_and_keeps_the_outputs(varied, monkeypatch):
     """evaluation.evaluate.evaluate_paired: plain decoding and each proposer on the same prompt groups,
     the order rotating group by group; τ, α and outputs equal one unpaired pass (greedy), one speedup

@@ -8,6 +8,7 @@ from tests.conftest import make_hf_model
 from tests.numerics import assert_close_float32, assert_matches_hf, decoder_chain
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model_type,extra", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
                                               ("mistral", {}), ("qwen2", {"attention_bias": True}), ("qwen3", {}),
                                               ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
@@ -31,6 +32,7 @@ def test_parity_with_hf(tmp_path, model_type, extra):
     assert not torch.allclose(out.hidden, ref.hidden_states[-1], atol=1e-3)
 
 
+@pytest.mark.unit
 def test_cached_decode_equals_full_forward(tmp_path):
     make_hf_model("llama").save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path)
@@ -44,6 +46,7 @@ def test_cached_decode_equals_full_forward(tmp_path):
     torch.testing.assert_close(torch.cat([p.hidden for p in parts], 1), full.hidden, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.unit
 def test_rejects_checkpoint_of_other_shape(tmp_path):
     make_hf_model("llama").save_pretrained(tmp_path)
     cfg = (tmp_path / "config.json").read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
@@ -52,6 +55,7 @@ def test_rejects_checkpoint_of_other_shape(tmp_path):
         LlamaForCausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.unit
 def test_frozen_parts_follow_tying(tmp_path):
     hf = make_hf_model("llama", tie_word_embeddings=False)
     hf.save_pretrained(tmp_path)
@@ -79,6 +83,7 @@ def test_parity_on_real_smollm2():
     assert (out.logits.argmax(-1) == ref.logits.argmax(-1)).all()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape,out_features,bias,use_native,path", [
     ((1, 64), 1 << 13, False, True, "native"), ((1, 1, 64), 96, True, True, "native"),
     ((3, 2, 64), 96, True, True, "native"), ((60, 37), 96, True, True, "mm"), ((40, 37), 96, False, True, "native"),
@@ -129,6 +134,7 @@ def test_small_batch_linear_equals_f_linear(monkeypatch, shape, out_features, bi
     torch.testing.assert_close(wp.grad, x.reshape(-1, shape[-1]).sum(0).expand_as(w))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("k,n", [(64, 96), (37, 10), (5, 3), (576, 1539)])
 def test_native_kernel_is_batch_invariant(k, n):
     """The C kernel: F.linear's values for 1..40 rows (both register blockings; k with and without a
@@ -152,6 +158,7 @@ def test_native_kernel_is_batch_invariant(k, n):
         native.skinny_linear(x[:, :k], w.double())
 
 
+@pytest.mark.unit
 def test_native_kernel_build_is_cached_and_fails_cleanly(tmp_path, monkeypatch, caplog):
     """The kernel is built once per cache into <SPECHEAD_CACHE>/native; a failing compiler or
     SPECHEAD_NATIVE=0 leaves it unavailable with the reason logged, nothing half-written, and
@@ -192,6 +199,7 @@ def test_native_kernel_build_is_cached_and_fails_cleanly(tmp_path, monkeypatch, 
     assert failed.is_dir() and not any(failed.iterdir())  # the failed build's scratch files are gone
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_decode_sized_forward_matches_hf(tmp_path, rows):
     """The few-row forwards of decode and verification (the fast fp32 linear path) against HF."""

@@ -16,6 +16,7 @@ from scripts.runtime import apply_threads, record_status, resolve_threads
 from tests.conftest import ROOT
 
 
+@pytest.mark.unit
 def test_thread_policy():
     assert resolve_threads(None) is None  # torch's default
     assert resolve_threads(3) == 3 and resolve_threads("2") == 2

@@ -43,6 +43,7 @@ PROMPTS = [{"ids": [5, 6, 7, 8], "category": "a"}, {"ids": [9, 10, 11], "categor
            {"ids": [30, 31], "category": "b"}]
 
 
+@pytest.mark.unit
 def test_known_acceptance_patterns_and_report(target, tmp_path):
     perfect = evaluate_head(target, SequentialOracle(target, PROMPTS, lambda p: False), PROMPTS, k=3,
                             max_new_tokens=13, stop_ids=set(), label="perfect", progress=False)
@@ -70,6 +71,7 @@ def test_known_acceptance_patterns_and_report(target, tmp_path):
     assert files[2].read_bytes()[:4] == b"\x89PNG" and files[3].read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.unit
 def test_mtbench_turn2_uses_the_models_own_answer(target, tiny_target):
     from transformers import AutoTokenizer
 
@@ -162,6 +164,7 @@ def cfg_overrides(tiny_overrides, prompts, native, tmp_path):
         "evaluate.heads.untrained=null", f"evaluate.report={tmp_path / 'batched.json'}"]
 
 
+@pytest.mark.unit
 def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
     from transformers import AutoTokenizer
 
@@ -179,6 +182,7 @@ def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
     assert got[0]["ids"] == tokenize_prompt(tok, first_user)
 
 
+@pytest.mark.unit
 def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_path):
     from transformers import AutoTokenizer
 
@@ -249,6 +253,7 @@ def test_config_errors_come_before_the_target_loads(override, error, words, tiny
         run_checked("evaluate", run_evaluation, cfg)  # as `python -m scripts.evaluate` runs it
 
 
+@pytest.mark.unit
 def test_k_auto_picks_the_fastest_measured_setting():
     """A proposer whose costs are known: each draft token costs 0.1 of a plain step and is accepted with
     probability 0.6, so tokens per unit time are (1 + Σ_{j≤k} 0.6^j) / (1 + 0.1 k): k = 3 is best."""
@@ -302,6 +307,7 @@ def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):
     assert entry["k"] == entry["k_auto"]["chosen_k"] and entry["tau"] >= 1.0
 
 
+@pytest.mark.unit
 def test_vllm_counters_give_the_engines_figures():
     """τ and the conditional α_d from vLLM's counters (evaluation/vllm_eval.py spec_figures), against the
     engine's own definitions (SpecStats) on the same acceptance record."""
@@ -321,6 +327,7 @@ def test_vllm_counters_give_the_engines_figures():
     assert spec_figures({"num_drafts": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}, 2)["alpha"] == [0.0, 0.0]
 
 
+@pytest.mark.unit
 def test_vllm_versions_are_checked_and_medusa_refused_on_033(monkeypatch, tmp_path):
     """An unsupported vLLM release names the supported ones; a Medusa head on vLLM 0.33 (which removed
     Medusa) is refused with the reason, on 0.32 it is served."""

@@ -25,6 +25,8 @@ from artifacts.validate import ExportValidationError, check_export, main as vali
 from inference_eval.model import LlamaForCausalLM, tied_target
 from tests.helpers import generate_speculative
 
+pytestmark = pytest.mark.unit
+
 LAYER = {"input_layernorm.weight", "post_attention_layernorm.weight",
          *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
 EAGLE1 = {"fc.weight", *(f"layers.0.{k}" for k in LAYER - {"input_layernorm.weight"})}

@@ -15,6 +15,8 @@ from inference_eval.model import LlamaForCausalLM, tied_target
 from tests.helpers import generate_speculative
 from tests.test_export import _embed, _keys, _perturb, assert_rejects_planted_defect
 
+pytestmark = pytest.mark.unit
+
 MID = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
        *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
 EAGLE3 = {"fc.weight", "norm.weight", "lm_head.weight", *(f"midlayer.{k}" for k in MID)}

@@ -28,6 +28,7 @@ class Clock:
         return self.t
 
 
+@pytest.mark.unit
 def test_progress_logs_a_line_every_interval_with_rate_and_eta(caplog):
     clock = Clock()
     logger = logging.getLogger("test.progress")
@@ -46,6 +47,7 @@ def test_progress_logs_a_line_every_interval_with_rate_and_eta(caplog):
     assert lines[3] == "precompute: done after 36s (900 tok, 25 tok/s) loss=0.25" and len(lines) == 4
 
 
+@pytest.mark.unit
 def test_progress_lines_off_and_failed_close(caplog):
     clock = Clock()
     logger = logging.getLogger("test.progress2")
@@ -246,6 +248,7 @@ def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
     assert report["plain_tokens_per_s"] > 0
 
 
+@pytest.mark.unit
 def test_the_demo_says_why_a_head_is_not_faster():
     """The line under the evaluation follows the paired groups' spread: "faster" only when every group
     was, "not faster" when none was, "within noise" when they straddle 1 — recorded pair sets, among
@@ -305,6 +308,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
         check_evaluation_config(compose_config([*base, "evaluate.auto_probe=trained"]), heads_must_exist=False)
 
 
+@pytest.mark.unit
 def test_the_default_targets_dtype_follows_the_machine(monkeypatch):
     """`target.dtype: auto` (conf/target/smollm2.yaml): bfloat16 on a GPU or a CPU with bf16 matrix
     instructions, float32 on a CPU without (where a bf16 demo precompute takes hours); a set dtype stays."""

@@ -17,6 +17,8 @@ from tests.numerics import assert_matches_hf, assert_same_function, decoder_chai
 from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
                            paged_steps_per_sequence, random_hf_model)
 
+pytestmark = pytest.mark.unit
+
 WINDOW = 7
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 

@@ -60,6 +60,7 @@ def _trainer():
     return SimpleNamespace(global_step=5, is_global_zero=True, datamodule=dm, logger=None)
 
 
+@pytest.mark.unit
 def test_gpu_correct_sharded_head_scored_on_the_engine_device(tiny_target, tmp_path, monkeypatch):
     """A ZeRO-3 head on rank 0 (parameters tagged as partitions; the gather a no-op in one process): its tied
     target tensors live on the rank's device (`meta` standing for cuda), the gathered state comes back on the
@@ -83,6 +84,7 @@ def test_gpu_correct_sharded_head_scored_on_the_engine_device(tiny_target, tmp_p
     assert {p.device for p in head.parameters()} == {torch.device("cpu")} and _devices(head.tied) == {META}
 
 
+@pytest.mark.unit
 def test_gpu_correct_whole_head_copied_to_another_engine_device(tiny_target, tmp_path):
     """A whole head (DDP, one process) trained on the CPU with the engine elsewhere (`meta`): validation
     scores a copy with every parameter and buffer there, and the training head stays on the CPU; with the
@@ -96,6 +98,7 @@ def test_gpu_correct_whole_head_copied_to_another_engine_device(tiny_target, tmp
     assert scored[1] is head
 
 
+@pytest.mark.unit
 def test_gpu_correct_on_device_looks_at_every_tensor(tiny_target):
     """`on_device`, the placement rule: a head split over two devices is copied whole to the engine's, whichever
     side the engine is on — its tied buffers alone (or its parameters alone) on the right device decide nothing."""
@@ -113,6 +116,7 @@ def test_gpu_correct_on_device_looks_at_every_tensor(tiny_target):
     assert _devices(on_device(params_there, META)) == {META}
 
 
+@pytest.mark.unit
 def test_gpu_correct_whole_head_copy_lives_with_its_tied_tensors(tiny_target, monkeypatch):
     """`whole_head` of a sharded head: the copy holds the gathered values, on the device and in the dtype of the
     tied tensors it shares with the training head (which stay the training head's own, unmoved)."""
@@ -139,6 +143,7 @@ def test_gpu_correct_whole_head_copy_lives_with_its_tied_tensors(tiny_target, mo
 
 
 # ---- a GPU node whose torch sees no GPU ---------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_target_device_auto_refuses_the_cpu_where_gpus_are_listed():
     """`target.device=auto` where `nvidia-smi -L` lists a GPU and torch sees none: an error naming what to
     check and `target.device=cpu`, not the CPU; without listed GPUs: the CPU, as before; an explicit device is
@@ -158,6 +163,7 @@ def test_gpu_correct_target_device_auto_refuses_the_cpu_where_gpus_are_listed():
     assert resolve_target_device("cpu", listed_gpus=never) == torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_gpu_correct_load_target_and_validation_use_the_check(monkeypatch, tiny_target, tmp_path):
     """The stages' own paths: `load_target` (precompute, online training) and validation's engine device refuse
     `auto` on such a node (the real probe replaced by a stand-in listing a GPU)."""
@@ -175,6 +181,7 @@ def test_gpu_correct_load_target_and_validation_use_the_check(monkeypatch, tiny_
     assert model.device == torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_gpu_correct_nvidia_smi_probe(tmp_path, monkeypatch):
     """`nvidia_smi_gpus` on stand-ins of the tool: the GPU lines of `nvidia-smi -L`; none where it fails (driver
     tools without a GPU) or is missing."""
@@ -242,6 +249,7 @@ def test_gpu_correct_make_install_cuda_fails_without_a_visible_gpu(tmp_path, gpu
 
 
 # ---- trainer=auto --------------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_auto_accelerator_rule(caplog):
     """`auto_accelerator`: gpu where torch sees CUDA (the probe not run), cpu on a machine without GPUs, said in
     the log; refused, naming trainer=cpu, where nvidia-smi lists GPUs torch cannot see."""
@@ -266,6 +274,7 @@ def _resolved(cfg) -> dict:
     return {**trainer, "precision": resolve_precision(trainer["precision"], trainer["accelerator"])}
 
 
+@pytest.mark.unit
 def test_gpu_correct_default_trainer_is_cpu_here_and_gpu_with_cuda(monkeypatch, caplog):
     """The default config's trainer resolves to exactly the `cpu` preset on this machine (the config a run or a
     result cache reads is today's), and, where torch sees CUDA, to exactly the `gpu` preset; on a node whose GPUs
@@ -291,6 +300,7 @@ def test_gpu_correct_default_trainer_is_cpu_here_and_gpu_with_cuda(monkeypatch, 
 
 
 # ---- every rank sees the run directory ------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_run_dir_seen_by_every_rank(tmp_path):
     """`run_dir_problem`, one rank's side of the start-up check, with rank 0's token injected: the directory rank
     0 wrote reads back its token (no problem); another node's local directory of the same name (no file), or

@@ -31,6 +31,7 @@ def _tiny_head(tiny_target, cfg=None):
 
 
 # ---- tied tensors and the memory table -----------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_tied_tensors_train_in_the_compute_dtype(tiny_target):
     """bf16 on a GPU under bf16 precision, fp32 under 32-true and on the CPU; online training's tensors (the loaded
     target's own) are left alone."""
@@ -58,6 +59,7 @@ def test_gpu_correct_tied_tensors_train_in_the_compute_dtype(tiny_target):
     assert {n: p.dtype for n, p in head.named_parameters()} == params  # the trained tensors stay fp32
 
 
+@pytest.mark.unit
 def test_gpu_correct_memory_table_is_the_sizing_functions_output():
     """docs/scale.md's per-rank memory rows are `python -m train.memory`'s lines, and the sizing moves with what it
     sizes: fp32 tied tensors double their 4.2 GB at 70B, sharding divides the optimizer states by the ranks."""
@@ -79,6 +81,7 @@ def test_gpu_correct_memory_table_is_the_sizing_functions_output():
 
 
 # ---- FSDP2 ---------------------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("precision, mixed, expected", [("bf16-mixed", True, torch.bfloat16),
                                                         ("32-true", True, None), ("bf16-mixed", False, None)])
 def test_gpu_correct_fsdp_units_policy_and_resharding(tiny_target, precision, mixed, expected):
@@ -144,6 +147,7 @@ def test_gpu_correct_fsdp_bf16_policy_trains_on_two_processes(tiny_overrides, tm
 
 
 # ---- Muon divided among ranks -----------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_newton_schulz_owners_balance_the_flops():
     from train.optim import ns_flops, ns_owners
 
@@ -213,6 +217,7 @@ def test_gpu_correct_muon_divided_among_ranks_equals_one_process(tmp_path):
 
 
 # ---- the GPU recipe ---------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("preset", ["gpu", "ddp", "8xh100", "8xh100_fsdp", "8xh100_zero3"])
 def test_gpu_correct_gpu_presets_train_16k_tokens_with_the_sqrt_lr(preset):
     """Every GPU preset trains ≥ 16k tokens per rank with lr = 1e-3 × sqrt(tokens / 512); the CPU preset keeps
@@ -226,6 +231,7 @@ def test_gpu_correct_gpu_presets_train_16k_tokens_with_the_sqrt_lr(preset):
 
 
 # ---- bench/gpu_check.py ----------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_gpu_correct_gpu_check_arithmetic():
     from bench.gpu_scale import TINY, attention_memory_gb, mfu, train_flops_per_token
     from train.memory import LLAMA_70B, meta_head

@@ -12,6 +12,9 @@ from inference_eval.model import tied_target
 from tests.helpers import assert_cached_steps_equal_full_forward
 
 
+pytestmark = pytest.mark.unit
+
+
 @pytest.fixture
 def head(tiny_target):
     tied, args, parts = tied_target(tiny_target)

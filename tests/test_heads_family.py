@@ -14,6 +14,8 @@ from tests.helpers import generate_plain, generate_speculative
 from train.losses import fused_linear_kl, naive_kl
 from tests.numerics import assert_close_float32, decoder_chain
 
+pytestmark = pytest.mark.unit
+
 HEADS = {
     "mtp3": {"type": "mtp", "num_modules": 3, "init": "random"},
     "eagle3": {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 200, "init": "random"},

@@ -30,6 +30,8 @@ from tests.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
 from tests.numerics import assert_same_states
 
 # ChatML (SmolLM2's template) that, like many templates, refuses a system message after the first.
+pytestmark = pytest.mark.unit
+
 STRICT_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
                    "{{ raise_exception('System message must be at the beginning') }}{% endif %}{% endfor %}"
                    + CHATML_TEMPLATE)

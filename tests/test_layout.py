@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
+import tokenize
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "heads", "inference_eval", "artifacts", "data", "train", "evaluation", "experiments", "scripts",
@@ -163,7 +167,7 @@ def test_core_imports_nothing_of_spechead():
     assert outside and not any(outside.values()), outside
 
 
-MAX_FUNCTION_LINES = 70  # "no product function over ~60 lines" (issue 27); bench/ scripts are measurements, not product
+MAX_FUNCTION_LINES = 70  # ~60 lines a reader can hold, and some slack; bench/ scripts are measurements, not product
 
 
 def test_no_product_function_is_long():
@@ -178,3 +182,67 @@ def test_no_product_function_is_long():
                     if n > MAX_FUNCTION_LINES:
                         long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert long == []
+
+
+# A pointer `room/name.py` (or .yaml, .md) under one of the repository's top-level directories, not inside a
+# longer path (`runs/x/data/a.py`, `vllm/v1/spec_decode/eagle.py`); a placeholder (`conf/head/<name>.yaml`) or a
+# glob (`tests/test_*.py`) does not match.
+POINTER_ROOTS = PACKAGES + ("conf", "docs", "tests")
+POINTER = re.compile(r"(?<![\w./\\-])((?:%s)/[\w./-]*?\.(?:py|yaml|md))(?![\w-])" % "|".join(POINTER_ROOTS))
+# another project's file named by its owner ("SGLang's `scripts/export_deepseek_nextn.py`"), not one of ours
+FOREIGN = re.compile(r"(?:\w's|\ws') `?$")
+
+
+def pointer_files() -> list[Path]:
+    files = [f for pkg in PACKAGES + ("conf",) for f in sorted((ROOT / pkg).rglob("*"))
+             if f.is_file() and f.suffix in (".py", ".yaml", ".md", ".jinja") and "__pycache__" not in f.parts]
+    return (files + sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "tests").glob("*.py"))
+            + [ROOT / n for n in ("README.md", "tests/README.md", "Makefile", "pyproject.toml")])
+
+
+def prose_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of a test module's comments and docstrings: its other strings are test data (a
+    missing file on purpose)."""
+    out, prev = [], tokenize.NEWLINE
+    with path.open("rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING and prev in STATEMENT_START):
+                out += [(tok.start[0] + k, text) for k, text in enumerate(tok.string.splitlines())]
+            if tok.type not in (tokenize.COMMENT, tokenize.NL):
+                prev = tok.type
+    return out
+
+
+STATEMENT_START = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING)
+
+
+def false_pointers(path: Path) -> list[str]:
+    bad = []
+    lines = (prose_lines(path) if path.parent.name == "tests" and path.suffix == ".py"
+             else enumerate(path.read_text().splitlines(), 1))
+    for i, line in lines:
+        for m in POINTER.finditer(line):
+            if not (ROOT / m.group(1)).exists() and not FOREIGN.search(line[:m.start()]):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {m.group(1)}")
+    return bad
+
+
+def test_file_pointers_are_true():
+    """Every `dir/name.py` (.yaml, .md) that product code, a document, or a test's comments and docstrings
+    name exists."""
+    assert [b for f in pointer_files() for b in false_pointers(f)] == []
+
+
+def test_the_pointer_check_catches_a_stale_pointer(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "real.py").write_text("")
+    doc = tmp_path / "core" / "doc.md"
+    doc.write_text("see core/real.py and (core/gone.py), runs/x/core/gone.py, conf/head/<name>.yaml,\n"
+                   "vLLM's `core/theirs.py`, tests/test_*.py; scripts/old.yaml\n")
+    assert false_pointers(doc) == ["core/doc.md:1: core/gone.py", "core/doc.md:2: scripts/old.yaml"]
+    (tmp_path / "tests").mkdir()
+    test = tmp_path / "tests" / "test_x.py"
+    test.write_text('"""Checks core/gone.py."""\n\nX = "core/missing.py"  # data; but core/old.py here is prose\n\n\n'
+                    'def test_x():\n    """core/real.py"""\n    f("core/none.py")\n')
+    assert false_pointers(test) == ["tests/test_x.py:1: core/gone.py", "tests/test_x.py:3: core/old.py"]

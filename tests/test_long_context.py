@@ -11,6 +11,9 @@ from data.store import FeatureStore
 from tests.conftest import compose_config, make_hf_model
 
 
+pytestmark = pytest.mark.unit
+
+
 @pytest.fixture(scope="module")
 def long_target(tmp_path_factory):
     from tests.tiny_tokenizer import make_tiny_tokenizer

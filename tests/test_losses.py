@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from train.losses import fused_linear_kl, hidden_regression, naive_kl
 
 
+pytestmark = pytest.mark.unit
+
+
 @pytest.mark.parametrize("chunk", [8, 37, 1000])
 def test_fused_kl_matches_naive_values_and_grads(chunk):
     """In float64, so the comparison is about the maths, not about summation order."""

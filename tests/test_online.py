@@ -118,6 +118,7 @@ def _write_through(tiny_overrides, tmp_path, *extra):
     return store_dir, dm
 
 
+@pytest.mark.unit
 def test_write_through_resumes_after_a_kill(tiny_overrides, tmp_path, monkeypatch):
     """Killed while spilling and again while assembling the store: a new run over the same directory reuses
     the spills and the finished shards, recomputes a spill that holds another sample's states, and ends with
@@ -162,6 +163,7 @@ def test_write_through_resumes_after_a_kill(tiny_overrides, tmp_path, monkeypatc
     assert done.finished
 
 
+@pytest.mark.unit
 def test_write_store_needs_the_online_source(tiny_overrides, tmp_path):
     cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", f"train.data.online.write_store={tmp_path}/w"))
     with pytest.raises(ValueError, match=r"write_store=.* with train.data.source=store there are none"):
@@ -175,6 +177,7 @@ def test_write_store_needs_the_online_source(tiny_overrides, tmp_path):
         resolve_prefetch(dm.prefetch, torch.device("cpu"))
 
 
+@pytest.mark.unit
 def test_online_batches_hold_what_the_store_holds(tiny_overrides, tmp_path):
     """The same samples and split as the store, and each batch's states (aux layers included) equal the
     stored ones to rounding; the padding is zero as `collate` pads a stored batch."""
@@ -202,6 +205,7 @@ def test_online_batches_hold_what_the_store_holds(tiny_overrides, tmp_path):
             assert not got["hidden"][~got["valid"]].any()
 
 
+@pytest.mark.unit
 def test_online_shares_the_targets_frozen_tensors(tiny_overrides, tmp_path):
     """The head's embedding, lm_head and final norm are the target's own tensors (one copy)."""
     from train.run import init_head
@@ -216,6 +220,7 @@ def test_online_shares_the_targets_frozen_tensors(tiny_overrides, tmp_path):
     assert head.tied.norm_weight.data_ptr() == target.model.norm.weight.data_ptr()
 
 
+@pytest.mark.unit
 def test_an_unknown_source_names_the_setting(tiny_overrides, tmp_path):
     cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", "train.data.source=disk"))
     with pytest.raises(ValueError, match=r"train.data.source='disk': expected `store`.*or `online`"):
@@ -272,6 +277,7 @@ def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_
         torch.testing.assert_close(got["hidden"], want["hidden"], rtol=0, atol=STATE_ATOL)
 
 
+@pytest.mark.unit
 def test_online_training_is_checked_before_work_like_precompute(tiny_overrides, conversations_file, tmp_path):
     """Training online reads conversations: the checks before work that precompute runs on the data source and
     the chat template run for it too (a store-reading run needs neither)."""

@@ -11,6 +11,9 @@ from inference_eval.model import tied_target
 from train.optim import MuonAdamW, build_optimizer, lr_multiplier, newton_schulz, parameter_groups, resolve_optimizer
 
 
+pytestmark = pytest.mark.unit
+
+
 def _grads(params, seed):
     g = torch.Generator().manual_seed(seed)
     for p in params:

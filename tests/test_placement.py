@@ -20,6 +20,7 @@ from tests.conftest import ROOT, compose_config
 
 
 # ---- the rule ----------------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_resolve_device_rule(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -56,6 +57,7 @@ def record_placement(monkeypatch):
     return seen
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("stage", ["precompute", "evaluate", "regenerate", "validation"])
 def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, record_placement, tmp_path):
     """`meta` stands in for a device this machine lacks: the point is that the configured device
@@ -144,6 +146,7 @@ def test_weights_stream_without_a_host_copy_of_the_state_dict(tmp_path):
     assert peaks[True] > bound, f"control: naive load grew RSS by {peaks[True] / 2**20:.0f} MiB only"
 
 
+@pytest.mark.unit
 def test_streamed_model_equals_the_checkpoint(tiny_target):
     from safetensors.torch import load_file
 
@@ -159,6 +162,7 @@ def test_streamed_model_equals_the_checkpoint(tiny_target):
     assert all(t.device.type == "cpu" for t in own.values())
 
 
+@pytest.mark.unit
 def test_evaluation_heads_share_the_targets_tensors(tiny_target):
     target = LlamaForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     tied = tied_from_model(target)
@@ -186,6 +190,7 @@ def test_evaluation_does_not_copy_the_shared_tensors(tiny_overrides, monkeypatch
     assert copies == [] and report["head_dtype"] == "float32" and report["results"]["trained"]["tau"] >= 1.0
 
 
+@pytest.mark.unit
 def test_hf_backend_with_a_device_map_stores_the_same_states(tiny_overrides, tmp_path):
     """`target.device_map` goes to accelerate's dispatch (here everything on the CPU): the store must
     equal the plain HF backend's, bit for bit."""
@@ -205,6 +210,7 @@ def test_hf_backend_with_a_device_map_stores_the_same_states(tiny_overrides, tmp
             assert torch.equal(value, stores["mapped"][name][key]), (name, key)
 
 
+@pytest.mark.unit
 def test_vllm_replicas_take_their_own_gpus():
     """precompute.backend=vllm over a node: rank r's worker sees GPUs [r·tp, (r+1)·tp)."""
     from inference_eval.vllm_backend import replica_devices

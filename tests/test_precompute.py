@@ -13,6 +13,7 @@ from scripts.runtime import run_checked
 from tests.numerics import assert_same_states
 
 
+@pytest.mark.unit
 def test_store_holds_hf_hidden_states(tiny_overrides, tiny_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -39,6 +40,7 @@ def test_store_holds_hf_hidden_states(tiny_overrides, tiny_target):
         assert_same_states(normed, ref, tiny_target)  # ours (packed rows) vs transformers, both float32
 
 
+@pytest.mark.unit
 def test_rerun_resumes_and_matches(tiny_overrides, tmp_path):
     cfg = compose_config(tiny_overrides + ["precompute.shard_tokens=300"])
     store_dir, _ = run_precompute(cfg)
@@ -69,6 +71,7 @@ def _check_windows(plan, lengths, budget):
         assert sum(lengths[i] for b in window for i in b) <= WINDOW_BATCHES * budget + max(lengths)
 
 
+@pytest.mark.unit
 def test_plan_batches_covers_each_sample_once_within_budget():
     from data.precompute import plan_batches
 
@@ -87,6 +90,7 @@ def test_plan_batches_covers_each_sample_once_within_budget():
     assert len(plan_batches([300, 100, 200, 100, 50, 100, 100, 100], 8192, min_batches=4)[0]) == 4
 
 
+@pytest.mark.unit
 def test_packed_plan_is_balanced_within_budget():
     from data.precompute import plan_batches, sample_cost
 
@@ -192,6 +196,7 @@ def test_kill_9_then_rerun_gives_the_same_shards(tiny_overrides, tmp_path):
         [s["sha256"] for s in json.loads((ref_dir / "manifest.json").read_text())["shards"]]
 
 
+@pytest.mark.unit
 def test_hf_backend_equals_the_engine_backend(tiny_overrides, tmp_path):
     """precompute.backend=hf (an HF model, a hook on the last layer, hidden_states for aux layers)
     stores what the engine's model stores, aux layers included."""

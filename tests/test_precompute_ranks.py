@@ -105,6 +105,7 @@ def test_two_ranks_write_one_store(tiny_overrides, tiny_target, tmp_path):
     assert FeatureStore(store_dir).verify() == [str(shard)]
 
 
+@pytest.mark.unit
 def test_rank_settings_and_layout(tiny_overrides, tmp_path, monkeypatch):
     cfg = compose_config(tiny_overrides)
     assert resolve_rank(cfg.precompute) == (0, 1)

@@ -34,6 +34,7 @@ def _overrides(tiny_overrides, target, out, *extra):
                            f"regenerate.max_new_tokens={MAX_NEW}", "regenerate.batch_size=5", *extra])
 
 
+@pytest.mark.unit
 def test_left_padded_batch_equals_plain_greedy_generate(text_target):
     from data.conversations import normalize_record, tokenize_prompt
     from data.prompts import stop_token_ids
@@ -56,6 +57,7 @@ def test_left_padded_batch_equals_plain_greedy_generate(text_target):
     assert len({tuple(p) for p in plain}) == len(plain)  # replies differ by prompt: a row mix-up would show
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backend", ["auto", "hf"])
 def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tmp_path, backend):
     """Each regenerated turn of conversations batched 5 at a time (through the engine — `auto` on a
@@ -90,6 +92,7 @@ def test_every_reply_is_the_targets_greedy_reply(tiny_overrides, text_target, tm
     assert 0 < stats.cut < replies  # some replies ended at the end-of-turn token, others at max_new_tokens
 
 
+@pytest.mark.unit
 def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_target, tiny_target, tmp_path):
     """A prompt of max_prompt_tokens ends its conversation before the reply (`prompt_too_long`); an
     empty reply ends it too (`empty_reply`), and a conversation left without any reply is counted as
@@ -119,6 +122,7 @@ def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_targe
     assert convs.items == [] and convs.rejected == {"no_assistant_turn": len(records)}
 
 
+@pytest.mark.unit
 def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_target, tmp_path):
     from data.precompute import run_precompute
     from data.sources import load_conversations
@@ -140,6 +144,7 @@ def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_targ
     assert sorted(sid for s in store.manifest["shards"] for sid in s["sample_ids"]) == sorted(answered)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_resume_after_a_kill_gives_the_same_file(tiny_overrides, text_target, tmp_path, mode):
     """A kill after 7 lines and half of the 8th (inside the second group of 5): the rerun drops the
@@ -161,6 +166,7 @@ def test_resume_after_a_kill_gives_the_same_file(tiny_overrides, text_target, tm
         regenerate(_overrides(tiny_overrides, text_target, killed, *sampling, "regenerate.max_new_tokens=5"))
 
 
+@pytest.mark.unit
 def test_sampling_with_a_seed_is_reproducible(tiny_overrides, text_target, tmp_path):
     def run(name, seed):
         out, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / name, "regenerate.temperature=1.0",
@@ -193,6 +199,7 @@ def test_script_prints_its_summary(tiny_overrides, text_target, tmp_path):
     assert len(out.read_text().splitlines()) == len(CONVERSATIONS)
 
 
+@pytest.mark.unit
 def test_regeneration_logs_progress_lines(tiny_overrides, text_target, tmp_path, caplog):
     """With a 0 s interval every finished group of conversations gives a progress line (done/total,
     rate, tok/s) and the stage ends with a closing line: what a run sent to a file shows."""
@@ -243,6 +250,7 @@ def _forbid_target(monkeypatch):
     patch_everywhere(monkeypatch, data.regenerate.generate_replies, never)
 
 
+@pytest.mark.unit
 def test_the_same_settings_reuse_the_cached_file_without_loading_the_target(tiny_overrides, text_target, cache,
                                                                             monkeypatch, caplog):
     """The default `regenerate.out=auto` writes `<cache>/regenerated/<target>-<key[:16]>.jsonl` with the
@@ -274,6 +282,7 @@ def test_the_same_settings_reuse_the_cached_file_without_loading_the_target(tiny
     assert any(r.getMessage().startswith(f"regenerate: reused {out}") for r in caplog.records)
 
 
+@pytest.mark.unit
 def test_a_changed_setting_regenerates_into_a_new_file(tiny_overrides, text_target, tiny_target, cache):
     """Sampling instead of greedy decoding is another key: another file, regenerated from scratch, the
     first left as it was; so is another prompt set or another target. A path the user named keeps
@@ -303,6 +312,7 @@ def test_a_changed_setting_regenerates_into_a_new_file(tiny_overrides, text_targ
     assert greedy.read_bytes() == written
 
 
+@pytest.mark.unit
 def test_a_second_run_with_the_same_settings_waits_then_skips(tiny_overrides, tiny_target, cache, tmp_path, caplog):
     """While another process holds the file's lock (regenerating the same settings), a run waits for it,
     then finds every record written and appends none: never the same records twice."""
@@ -355,6 +365,7 @@ def test_pipeline_regenerate_trains_on_the_targets_replies(tiny_overrides, text_
     assert "(cached per machine: reused)" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_resume_reads_the_output_with_the_one_jsonl_reader(tmp_path):
     """`finished_ids` reads what it resumes from through core/jsonio.py: a line that is not JSON, or a JSON
     value that is not a regenerated record, is an error naming the file and line; a last line cut midway is
@@ -379,6 +390,7 @@ def test_resume_reads_the_output_with_the_one_jsonl_reader(tmp_path):
     assert finished_ids(f, meta) == {"c0", "c1"} and f.read_bytes() == good[0] + good[1]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flag", [None, "true"])
 def test_the_hf_backend_loads_the_target_with_trust_remote_code_only_when_set(tiny_overrides, text_target, tmp_path,
                                                                               monkeypatch, flag):

@@ -1,5 +1,5 @@
-"""Result caches of the study scripts (scripts/cache.py, used by scripts/ablation.py and
-scripts/fp8_study.py): a head or report on disk is reused only when its recorded key — the resolved
+"""Result caches of the study scripts (experiments/cache.py, used by experiments/ablation.py and
+experiments/fp8_study.py): a head or report on disk is reused only when its recorded key — the resolved
 config sections and the store's / checkpoints' hashes — matches exactly and the result is unchanged;
 otherwise it is recomputed. The expensive stages (training, evaluation, held-out scoring) are
 replaced by counting fakes; precompute and the checkpoints are real."""
@@ -18,6 +18,7 @@ from tests.helpers import patch_everywhere
 
 # ---- the helper ----------------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_lookup_reuses_only_an_exact_key_and_an_unchanged_result(tmp_path, caplog):
     result = tmp_path / "report.json"
     key = {"config": {"evaluate": {"k": 3, "max_new_tokens": 64}}, "heads": {"a": {"model.safetensors": "ab"}}}
@@ -46,6 +47,7 @@ def test_lookup_reuses_only_an_exact_key_and_an_unchanged_result(tmp_path, caplo
     assert "changed since" in caplog.text
 
 
+@pytest.mark.unit
 def test_keys_follow_config_store_and_checkpoint(tiny_overrides, tmp_path):
     cfg = compose_config(tiny_overrides)
     store = tmp_path / "store"

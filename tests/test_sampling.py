@@ -38,6 +38,7 @@ def chi2(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
+@pytest.mark.unit
 def test_top_k_and_top_p():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     torch.testing.assert_close(Sampling(1.0, top_k=2).probs(logits), torch.tensor([4 / 7, 3 / 7, 0, 0]))
@@ -55,6 +56,7 @@ def uniform_simplex(v: int, g: torch.Generator) -> torch.Tensor:
     return (e / e.sum()).float()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", ["random", "q_misses_tokens", "q_equals_p", "q_one_hot"])
 def test_rejection_sampling_preserves_the_target_distribution(case):
     # a seed fixed per case: str hashes change between interpreters (PYTHONHASHSEED), crc32 does not
@@ -113,6 +115,7 @@ def test_speculative_sampling_matches_the_targets_joint_distribution(target, tin
     assert chi2(plain, exact, n)[0] < chi2_critical(df)  # the reference sampler passes the same test
 
 
+@pytest.mark.unit
 def test_top_k_1_sampling_is_greedy(target, tiny_target):
     one = Sampling(temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(1))
     for prompt in ([1, 17, 33, 250, 9], list(range(40, 60))):

@@ -4,6 +4,7 @@ silently dropped, and a bad line does not stop the file."""
 import json
 from collections import Counter
 
+import pytest
 from omegaconf import OmegaConf
 
 from data.sources import load_conversations
@@ -45,6 +46,7 @@ NOT_UTF8 = [
 ]
 
 
+@pytest.mark.unit
 def test_jsonl_rejects_counted_per_reason(tmp_path):
     lines = [json.dumps(GOOD[0]).encode(), *(line.encode() for line in BAD["malformed"][:3]), NOT_UTF8[0],
              json.dumps(GOOD[1]).encode(), b"", b"   ", *(line.encode() for line in BAD["malformed"][3:]),
@@ -68,6 +70,7 @@ def test_jsonl_rejects_counted_per_reason(tmp_path):
     assert sum(convs.rejected.values()) + len(convs.items) == sum(1 for line in lines if line.strip())
 
 
+@pytest.mark.unit
 def test_skip_and_max_samples_count_only_usable_records(tmp_path):
     path = tmp_path / "d.jsonl"
     good = [sharegpt(f"s{i}", ("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(6)]
@@ -78,6 +81,7 @@ def test_skip_and_max_samples_count_only_usable_records(tmp_path):
     assert convs.rejected == {"not_utf8": 1}
 
 
+@pytest.mark.unit
 def test_rejections_say_where_and_which_id(tmp_path):
     lines = [json.dumps(GOOD[0]).encode(), b"", BAD["malformed"][3].encode(), NOT_UTF8[0],
              BAD["duplicate_id"][0].encode(), b'{"id": "cu']

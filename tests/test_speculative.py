@@ -14,6 +14,9 @@ from tests.reference_decoding import generate_plain, generate_speculative
 from tests.helpers import StubHead
 
 
+pytestmark = pytest.mark.unit
+
+
 def test_accept_greedy_cases():
     g = torch.tensor([5, 6, 9, 1])
     assert accept_greedy(torch.tensor([5, 6, 7]), g) == 2

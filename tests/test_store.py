@@ -20,6 +20,7 @@ def _samples(n=7, h=8, seed=0):
     return out
 
 
+@pytest.mark.unit
 def test_round_trip_and_shards(tmp_path):
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
     samples = _samples()
@@ -40,6 +41,7 @@ def test_round_trip_and_shards(tmp_path):
     assert store.verify() == []
 
 
+@pytest.mark.unit
 def test_bf16_storage_rounds_once(tmp_path):
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="bfloat16")
     s = _samples(1)[0]
@@ -49,6 +51,7 @@ def test_bf16_storage_rounds_once(tmp_path):
     assert got.dtype == torch.bfloat16 and torch.equal(got, s.hidden.to(torch.bfloat16))
 
 
+@pytest.mark.unit
 def test_flipped_byte_is_named(tmp_path):
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
     for s in _samples():
@@ -61,6 +64,7 @@ def test_flipped_byte_is_named(tmp_path):
     assert FeatureStore(tmp_path).verify() == [str(shard)]
 
 
+@pytest.mark.unit
 def test_refuses_other_target(tmp_path):
     w = StoreWriter(tmp_path, FP, hidden_size=8)
     w.add(_samples(1)[0])
@@ -71,6 +75,7 @@ def test_refuses_other_target(tmp_path):
         FeatureStore(tmp_path, {**FP, "tokenizer_sha256": "other"})
 
 
+@pytest.mark.unit
 def test_incomplete_store_refused_then_resumed(tmp_path):
     samples = _samples()
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
@@ -103,6 +108,7 @@ def _write(root, samples, dtype, fp=FP, shard_tokens=1 << 18, h=8):
     return FeatureStore(root)
 
 
+@pytest.mark.unit
 def test_fp8_round_trip_within_e4m3_precision(tmp_path):
     from safetensors import safe_open
 
@@ -132,6 +138,7 @@ def test_fp8_round_trip_within_e4m3_precision(tmp_path):
     assert 1e-3 < rel < 0.04
 
 
+@pytest.mark.unit
 def test_fp8_reads_back_in_compute_dtype(tmp_path):
     s = _samples(1, h=16)[0]
     store = _write(tmp_path, [s], "fp8", fp={**FP, "compute_dtype": "bfloat16"}, h=16)
@@ -142,6 +149,7 @@ def test_fp8_reads_back_in_compute_dtype(tmp_path):
     assert ((got.float() - s.hidden).abs() <= bound).all()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 def test_bytes_per_token(tmp_path, dtype):
     """input_ids int32 (4) + loss_mask uint8 (1) (+ fp8 scale fp32 (4)) + header and offsets amortised."""
@@ -157,6 +165,7 @@ def test_bytes_per_token(tmp_path, dtype):
     assert size / tokens <= bound, f"{dtype}: {size / tokens:.2f} bytes/token"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("first,second", [("bfloat16", "fp8"), ("fp8", "bfloat16"), ("fp8", "float32")])
 def test_resume_refuses_other_dtype(tmp_path, first, second):
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype=first, shard_tokens=20)
@@ -173,6 +182,7 @@ def test_resume_refuses_other_dtype(tmp_path, first, second):
 # -------------------------------------------------------------------------------- robustness
 
 
+@pytest.mark.unit
 def test_stale_temp_files_do_not_break_resume(tmp_path):
     samples = _samples()
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
@@ -207,6 +217,7 @@ def _corrupt_second_shard(tmp_path):
     return shard, manifest["shards"][0]["num_samples"]
 
 
+@pytest.mark.unit
 def test_verify_on_open_names_the_shard(tmp_path):
     shard, first = _corrupt_second_shard(tmp_path)
     with pytest.raises(StoreError, match=f"{shard}: sha256 .* does not match"):

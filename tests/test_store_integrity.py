@@ -15,6 +15,8 @@ from data.store import (STAMP, FeatureStore, Sample, StoreError, StoreWriter, ch
                         merge_rank_manifests, rank_dir)
 from inference_eval.model import target_fingerprint
 
+pytestmark = pytest.mark.unit
+
 FP = {"name": "tiny", "config_sha256": "c", "weights_sha256": "w", "weights_hash": "header",
       "tokenizer_sha256": "t", "compute_dtype": "float32"}
 

@@ -58,6 +58,7 @@ class RecordBatches(L.Callback):
 
 
 # ---- presets ---------------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("preset, accelerator, devices, strategy", [
     ("cpu", "cpu", 1, "SingleDeviceStrategy"),
     ("gpu", "gpu", 1, "SingleDeviceStrategy"),
@@ -75,6 +76,7 @@ def test_preset_composes_and_instantiates(preset, accelerator, devices, strategy
     assert type(trainer.strategy).__name__ == strategy and trainer.precision == precision
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fast_bf16,expected", [(True, "bf16-mixed"), (False, "32-true")])
 def test_cpu_precision_auto_follows_the_cpu(monkeypatch, fast_bf16, expected):
     """`auto` on CPU: bf16 autocast only where the CPU multiplies bf16 natively; explicit values stay."""
@@ -86,6 +88,7 @@ def test_cpu_precision_auto_follows_the_cpu(monkeypatch, fast_bf16, expected):
     assert resolve_precision("auto", "gpu") == "bf16-mixed"
 
 
+@pytest.mark.unit
 def test_ddp_preset_strategy_is_overridable():
     cfg = compose_config(["trainer=ddp", "trainer.strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2",
                           "progress=false"])
@@ -94,6 +97,7 @@ def test_ddp_preset_strategy_is_overridable():
     assert trainer.strategy._get_process_group_backend() == "gloo"
 
 
+@pytest.mark.unit
 def test_8xh100_preset_is_zero2_with_bf16_buffers():
     from lightning.pytorch.plugins.precision import DeepSpeedPrecision
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -110,6 +114,7 @@ def test_8xh100_preset_is_zero2_with_bf16_buffers():
     assert isinstance(trainer.strategy.precision_plugin, DeepSpeedPrecision)
 
 
+@pytest.mark.unit
 def test_zero3_preset_shards_the_head_and_saves_it_whole():
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -123,6 +128,7 @@ def test_zero3_preset_shards_the_head_and_saves_it_whole():
     assert isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.world_size == 8
 
 
+@pytest.mark.unit
 def test_fsdp_preset_is_fsdp2_over_every_rank():
     """The preset composes to FSDP2 (Lightning's ModelParallelStrategy, pure data parallel: the mesh is
     world × 1); the layers it shards carry `fsdp_unit`. tests/test_multiprocess.py trains with it."""
@@ -138,6 +144,7 @@ def test_fsdp_preset_is_fsdp2_over_every_rank():
 
 
 # ---- batches per rank ------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_token_budget_batches_shard_over_ranks():
     lengths = [5, 90, 33, 12, 64, 64, 7, 100, 3, 50, 20, 70]
     whole = list(TokenBudgetBatches(lengths, batch_tokens=128, shuffle=True, seed=3))
@@ -154,6 +161,7 @@ def test_token_budget_batches_shard_over_ranks():
         TokenBudgetBatches(lengths, 128, True, 3, num_replicas=2, rank=2)
 
 
+@pytest.mark.unit
 def test_validation_batches_shard_over_ranks_without_a_cut():
     """pad_to_equal (the held-out loader): every batch on exactly one rank, none cut; each rank runs
     the same number of batches (FSDP gathers in each forward), the missing ones a repeat of its own
@@ -370,6 +378,7 @@ def test_ranks_wait_for_rank0s_validation_without_a_collective_timeout(tiny_over
     assert (Path(head_dir) / "model.safetensors").exists() and metrics["train/loss"] > 0
 
 
+@pytest.mark.unit
 def test_loader_workers_follow_the_device_and_the_ranks(monkeypatch):
     """train.data.num_workers=auto: no workers on CPU (the step uses the cores), on a GPU up to 4 from the
     rank's share of the node's cores; a number is taken as it is; a negative one is refused."""

@@ -119,6 +119,7 @@ def test_bad_variants_are_refused_before_work(tiny_overrides, tmp_path):
     assert not (tmp_path / "run" / "stores").exists()
 
 
+@pytest.mark.unit
 def test_best_preset_is_the_study_winner_at_its_largest_budget():
     """conf/experiment/best.yaml trains what the study's winning recipe (bt512) trained at its largest
     budget (bt512_pool2800: the same recipe on a pool large enough for 1.8M fresh tokens): the same head,
@@ -151,6 +152,7 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
     assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
 
 
+@pytest.mark.unit
 def test_every_head_file_swaps_in_as_the_command_line_composes_it():
     """A study variant's, the ablation's and peer_compare's `head: <name>` read conf/head/<name>.yaml through
     experiments.runner.head_preset: for every head file the same head section and the same settings beside it as
@@ -194,6 +196,7 @@ def test_every_head_file_swaps_in_as_the_command_line_composes_it():
         head_preset("nope")
 
 
+@pytest.mark.unit
 def test_store_key_ignores_a_backend_that_does_not_run(tiny_overrides):
     """A study's store is named by what it holds: vLLM's settings move the key only when vLLM computes it."""
     from experiments.study import store_key

@@ -10,6 +10,9 @@ import pytest
 from evaluation.tau_stats import main, paired_tau_difference, tau_standard_error
 
 
+pytestmark = pytest.mark.unit
+
+
 def test_standard_error_by_hand():
     rows = [[10, 15], [10, 12], [20, 30]]  # τ = 57 / 40 = 1.425
     z = [(15 - 1.425 * 10) / 40, (12 - 1.425 * 10) / 40, (30 - 1.425 * 20) / 40]

@@ -6,6 +6,9 @@ import pytest
 from core.timing import SPREAD_BOUND, Load, Paired, measure_pairs, runnable_others, thread_settings, warn_if_unstable
 
 
+pytestmark = pytest.mark.unit
+
+
 class Machine:
     """A fake clock whose speed changes: work of `cost` seconds takes cost × slowdown(now)."""
 

@@ -1,6 +1,7 @@
 """Training: the loss falls on a fixed batch, the hydra config composes and trains end to end."""
 
 import torch
+import pytest
 
 from data.precompute import run_precompute
 from artifacts.checkpoint import load_native
@@ -13,6 +14,7 @@ from train.module import DraftHeadModule
 from train.run import init_head, run_training
 
 
+@pytest.mark.unit
 def test_loss_decreases_on_fixed_batch(tiny_overrides, tiny_target):
     cfg = compose_config(tiny_overrides)
     store_dir, _ = run_precompute(cfg)
@@ -27,6 +29,7 @@ def test_loss_decreases_on_fixed_batch(tiny_overrides, tiny_target):
     assert int(final["n_tokens"]) == int(batch["loss_mask"][:, 2:].sum())
 
 
+@pytest.mark.unit
 def test_token_budget_batches_cover_all_within_budget():
     lengths = [5, 90, 33, 12, 64, 64, 7, 100, 3]
     sampler = TokenBudgetBatches(lengths, batch_tokens=128, shuffle=True, seed=0)
@@ -37,6 +40,7 @@ def test_token_budget_batches_cover_all_within_budget():
     assert list(sampler) != batches or len(batches) == 1
 
 
+@pytest.mark.unit
 def test_config_composes_with_each_group():
     cfg = compose_config([])
     assert cfg.head.type == "mtp" and cfg.trainer._target_ == "lightning.Trainer"
@@ -170,6 +174,7 @@ def test_heldout_split_follows_split_seed_not_seed(tiny_overrides, tmp_path):
     assert len(recorded[0]["heldout_ids"]) == round(0.2 * recorded[0]["store_samples"])
 
 
+@pytest.mark.unit
 def test_mtp_layer_init_target_starts_every_module_from_the_targets_last_layer(tiny_overrides, tiny_target):
     """`head.layer_init: target`: each module's decoder layer is the target's last decoder layer, tensor for tensor
     (the default's random layer is not); a target of another family, or a layer of other tensors, is refused."""
@@ -196,6 +201,7 @@ def test_mtp_layer_init_target_starts_every_module_from_the_targets_last_layer(t
         head.copy_target_layer(last)
 
 
+@pytest.mark.unit
 def test_dropout_drops_the_residual_branches_in_training_only(tiny_overrides, tiny_target):
     """`train.module.dropout: p`: in training each residual branch of the head's layers keeps an element with
     probability 1 − p, scaled by 1/(1 − p); the masks are a function of (seed, step, rank); validation and anything
@@ -242,6 +248,7 @@ def test_dropout_drops_the_residual_branches_in_training_only(tiny_overrides, ti
             DraftHeadModule(head, **bad)
 
 
+@pytest.mark.unit
 def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_overrides, tiny_target, monkeypatch):
     """`train.module.input_noise: σ`: in training the head reads each state plus noise of σ × the state's RMS,
     drawn from (seed, global step, rank) alone; the teacher reads the stored states; in eval mode (validation,
@@ -303,6 +310,7 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
         DraftHeadModule(head, input_noise=-0.1)
 
 
+@pytest.mark.unit
 def test_offpolicy_weight_leans_training_towards_the_rows_of_greedy_inputs(tiny_overrides, tiny_target, monkeypatch):
     """`train.module.offpolicy_weight: λ`: a row whose input tokens t_{i+1..i+d} are not all the target's greedy
     choices (argmax W_lm N_f(H_j), from the stored states) weighs λ in the loss (a weighted mean), the others 1.
@@ -473,6 +481,7 @@ def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_over
         module.setup("fit")
 
 
+@pytest.mark.unit
 def test_the_default_head_is_mtp3_and_its_auto_settings_follow_the_strategy(tiny_target):
     """The default config's head is `mtp3` (3 modules, Muon); its `clip_scope: auto` and `deep_from_step: auto` are
     `module` and half the run (step 5 of 10) under DDP, FSDP or one process, and `all` and 0 where DeepSpeed runs the

@@ -11,6 +11,9 @@ from inference_eval.model import tied_target
 from tests.numerics import assert_close_float32, decoder_chain
 
 
+pytestmark = pytest.mark.unit
+
+
 @pytest.fixture
 def head(tiny_target):
     tied, args, parts = tied_target(tiny_target)

@@ -12,6 +12,9 @@ from heads.layers import Attention, LlamaArgs, Rotary, unrolled_mask
 from tests.numerics import assert_close_float32
 
 
+pytestmark = pytest.mark.unit
+
+
 def dense_unrolled(attn: Attention, *args):
     """The dense formulation (spechead until issue 29): [B, nH, T, T] scores kept for backward."""
     attn.unrolled_impl = "dense"

@@ -23,6 +23,7 @@ def store(tiny_overrides):
     return FeatureStore(run_precompute(cfg)[0])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,depth", [("mtp3", 3), ("eagle3", 3), ("medusa", 3)])
 def test_engine_scores_equal_the_training_forward(store, tiny_target, name, depth):
     head = make(tiny_target, name).eval()
@@ -45,6 +46,7 @@ def test_engine_scores_equal_the_training_forward(store, tiny_target, name, dept
     assert moved[0].kl != pytest.approx(ref[0].kl, rel=1e-3)
 
 
+@pytest.mark.unit
 def test_speculative_scores_match_the_decoder(store, tiny_target):
     head = make(tiny_target, "mtp3").eval()
     target = LlamaForCausalLM.from_pretrained(tiny_target)
@@ -79,6 +81,7 @@ def test_callback_logs_engine_tau_during_training(tiny_overrides, tiny_target, t
     assert list((tmp_path / "run" / "engine_val").glob("engine_val_alpha_step*.png"))
 
 
+@pytest.mark.unit
 def test_bf16_divergence_is_counted_not_fatal(store, tiny_target, monkeypatch):
     """In bf16 a near-tie can round differently in verification and in decode: such prompts are
     counted (`mismatches`); in float32 (`strict`) a difference is a bug and raises."""
@@ -113,6 +116,7 @@ def _stub_run(store, head, tmp_path, step=5):
     return trainer, SimpleNamespace(head=head)
 
 
+@pytest.mark.unit
 def test_strict_defaults_to_float32_and_is_configurable(tiny_overrides, tiny_target):
     from train.validation import EngineValidation, EngineValidationSettings
 
@@ -155,6 +159,7 @@ def test_lossless_violation_in_float32_fails_the_run(tiny_overrides, monkeypatch
     assert f"speculative token {(plain + 1) % 512} vs plain {plain}" in str(info.value)
 
 
+@pytest.mark.unit
 def test_gap_above_tolerance_raises_in_strict_mode_and_warns_otherwise(store, tiny_target, tmp_path, monkeypatch,
                                                                        caplog):
     """The training forward's agreement is forced far from the engine's (≥ 0.5 apart at every depth):
@@ -197,6 +202,7 @@ def test_gap_above_tolerance_raises_in_strict_mode_and_warns_otherwise(store, ti
     assert strict.results == []  # nothing reported as measured
 
 
+@pytest.mark.unit
 def test_gap_within_tolerance_passes_strict(store, tiny_target, tmp_path):
     """The unpatched float32 run: engine and training forward agree, strict mode reports numbers."""
     import train.validation as V
@@ -208,6 +214,7 @@ def test_gap_within_tolerance_passes_strict(store, tiny_target, tmp_path):
     assert "engine_val/failed" not in m and m["step"] == 5
 
 
+@pytest.mark.unit
 def test_the_decoded_prompts_are_written_for_evaluate_to_read_back(store, tiny_target, tmp_path):
     """engine_val/prompts.jsonl holds the prompts validation decoded, as token ids; evaluate.dataset=jsonl reads
     them back unchanged (data/prompts.py `input_ids` records), so the same prompts can be evaluated apart."""
@@ -231,6 +238,7 @@ def test_the_decoded_prompts_are_written_for_evaluate_to_read_back(store, tiny_t
             jsonl_prompts(None, bad, None)
 
 
+@pytest.mark.unit
 def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monkeypatch, caplog):
     """A file gone (the target's): no number is wrong, the run goes on with engine_val/failed."""
     import train.validation as V
@@ -250,6 +258,7 @@ def test_transient_error_is_logged_as_failed(store, tiny_target, tmp_path, monke
     assert any("transient" in r.getMessage() and r.exc_info and r.exc_info[1] is err for r in caplog.records)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("err", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                                  RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8"),
                                  MemoryError()],
@@ -275,6 +284,7 @@ def test_out_of_memory_ends_the_run_with_the_settings_to_change(store, tiny_targ
     assert info.value.__cause__ is err and cb.results == [] and head.training
 
 
+@pytest.mark.unit
 def test_unexpected_error_propagates(store, tiny_target, tmp_path, monkeypatch):
     """An error in the validation/engine code (not OOM, not the file system) is a bug: it propagates."""
     import train.validation as V

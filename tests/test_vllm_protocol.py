@@ -13,6 +13,9 @@ from inference_eval import vllm_backend
 from inference_eval.vllm_backend import VLLMBackend, VLLMWorkerError, in_flight
 
 
+pytestmark = pytest.mark.unit
+
+
 class FakeBackend(VLLMBackend):
     worker_module = "tests.fake_vllm_worker"
 
