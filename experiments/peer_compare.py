@@ -1,12 +1,14 @@
-"""The side-by-side comparison with the peer trainer, speculators 0.9 (issue 28, docs/RESULTS.md §8): the
+"""The side-by-side comparison with the peer trainer, speculators 0.9 (docs/RESULTS.md §8): the
 peer's EAGLE-3 and spechead's heads trained on the same conversations, split and token budget, and scored
-by one harness.
+by one harness. With `peer_compare.peer_type: dflash` (or `dspark`; conf/experiment/peer_compare_dflash.yaml) the
+peer trains its own block drafter (`speculators train --speculator-type dflash`) against our `head=dflash`.
 
     make vllm-env speculators-env
     python -m scripts.peer_compare experiment=peer_compare
+    python -m scripts.peer_compare experiment=peer_compare_dflash
 
-1. **One store**: the configured conversations precomputed once with EAGLE-3's aux layers
-   (`<run_dir>/stores/<hash>`, experiments/study.py `store_for`); the peer reads its states from it, so
+1. **One store**: the configured conversations precomputed once with EAGLE-3's aux layers — for a block peer, the
+   target layers our `dflash` head reads (`<run_dir>/stores/<hash>`, experiments/study.py `store_for`); the peer reads its states from it, so
    neither trainer runs the target, and both see the same token ids, loss masks and split.
 2. **Ours**: each head of `peer_compare.ours` (`{label: {head: <conf/head name>, overrides: {...}}}`)
    trained `peer_compare.epochs` epochs over the store's training split (experiments/runner.py), or, with
@@ -14,8 +16,10 @@ by one harness.
 3. **The peer**: the training split exported in its format (experiments/peer_data.py), its own
    `speculators train` (experiments/peer_shims.py in `.venv-speculators`) for the same epochs — or the
    same N tokens (`--max-steps`, `peer_schedule`) — with `peer_compare.peer_args` added, its last
-   checkpoint read by artifacts/formats/speculators.py — the reader evaluate's `load_any` uses — into a native
-   checkpoint.
+   checkpoint read by artifacts/formats/speculators.py (EAGLE-3) or speculators_dflash.py (DFlash, DSpark) — the
+   readers evaluate's `load_any` uses — into a native checkpoint. A block peer is shaped as our head of the same
+   kind (conf/head/<peer_type>.yaml: draft layers, block size, mask token, vocabulary; every layer full attention)
+   and otherwise keeps its own recipe (its loss, D-PACE weights, anchors, Muon).
 4. **Scoring, the same for every head**: held-out top-1 per depth against the target's full argmax
    (the TTT unroll over the held-out split), the engine's τ and α_d at each k of `peer_compare.ks`, and,
    with `peer_compare.vllm: true`, real vLLM's own acceptance counters on the same prompts
@@ -42,16 +46,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from transformers import AutoTokenizer
 
-from artifacts.checkpoint import load_native
-from artifacts.export import default_formats, export_head
-from artifacts.formats.speculators import to_native
+from artifacts.checkpoint import load_native, save_native
+from artifacts.export import default_formats, detect_format, export_head, load_any
+from artifacts.formats import VLLM_METHODS
 from core.files import atomic_write_bytes
 from core.paths import CONF
 from data.prompts import mtbench_prompts
 from data.sources import resolve_target_dir
 from experiments.cache import cached_training, dir_fingerprint, digest, lookup, record
 from experiments.peer_data import export as export_peer_data
-from experiments.peer_data import peer_command
+from experiments.peer_data import block_peer_shape, peer_command
 from experiments.runner import cached_heldout, evaluate_point, head_preset
 from experiments.study import apply_overrides, flatten, mean_batch_tokens, store_for
 from inference_eval.model import target_fingerprint, tied_target
@@ -147,9 +151,56 @@ def peer_train_command(cfg: DictConfig, data: Path, info: dict[str, Any], save: 
         budget = {"tokens": int(pc.tokens), "max_steps": steps, "epochs": epochs, **counted,
                   "train_tokens_seen": round(steps * counted["train_tokens"] / counted["epoch_batches"][0])}
         extra = ["--max-steps", str(steps), *extra]
-    command = peer_command(data, info, str(save), epochs=epochs, draft_vocab_size=int(pc.draft_vocab_size),
-                           total_seq_len=int(cfg.data.max_length)).split() + extra
+    kind = peer_type(cfg)
+    vd, block = pc.get("draft_vocab_size"), None
+    if kind in BLOCK_PEERS:  # shaped as our head of that kind
+        ours = peer_shape_head(cfg, kind)
+        block = block_peer_shape(OmegaConf.to_container(ours, resolve=True),
+                                 json.loads((Path(info["verifier"]) / "config.json").read_text())["vocab_size"])
+        vd = ours.get("draft_vocab_size")
+    command = peer_command(data, info, str(save), epochs=epochs, draft_vocab_size=None if vd is None else int(vd),
+                           total_seq_len=int(cfg.data.max_length), speculator_type=kind, block=block).split() + extra
     return command, save / str(epochs - 1), budget  # speculators saves `<save>/<epoch>/` after each epoch
+
+
+BLOCK_PEERS = ("dflash", "dspark")
+
+
+def peer_type(cfg: DictConfig) -> str:
+    """The peer's `--speculator-type`: eagle3 (the default), dflash or dspark."""
+    kind = str(cfg.peer_compare.get("peer_type") or "eagle3")
+    if kind not in ("eagle3", *BLOCK_PEERS):
+        raise ValueError(f"peer_compare.peer_type={kind!r}: one of eagle3, {', '.join(BLOCK_PEERS)}")
+    return kind
+
+
+def store_head(cfg: DictConfig) -> DictConfig:
+    """The head whose capture layers the shared store holds: EAGLE-3's aux layers, or for a block peer the target
+    layers of our block head (`peer_compare.aux_layers`, else each kind's default)."""
+    layers = cfg.peer_compare.get("aux_layers")
+    if peer_type(cfg) in BLOCK_PEERS:
+        return OmegaConf.create({"type": "dflash", "target_layers": layers})
+    return OmegaConf.create({"type": "eagle3", "aux_layers": layers})
+
+
+def peer_shape_head(cfg: DictConfig, kind: str) -> DictConfig:
+    """The head config the block peer is shaped as: the first of `peer_compare.ours` of that kind, its overrides
+    applied (else conf/head/<kind>.yaml)."""
+    for label, spec in (cfg.peer_compare.ours or {}).items():
+        spec = OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec
+        out = cfg.copy()
+        with open_dict(out):
+            out.head, preset = head_preset(spec.get("head", "mtp"))
+            apply_overrides(out, preset | flatten(spec.get("overrides") or {}), f"peer_compare.ours.{label}")
+        if out.head.get("type") == kind:
+            return out.head
+    return head_preset(kind)[0]
+
+
+def peer_native(ckpt: Path, out: Path, target_dir: Path, fp: dict[str, Any]) -> Path:
+    """The peer's checkpoint (any speculators format load_any reads) as a native spechead checkpoint."""
+    tied, args, _ = tied_target(target_dir)
+    return save_native(load_any(ckpt, tied, args), out, fp)
 
 
 def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, float, dict[str, Any]]:
@@ -241,7 +292,7 @@ def vllm_export(cfg: DictConfig, label: str, head_dir: Path, target_dir: Path, f
     out = Path(cfg.run_dir) / "exports" / label / fmt
     if not (out / "config.json").exists():
         export_head(head, {fmt: out}, target_dir, fp)
-    return out, "eagle3"  # vLLM serves both mtp-vllm (our plugin) and eagle3 exports with method eagle3
+    return out, VLLM_METHODS[fmt]  # mtp-vllm (our plugin) and eagle3: method eagle3; dflash-vllm: dflash
 
 
 def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
@@ -249,7 +300,7 @@ def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
     pc = cfg.peer_compare
     target_dir = resolve_target_dir(cfg.target)
     fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
-    store = store_for(cfg, OmegaConf.create({"type": "eagle3", "aux_layers": pc.get("aux_layers")}))
+    store = store_for(cfg, store_head(cfg))
     results: dict[str, Any] = {}
     for label, spec in (pc.ours or {}).items():
         oc = our_config(cfg, label, OmegaConf.to_container(spec, resolve=True) if OmegaConf.is_config(spec) else spec,
@@ -260,11 +311,12 @@ def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
                           **score(oc, label, Path(oc.head_dir), store, fp, draft, target_dir)}
     if pc.peer:
         ckpt, seconds, info = train_peer(cfg, store, target_dir)
-        native = to_native(ckpt, Path(cfg.run_dir) / "heads" / "peer", target_dir, fp)  # cheap: rewritten each run
+        native = peer_native(ckpt, Path(cfg.run_dir) / "heads" / "peer", target_dir, fp)  # cheap: rewritten each run
+        served = (ckpt, VLLM_METHODS[detect_format(ckpt)]) if pc.vllm else None  # vLLM reads the peer's format
         results["peer"] = {"train_seconds": seconds, "checkpoint": str(ckpt), "train_tokens": info["train_tokens"],
-                           "budget": info["budget"],
-                           **score(cfg, "peer", native, store, fp, (ckpt, "eagle3") if pc.vllm else None, target_dir)}
-    summary = {"target": cfg.target.name, "store": str(store), "epochs": int(pc.epochs), "tokens": pc.get("tokens"),
+                           "budget": info["budget"], "peer_type": peer_type(cfg),
+                           **score(cfg, "peer", native, store, fp, served, target_dir)}
+    summary = {"target": cfg.target.name, "store": str(store), "peer_type": peer_type(cfg), "epochs": int(pc.epochs), "tokens": pc.get("tokens"),
                "ks": list(pc.ks),
                "evaluate": {"num_prompts": int(cfg.evaluate.num_prompts), "max_new_tokens": int(cfg.evaluate.max_new_tokens)},
                "config_digest": digest(OmegaConf.to_container(pc, resolve=True)), "results": results,

@@ -22,7 +22,9 @@ Both trainers then see the same conversations, token ids, loss masks, hidden sta
 - `token_freq.pt` counts the loss tokens of the training rows only, as train/run.py does for our
   EAGLE-3 draft vocabulary; speculators' rule (most frequent, ties by lower id) is the same.
 
-The store must hold aux layers (precompute with `head=eagle3` or `precompute.aux_layers=[...]`).
+The store must hold aux layers (precompute with `head=eagle3` or `precompute.aux_layers=[...]`; for the peer's
+DFlash / DSpark, the store of our `head=dflash`, which captures the block head's `target_layers`: the same export,
+speculators' DFlash reads the K aux states as its context and the last one for its teacher).
 `peer_data.json` records the store, the split digest, the counts, the layer ids and the verifier
 directory (`data.sources.resolve_target_dir`), and `command` is the peer training command.
 """
@@ -172,18 +174,42 @@ def _vocab_size(verifier: str | None) -> int:
 
 
 def peer_command(out: Path, info: dict[str, Any], save_path: str | None = None, epochs: int = 2,
-                 draft_vocab_size: int = 8192, total_seq_len: int = 1024) -> str:
-    """The shimmed `speculators train` command for this export (full-size defaults: 2 epochs, V_d 8192, 1024)."""
+                 draft_vocab_size: int | None = 8192, total_seq_len: int = 1024, speculator_type: str = "eagle3",
+                 block: dict[str, int] | None = None) -> str:
+    """The shimmed `speculators train` command for this export (full-size defaults: 2 epochs, V_d 8192, 1024).
+
+    `speculator_type` "dflash" / "dspark": the peer's block drafters, shaped as ours by `block` {num_layers,
+    block_size, mask_token_id} (`block_peer_shape`); `draft_vocab_size` None: the target's whole vocabulary (no
+    --draft-vocab-size). Every draft layer attends to the whole context (`--full-attention-indices` names them all:
+    speculators' default is a 2048-token sliding window on every layer), as ours does."""
+    layers = [0]
+    shape: list[str] = []
+    if speculator_type in ("dflash", "dspark"):
+        if not block:
+            raise ValueError(f"--speculator-type {speculator_type}: pass block={{num_layers, block_size, mask_token_id}}")
+        layers = list(range(int(block["num_layers"])))
+        shape = ["--num-layers", str(len(layers)), "--block-size", str(int(block["block_size"])),
+                 "--mask-token-id", str(int(block["mask_token_id"]))]
+    elif speculator_type != "eagle3":
+        raise ValueError(f"--speculator-type {speculator_type}: peer_command knows eagle3, dflash and dspark")
     args = [".venv-speculators/bin/python", "-m", "experiments.peer_shims",
-            "--speculator-type", "eagle3", "--verifier-name-or-path", str(info["verifier"]),
+            "--speculator-type", speculator_type, "--verifier-name-or-path", str(info["verifier"]),
             "--data-path", str(out), "--save-path", save_path or str(out.parent / "peer_ckpt"),
             "--target-layer-ids", *[str(i) for i in info["target_layer_ids"]],
-            "--train-data-ratio", repr(info["train_data_ratio"]),
-            "--draft-vocab-size", str(draft_vocab_size), "--epochs", str(epochs),
-            "--total-seq-len", str(total_seq_len), "--full-attention-indices", "0",
+            "--train-data-ratio", repr(info["train_data_ratio"]), *shape,
+            *(["--draft-vocab-size", str(draft_vocab_size)] if draft_vocab_size else []), "--epochs", str(epochs),
+            "--total-seq-len", str(total_seq_len), "--full-attention-indices", *[str(i) for i in layers],
             "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
             "--hidden-states-dtype", "float32", "--on-missing", "raise"]
     return " ".join(shlex.quote(a) for a in args)
+
+
+def block_peer_shape(head_cfg: dict[str, Any], vocab_size: int) -> dict[str, int]:
+    """{num_layers, block_size, mask_token_id} of one of our block heads' configs (conf/head/dflash.yaml), for the
+    peer's command: the same draft depth, block and mask token (ours defaults to the target's last id)."""
+    mask = head_cfg.get("mask_token_id")
+    return {"num_layers": int(head_cfg.get("num_layers", 3)), "block_size": int(head_cfg.get("block_size", 8)),
+            "mask_token_id": vocab_size - 1 if mask is None else int(mask)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ DSpark adds two small heads on the DFlash backbone:
 - a rank-r Markov bias, applied left to right over the block: logits_j += W2 · W1[x_{j-1}] with x_{j-1} the token
   before row j's (t_a for row 1, the previous draft after it), so the block's drafts depend on each other at the
   cost of a [V × r] lookup and an [r → V] projection per row;
-- a confidence head: σ(w · [h_j ; W1[x_{j-1}]] + b), trained (BCE) against the acceptance probability of row j,
+- a confidence head: σ(w · [norm(h_j) ; W1[x_{j-1}]] + b), trained (BCE) against the acceptance probability of row j,
   1 − ½‖p_draft − p_target‖₁; the engine may end a block early where it predicts a rejection.
 
 Tensor names follow vLLM's Qwen3 DFlash / DSpark drafts (`fc`, `hidden_norm`, `layers.{i}.*`, `norm`,
@@ -335,7 +335,8 @@ class DSparkHead(DFlashHead):
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         if not hasattr(self, "confidence_head"):
             return None
-        return self.confidence_head(torch.cat([h, self.markov_w1(prev).to(h.dtype)], dim=-1))
+        # the row's normed state (what the lm_head reads), as vLLM's DSpark and speculators' compute it
+        return self.confidence_head(torch.cat([self.norm(h), self.markov_w1(prev).to(h.dtype)], dim=-1))
 
     @torch.no_grad()
     def reset_parameters(self, seed: int, first_input_norm: torch.Tensor | None = None) -> None:

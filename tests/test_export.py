@@ -466,6 +466,32 @@ def test_mtp_vllm_refusals_and_planted_defects(tiny_target, tmp_path):
 
 
 # ---- the format registry: the one table the export stage, the loader and the validator read -------------
+def _speculators_block_dir(head, out):
+    """A block head written in speculators' DFlash / DSpark layout (its config keys and tensor names; test_peer.py
+    reads checkpoints speculators itself saves)."""
+    a, c = head.args, head.cfg
+    out.mkdir(parents=True)
+    cfg = {"speculators_model_type": head.kind, "architectures": [f"{head.kind.capitalize()}Speculator"],
+           "speculators_config": {"algorithm": head.kind},
+           "transformer_layer_config": {"model_type": "qwen3", "hidden_size": a.hidden_size,
+                                        "intermediate_size": a.intermediate_size, "num_hidden_layers": c.num_layers,
+                                        "num_attention_heads": a.num_attention_heads,
+                                        "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
+                                        "rms_norm_eps": a.rms_norm_eps, "hidden_act": "silu", "vocab_size": a.vocab_size,
+                                        "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+                                        "layer_types": ["full_attention"] * c.num_layers},
+           "aux_hidden_state_layer_ids": list(c.target_layers), "mask_token_id": c.mask_token_id,
+           "block_size": c.block_size, "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": a.hidden_size,
+           "sample_from_anchor": head.kind == "dspark"}
+    if head.kind == "dspark":
+        cfg |= {"markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                "confidence_head_with_markov": True}
+    (out / "config.json").write_text(json.dumps(cfg))
+    names = {"markov_w1.weight": "markov_head.markov_w1.weight", "markov_w2.weight": "markov_head.markov_w2.weight"}
+    save_file({names.get(k, k): v.contiguous() for k, v in head_state(head).items()}, out / "model.safetensors")
+    return out
+
+
 def test_every_registered_format_is_detected_as_itself(exported, tiny_target, deep_target, tmp_path):
     """One directory per registered format, each detected as its own name, valid, and read back as the head
     that wrote it: a format registered without a case here fails the first assertion."""
@@ -484,6 +510,9 @@ def test_every_registered_format_is_detected_as_itself(exported, tiny_target, de
         block = _perturb(build_head({"type": kind, "num_layers": 1, "block_size": 3}, args, tied), 30 + i)
         fmt = f"{kind}-vllm"
         dirs[fmt] = (export_head(block, {fmt: tmp_path / fmt}, tiny_target)[fmt], tiny_target)
+    for kind in ("dflash", "dspark"):  # the peer's block drafters, laid out as speculators saves them
+        block = _perturb(build_head({"type": kind, "num_layers": 1, "block_size": 3}, args, tied), 40)
+        dirs[f"speculators-{kind}"] = (_speculators_block_dir(block, tmp_path / f"peer_{kind}"), tiny_target)
     peer, _, _ = our_head(tiny_target, FLAGS["eagle31"])
     dirs["speculators-eagle3"] = (write_speculators_format(peer, tiny_target, tmp_path / "peer"), tiny_target)
     assert sorted(dirs) == sorted(FORMATS)
@@ -491,10 +520,14 @@ def test_every_registered_format_is_detected_as_itself(exported, tiny_target, de
         assert detect_format(path) == fmt
         assert validate_export(path, fmt, target) == [], fmt
     assert torch.equal(probe_logits(load_any(dirs["speculators-eagle3"][0], tied, args)), probe_logits(peer))
+    for kind in ("dflash", "dspark"):
+        block = load_any(dirs[f"speculators-{kind}"][0], tied, args)
+        assert block.kind == kind and block.cfg.num_layers == 1 and block.block_size == 3
     # the tables other code reads are the formats' own declarations
     assert dict(VLLM_METHODS) == {"draft-hf": "draft_model", "eagle1-vllm": "eagle", "eagle3": "eagle3",
                                   "medusa-vllm": "medusa", "mtp-vllm": "eagle3", "speculators-eagle3": "eagle3",
-                                  "dflash-vllm": "dflash", "dspark-vllm": "dspark"}
+                                  "dflash-vllm": "dflash", "dspark-vllm": "dspark", "speculators-dflash": "dflash",
+                                  "speculators-dspark": "dspark"}
     assert dict(ENGINE_FORMATS) == {"mtp": ("mtp-stitched", "mtp-standalone", "mtp-vllm"),
                                     "eagle1": ("eagle1-vllm", "eagle1-sglang"), "eagle3": ("eagle3",),
                                     "medusa": ("medusa-vllm",), "draft_lm": ("draft-hf",),

@@ -88,6 +88,7 @@ def depth_logits(head, hidden, aux, ids, depth=3):
         return [head.logits(s) for s in unroll(head, hidden, ids, depth, aux)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flags", list(FLAGS))
 def test_reads_a_speculators_checkpoint_as_the_same_head(tiny_target, tmp_path, flags):
     head, tied, args = our_head(tiny_target, FLAGS[flags])
@@ -147,6 +148,7 @@ PLANTED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", list(PLANTED))
 def test_planted_mismatches_are_clear_errors(tiny_target, tmp_path, case):
     head, tied, args = our_head(tiny_target, FLAGS["eagle31"])
@@ -157,6 +159,7 @@ def test_planted_mismatches_are_clear_errors(tiny_target, tmp_path, case):
         read_speculators_eagle3(path, tied, args)
 
 
+@pytest.mark.unit
 def test_sliding_window_accepted_when_asked(tiny_target, tmp_path):
     head, tied, args = our_head(tiny_target, FLAGS["plain"])
     path = _mutate(write_speculators_format(head, tiny_target, tmp_path / "spec"),
@@ -253,6 +256,7 @@ def tiny_store(root: Path, n=9, h=64, k=1, vocab=512):
     return root
 
 
+@pytest.mark.unit
 def test_peer_data_export_keeps_our_split(tiny_target, tmp_path):
     from datasets import load_from_disk
 
@@ -339,6 +343,7 @@ def test_peer_compare_scores_both_heads_with_one_harness(tiny_overrides, tiny_ta
 
 
 # ---- peer_compare.tokens: the same training tokens each side ------------------------------------------------
+@pytest.mark.unit
 def test_peer_schedule_gives_the_tokens_in_the_fewest_epochs():
     from experiments.peer_compare import peer_schedule
 
@@ -350,6 +355,7 @@ def test_peer_schedule_gives_the_tokens_in_the_fewest_epochs():
         peer_schedule(1000, 300, [4, 5])
 
 
+@pytest.mark.unit
 def test_peer_compare_tokens_set_our_steps_by_the_study_rule(tiny_overrides, tmp_path):
     from omegaconf import open_dict
 
@@ -404,6 +410,7 @@ def test_peer_trains_the_token_budget_and_its_checkpoint_is_found(tiny_target, t
     assert read_speculators_eagle3(last, tied, args).cfg.draft_vocab_size == VD
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("setting", ["target", "ones"])
 def test_eagle3_norm_init_target_or_speculators_ones(tiny_target, setting):
     """`input_norm_init` / `norm_init`: `target` starts input_layernorm at the target's layer-0 input norm and
@@ -473,3 +480,167 @@ def test_peer_grad_our_step_equals_the_peers_on_the_same_weights_and_batch(tiny_
     assert ours["loss"] != pytest.approx(r["peer"]["loss"], rel=1e-3)
     init = {row["param"]: row for row in r["init"]}  # the peer's fresh norms are 1; ours copy the target's
     assert init["norm.weight"]["peer"]["std"] == 0.0 and init["norm.weight"]["peer"]["mean"] == 1.0
+
+
+# ---- the peer's block drafters (speculators-dflash, speculators-dspark) ------------------------------------------
+SPECULATORS_BLOCK_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+import speculators.models.dflash.core as dflash_core
+import speculators.models.dspark.core as dspark_core
+from speculators.train.cli import create_transformer_layer_config
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+from transformers import AutoConfig
+
+verifier, out, kind, vd = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+vocab = AutoConfig.from_pretrained(verifier).vocab_size
+d2t = t2d = None
+if vd < vocab:
+    d2t, t2d = build_vocab_mappings_from_distribution({t: 5 for t in range(0, vocab, 2)}, vd, vocab)
+layer = create_transformer_layer_config(verifier, num_layers=2, draft_arch="qwen3", hidden_act="silu",
+                                        sliding_window=2048, full_attention_indices=[0, 1])
+mod = dspark_core if kind == "dspark" else dflash_core
+cls = dspark_core.DSparkDraftModel if kind == "dspark" else dflash_core.DFlashDraftModel
+model = cls.from_training_args(verifier_config=layer, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
+                               draft_vocab_size=vd, block_size=4, target_layer_ids=[1], mask_token_id=vocab - 3,
+                               draft_attn_impl="sdpa", **({"markov_rank": 8} if kind == "dspark" else {}))
+with torch.no_grad():  # a trained-looking draft: every trainable tensor random, norms away from 1
+    for name, p in model.named_parameters():
+        if name.startswith(("embed_tokens", "verifier_")) or (name == "lm_head.weight" and vd == vocab):
+            continue
+        p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.05)
+model.eval()
+model.save_pretrained(out / "ckpt")
+g = torch.Generator().manual_seed(1)
+t, h = 16, layer.hidden_size
+aux, last = torch.randn(1, t, h, generator=g), torch.randn(1, t, h, generator=g)
+ids = torch.randint(0, vocab, (1, t), generator=g)
+loss_mask = torch.ones(1, t, dtype=torch.long)
+loss_mask[:, :2] = 0  # anchors ≥ 2: every block has a context
+seen = {}
+select, metrics = dflash_core.select_anchors, mod.compute_metrics
+def _select(*a, **k):  # record the anchors its forward draws
+    seen["anchors"], seen["valid"] = select(*a, **k)
+    return seen["anchors"], seen["valid"]
+def _metrics(logits, *a, **k):  # and the block logits its loss reads (DSpark's with the Markov bias)
+    seen["logits"] = logits.detach().clone()
+    if kind == "dspark":  # and DSpark's confidence logits (its metrics' arguments: logits, targets, confidence, …)
+        seen["conf"] = a[1].detach().clone()
+    return metrics(logits, *a, **k)
+dflash_core.select_anchors, mod.compute_metrics = _select, _metrics
+kwargs = model.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager")[0] | {"max_anchors": 3}
+with torch.no_grad():  # speculators' own training forward
+    model(hidden_states=aux, input_ids=ids, loss_mask=loss_mask, verifier_last_hidden_states=last,
+          document_ids=torch.zeros(1, t, dtype=torch.long), **kwargs)
+assert bool(seen["valid"].all())
+save_file({"aux": aux, "ids": ids, "anchors": seen["anchors"], "logits": seen["logits"][0].contiguous()}
+          | ({"conf": seen["conf"][0].contiguous()} if "conf" in seen else {}), str(out / "probe.safetensors"))
+print(json.dumps({"anchors": seen["anchors"].tolist()}))
+"""
+BLOCK_CASES = {"dflash-full-vocab": ("dflash", 512), "dflash-draft-vocab": ("dflash", VD), "dspark": ("dspark", VD)}
+
+
+def speculators_block_checkpoint(speculators_env, tiny_target, out: Path, kind: str, vd: int) -> Path:
+    run = subprocess.run([str(speculators_env), "-c", SPECULATORS_BLOCK_SCRIPT, str(tiny_target), str(out), kind,
+                          str(vd)], capture_output=True, text=True, timeout=300, check=False,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_dflash_checkpoint_written_by_speculators_matches_its_forward(tiny_target, tmp_path, speculators_env, case):
+    """speculators' own DFlashDraftModel / DSparkDraftModel, saved as it saves them, read through load_any: every
+    block row's logits equal its training forward's at the anchors it drew (fp32)."""
+    import warnings
+
+    from heads.dflash import block_unroll
+
+    kind, vd = BLOCK_CASES[case]
+    out = speculators_block_checkpoint(speculators_env, tiny_target, tmp_path, kind, vd)
+    tied, args, _ = tied_target(tiny_target)
+    assert detect_format(out / "ckpt") == f"speculators-{kind}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        head = load_any(out / "ckpt", tied, args)
+    assert head.kind == kind and head.cfg.target_layers == (1,) and head.cfg.mask_token_id == args.vocab_size - 3
+    assert head.cfg.num_layers == 2 and head.block_size == 4 and head.cfg.draft_vocab_size == vd
+    assert not any("confidence head" in str(w.message) for w in caught)  # DSpark's is read like the rest
+    if vd < args.vocab_size:
+        assert head.draft_ids.tolist() == list(range(0, 2 * vd, 2))
+    p = load_file(str(out / "probe.safetensors"))
+    anchors = p["anchors"][None]
+    with torch.no_grad():
+        h = block_unroll(head, p["aux"], p["ids"], anchors)[0]  # [n, B, H]
+        prev = p["ids"][0, anchors[0, :, None] + torch.arange(head.block_size) - head.first_row]
+        ours = head.row_logits(h, prev).reshape(p["logits"].shape)
+        conf = head.confidence(h, prev)
+    torch.testing.assert_close(ours, p["logits"], atol=2e-5, rtol=1e-4)
+    if kind == "dspark":  # its confidence head reads [norm(h) ; W1[x]], as ours does
+        torch.testing.assert_close(conf.reshape(p["conf"].shape), p["conf"], atol=2e-5, rtol=1e-4)
+
+
+BLOCK_PLANTED = {
+    "sliding window": (lambda c: _set(c["transformer_layer_config"], "layer_types", ["sliding_attention"] * 2),
+                       r"transformer_layer_config\.layer_types"),
+    "sample from anchor": (lambda c: _set(c, "sample_from_anchor", True), r"sample_from_anchor"),
+    "last-layer id": (lambda c: _set(c, "aux_hidden_state_layer_ids", [1, 2]), r"aux_hidden_state_layer_ids"),
+    "mask id": (lambda c: _set(c, "mask_token_id", 512), r"mask_token_id"),
+    "draft width": (lambda c: _set(c["transformer_layer_config"], "intermediate_size", 96),
+                    r"transformer_layer_config\.intermediate_size"),
+    "unknown field": (lambda c: _set(c, "mystery_option", True), r"mystery_option: not understood"),
+}
+
+
+def test_dflash_planted_mismatches_are_clear_errors(tiny_target, tmp_path, speculators_env):
+    import shutil
+
+    from artifacts.formats.speculators_dflash import read_speculators_block
+
+    base = speculators_block_checkpoint(speculators_env, tiny_target, tmp_path / "base", "dflash", VD) / "ckpt"
+    tied, args, _ = tied_target(tiny_target)
+    for case, (config, match) in BLOCK_PLANTED.items():
+        path = tmp_path / case.replace(" ", "_")
+        shutil.copytree(base, path)
+        _mutate(path, config)
+        with pytest.raises(ValueError, match=match):
+            read_speculators_block(path, tied, args)
+    path = tmp_path / "no_fc"
+    shutil.copytree(base, path)
+    _mutate(path, tensors=lambda s: s.pop("fc.weight"))
+    with pytest.raises(ValueError, match=r"fc\.weight: missing"):
+        read_speculators_block(path, tied, args)
+
+
+def test_peer_compare_dflash_scores_both_block_heads(tiny_overrides, tiny_target, speculators_env, monkeypatch):
+    """experiments/peer_compare.py with peer_type=dflash on the tiny target: one store with the dflash head's target
+    layers, our dflash head and the peer's own DFlash (`speculators train --speculator-type dflash`, 2 steps, shaped
+    as ours) trained on its training split and scored on the same held-out rows and prompts."""
+    from experiments.peer_compare import run_peer_compare
+    from tests.conftest import compose_config
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = compose_config(tiny_overrides + [
+        "experiment=peer_compare_dflash", "data.max_length=512", "peer_compare.tokens=null",
+        "trainer.max_epochs=1", "peer_compare.epochs=1", "peer_compare.ks=[2]", "peer_compare.eval_depth=3",
+        "peer_compare.heldout_conversations=2", "peer_compare.peer_args=[--max-steps,2,--max-anchors,8]",
+        "++peer_compare.ours.dflash.overrides={head.num_layers:2,head.block_size:4}",
+        "evaluate.num_prompts=2", "evaluate.max_new_tokens=8", "evaluate.plain_baseline=false"])
+    out = run_peer_compare(cfg)
+    ours, peer = out["results"]["dflash"], out["results"]["peer"]
+    assert out["peer_type"] == peer["peer_type"] == "dflash"
+    assert ours["heldout"]["heldout_sha256"] == peer["heldout"]["heldout_sha256"]
+    assert ours["heldout"]["tokens"] == peer["heldout"]["tokens"] and len(peer["heldout"]["acc"]) == 3
+    assert ours["engine"][2]["prompts"] == peer["engine"][2]["prompts"] == 2 and 1.0 <= peer["engine"][2]["tau"] <= 3.0
+    tied, args, _ = tied_target(tiny_target)
+    from artifacts.checkpoint import load_native
+
+    head = load_native(Path(cfg.run_dir) / "heads" / "peer", tied, args)
+    assert head.kind == "dflash" and head.cfg.num_layers == 2 and head.block_size == 4
+    assert head.cfg.mask_token_id == args.vocab_size - 1 and head.cfg.target_layers == (1,)
+    command = json.loads((Path(cfg.run_dir) / "peer" / "train.json.key.json").read_text())["key"]["command"]
+    assert command[command.index("--speculator-type") + 1] == "dflash" and "--draft-vocab-size" not in command
+    assert command[command.index("--full-attention-indices") + 1: command.index("--full-attention-indices") + 3] == ["0", "1"]

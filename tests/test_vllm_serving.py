@@ -62,6 +62,13 @@ HEADS = {
     # a separate draft LM (the target's first 2 layers, trained): vLLM's draft_model method, the engine's
     # draft-model proposer on vLLM's schedule (it drafts in the step that prefills a request too)
     "draft_lm": (["head=draft_lm", "head.num_layers=2", "train.module.depth=1"], "draft-hf", "draft_model", K),
+    # the parallel block drafter: one pass drafts the block [bonus, MASK × K] (vLLM shortens the block to the K drafts
+    # served, as the engine does), context K/V from the captured layers. One draft layer: vLLM 0.32's CPU build
+    # normalises every draft layer's context keys with layer 0's k_norm (docs/export.md), so a deeper draft serves
+    # other drafts there than it was trained for; blocks of K + 1 rows (what is served), 128 anchors per row so that
+    # 20 steps teach it something
+    "dflash": (["head=dflash", "head.num_layers=1", f"head.block_size={K + 1}", f"head.target_layers={AUX}",
+                "train.module.block.anchors=128"], "dflash-vllm", "dflash", K),
 }
 
 
@@ -272,6 +279,31 @@ def test_a_zeroed_eh_proj_loads_silently_but_fails_the_acceptance_comparison(ser
     assert got["tokens"] == served["vllm"]["plain"]["tokens"]  # still lossless: only acceptance shows it
     assert not acceptance_matches(got["spec"], served["engine"]["mtp1"]), got["spec"]
     assert sum(got["spec"]["accepted_per_pos"]) < sum(served["engine"]["mtp1"]["accepted_per_pos"])
+
+
+def test_vllm_cpu_build_refuses_dspark_with_its_own_error(tmp_path):
+    """vLLM 0.32's CPU build serves no DSpark draft (its V1 runner lists dspark as unsupported; the V2 runner that
+    has it needs Triton): the worker fails with vLLM's own message, which docs/export.md quotes. The dspark-vllm
+    export is written, validated and read back as every export is (tests/test_dflash.py); served on a GPU runner."""
+    from artifacts.export import export_head
+    from data.assets import ensure_smollm2_checkpoint
+    from heads.registry import build_head
+    from inference_eval.model import tied_target
+
+    target_dir = ensure_smollm2_checkpoint()
+    tied, args, _ = tied_target(target_dir)
+    head = build_head({"type": "dspark", "num_layers": 1, "block_size": K, "target_layers": [2, 15, 27]}, args, tied)
+    head.reset_parameters(0)
+    out = export_head(head, {"dspark-vllm": tmp_path / "dspark"}, target_dir)["dspark-vllm"]
+    job = {"target": str(target_dir), "prompts": [[1, 2, 3]], "max_tokens": 4, "dtype": "float32",
+           "speculative_config": {"method": "dspark", "model": str(out), "num_speculative_tokens": K},
+           "max_model_len": 256}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "inference_eval.vllm_serve_worker", str(tmp_path / "job.json"),
+                          str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert run.returncode != 0 and not (tmp_path / "out.json").exists()
+    assert "does not support: dspark speculative decoding" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
 
 
 def test_the_plugin_is_registered_in_the_vllm_environment():

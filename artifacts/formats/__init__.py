@@ -4,6 +4,7 @@ recognises, writes, reads and validates it; base.py `ExportFormat`), and the reg
 validator (artifacts/validate.py and its CLI) read. A new format is one module plus one `register` line below.
 
     native.py         `native`                           any head; spechead's own checkpoint
+    speculators_dflash.py `speculators-dflash`, `-dspark`  the peer trainer's DFlash / DSpark checkpoints, read only
     speculators.py    `speculators-eagle3`               the peer trainer's EAGLE-3 checkpoints, read only
     draft_hf.py       `draft-hf`                         draft_lm; vLLM `draft_model`
     medusa.py         `medusa-vllm`                      medusa; vLLM `medusa` (≤ 0.32)
@@ -14,7 +15,8 @@ validator (artifacts/validate.py and its CLI) read. A new format is one module p
     dflash.py         `dflash-vllm`, `dspark-vllm`       dflash, dspark; vLLM `dflash`, `dspark` (GPU runner only)
 
 Registration order matters twice: `detect_format` answers the first format whose `detect` holds (the
-peer's config and mtp-vllm's also carry EAGLE-3's aux ids, so both come before `eagle3`), and a head kind's
+peer's config and mtp-vllm's also carry EAGLE-3's aux ids, so both come before `eagle3`; the peer's block drafters
+come before its EAGLE-3, whose detect holds for any speculators config), and a head kind's
 formats are listed, and written by default, in this order.
 """
 
@@ -23,7 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from artifacts.formats import dflash, draft_hf, eagle1, eagle3, medusa, mtp_deepseek, mtp_vllm, native, speculators
+from artifacts.formats import (
+    dflash, draft_hf, eagle1, eagle3, medusa, mtp_deepseek, mtp_vllm, native, speculators, speculators_dflash,
+)
 from artifacts.formats.base import ExportFormat, read_json
 
 FORMATS: dict[str, ExportFormat] = {}
@@ -37,7 +41,8 @@ def register(fmt: ExportFormat) -> ExportFormat:
     return fmt
 
 
-for _fmt in (native.NATIVE, speculators.SPECULATORS, draft_hf.DRAFT_HF, medusa.MEDUSA_VLLM,
+for _fmt in (native.NATIVE, speculators_dflash.SPECULATORS_DFLASH_FORMAT, speculators_dflash.SPECULATORS_DSPARK_FORMAT,
+             speculators.SPECULATORS, draft_hf.DRAFT_HF, medusa.MEDUSA_VLLM,
              mtp_deepseek.MTP_STITCHED, mtp_deepseek.MTP_STANDALONE, mtp_vllm.MTP_VLLM, eagle3.EAGLE3,
              eagle1.EAGLE1_VLLM, eagle1.EAGLE1_SGLANG, dflash.DFLASH_VLLM, dflash.DSPARK_VLLM):
     register(_fmt)
