@@ -91,6 +91,7 @@ def _engine_block(target, head, ids: list[int], a: int, k: int) -> torch.Tensor:
     return eng.proposer.block_hidden([req], k)[0]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("vocab", [None, 300], ids=["full_vocab", "reduced_vocab"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_training_forward_equals_engine_draft_logits(varied, kind, vocab):
@@ -120,6 +121,7 @@ def test_block_training_forward_equals_engine_draft_logits(varied, kind, vocab):
             assert torch.isinf(prop.draft_logits(got[1][None], prev)[0, ~head.t2d]).all()
 
 
+@pytest.mark.unit
 def test_block_mask_sees_the_prefix_and_its_own_block_only():
     anchors = torch.tensor([[2, 5]])
     m = block_mask(anchors, 7, 3, segments=torch.tensor([[0, 0, 0, 1, 1, 1, 1]]))[0, 0]
@@ -210,6 +212,7 @@ def _naive_terms(head, batch, anchors, valid, cfg):
     return total / rows
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("weights", ["decay", "dpace"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_loss_equals_its_definition_values_and_gradients(varied, kind, weights):
@@ -233,6 +236,7 @@ def test_block_loss_equals_its_definition_values_and_gradients(varied, kind, wei
     assert int(got["n_count_d1"]) == 3 and int(got[f"n_count_d{got_head.max_depth}"]) == 2
 
 
+@pytest.mark.unit
 def test_block_loss_terms_and_weights_by_hand():
     """D-PACE's weights on a block whose rows are certain (CE 0: s = 1) count the rows from each on; TV and KL of a
     two-token distribution by hand."""
@@ -269,6 +273,7 @@ def test_block_loss_terms_and_weights_by_hand():
     assert agree.tolist() == [True, False] and conf is None  # a tie picks index 0, the teacher's argmax
 
 
+@pytest.mark.unit
 def test_block_anchors_follow_each_rows_tokens_not_its_batch():
     """Anchors are distinct trainable columns, ascending, drawn from each row's own tokens and the salt: the same row
     draws the same anchors in another batch (so N processes train what one does), another salt draws others."""
@@ -287,6 +292,7 @@ def test_block_anchors_follow_each_rows_tokens_not_its_batch():
     assert a2.tolist() != a.tolist()
 
 
+@pytest.mark.unit
 def test_block_head_settings_are_checked(varied):
     _, path, *_ = varied
     tied, args, _ = tied_target(path)
@@ -362,6 +368,7 @@ def _export(head, kind, tmp_path, target_dir):
     return export_head(head, {fmt: tmp_path / fmt}, target_dir)[fmt], fmt
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("vocab", [None, 300], ids=["full_vocab", "reduced_vocab"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_head_export_round_trip_and_vllm_config(varied, tmp_path, kind, vocab):
