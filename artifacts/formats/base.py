@@ -126,6 +126,13 @@ def write_config(out: Path, cfg: dict[str, Any]) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def t2d_of(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The target ids a draft vocabulary holds ([V] bool), from its d2t offsets (target id = draft id + d2t)."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t + torch.arange(d2t.shape[0])] = True
+    return t2d
+
+
 def loaded(head: DraftHead, state: dict[str, torch.Tensor], tied: TiedTarget) -> DraftHead:
     """The head with exactly `state` loaded, in the target's dtype."""
     head.load_state_dict(state, strict=True)

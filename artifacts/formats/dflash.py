@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from artifacts.formats.base import ExportFormat, dtype_name, head_state, loaded, read_json, write_config
+from artifacts.formats.base import ExportFormat, dtype_name, head_state, loaded, read_json, t2d_of, write_config
 from artifacts.formats.checks import check_keys, check_own_tensors, check_positions, llama_layer_shapes
 from core.safetensors_io import TensorInfo, load_tensor, scan_tensors
 from heads.base import DraftHead, TiedTarget
@@ -124,9 +124,7 @@ class BlockFormat(ExportFormat):
         back = {v: k for k, v in DSPARK_NAMES.items()}
         state = {back.get(k, k): load_tensor(info, k) for k, info in infos.items()}
         if "d2t" in state:
-            t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
-            t2d[state["d2t"] + torch.arange(state["d2t"].shape[0])] = True
-            state["t2d"] = t2d
+            state["t2d"] = t2d_of(state["d2t"], args.vocab_size)
         return loaded(head, state, tied)
 
     def validate(self, path: Path, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from artifacts.formats.base import ExportFormat, dtype_name, head_state, loaded, read_json, write_config
+from artifacts.formats.base import ExportFormat, dtype_name, head_state, loaded, read_json, t2d_of, write_config
 from artifacts.formats.checks import (check_against_target, check_eagle_draft_config, check_keys, check_own_tensors,
                                       check_shipped_embedding, llama_args)
 from core.safetensors_io import TensorInfo, load_tensor, scan_tensors
@@ -100,9 +100,7 @@ class Eagle3(ExportFormat):
         if "d2t" not in state:  # V_d = V (validated): the identity mapping
             state["d2t"], state["t2d"] = head.d2t.clone(), head.t2d.clone()
         elif "t2d" not in state:
-            t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
-            t2d[state["d2t"] + torch.arange(state["d2t"].shape[0])] = True
-            state["t2d"] = t2d
+            state["t2d"] = t2d_of(state["d2t"], args.vocab_size)
         return loaded(head, state, tied)
 
     def validate(self, path: Path, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,

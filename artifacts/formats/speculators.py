@@ -173,7 +173,7 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
     E (default: bfloat16 rounding of E's largest entry). Raises ValueError naming the file and field on anything
     it does not understand, and on any shape mismatch or missing tensor."""
     path = Path(path)
-    cfg_file, cfg = _read_config(path)
+    cfg_file, cfg = read_config(path)
     if tied.conventions != TiedConventions():
         raise ValueError(f"{cfg_file}: the target's tied conventions {tied.conventions} are not Llama's; speculators' "
                          "draft embeds and normalises the Llama way, which our head would not reproduce")
@@ -210,8 +210,10 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
     return head.to(tied.embed.dtype)
 
 
-def _read_config(path: Path) -> tuple[Path, dict[str, Any]]:
-    """(config.json's path, its contents), checked to be a speculators EAGLE-3 config we understand."""
+def read_config(path: Path, kind: str = "eagle3", known: set[str] | frozenset[str] | None = None
+                ) -> tuple[Path, dict[str, Any]]:
+    """(config.json's path, its contents), checked to be a speculators `kind` checkpoint's config whose fields all
+    are in `known` (default: the EAGLE-3 reader's)."""
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path}: no config.json — not a speculators checkpoint")
@@ -221,12 +223,13 @@ def _read_config(path: Path) -> tuple[Path, dict[str, Any]]:
         raise _fail(cfg_file, "config.json", f"unreadable JSON ({e})") from e
     if "speculators_config" not in cfg:
         raise _fail(cfg_file, "speculators_config", "missing — not a speculators-format checkpoint")
-    if cfg.get("speculators_model_type") != "eagle3":
-        raise _fail(cfg_file, "speculators_model_type", f"{cfg.get('speculators_model_type')!r}, expected 'eagle3'")
-    algo = (cfg["speculators_config"] or {}).get("algorithm", "eagle3")
-    if algo != "eagle3":
-        raise _fail(cfg_file, "speculators_config.algorithm", f"{algo!r}, expected 'eagle3'")
-    unknown = sorted(k for k in cfg if k not in KNOWN_KEYS and cfg[k] not in (None, False, [], {}))
+    if cfg.get("speculators_model_type") != kind:
+        raise _fail(cfg_file, "speculators_model_type", f"{cfg.get('speculators_model_type')!r}, expected {kind!r}")
+    algo = (cfg["speculators_config"] or {}).get("algorithm", kind)
+    if algo != kind:
+        raise _fail(cfg_file, "speculators_config.algorithm", f"{algo!r}, expected {kind!r}")
+    known = KNOWN_KEYS if known is None else known
+    unknown = sorted(k for k in cfg if k not in known and cfg[k] not in (None, False, [], {}))
     if unknown:
         raise _fail(cfg_file, unknown[0], f"not understood by this reader (unknown fields: {unknown})")
     return cfg_file, cfg
@@ -364,7 +367,7 @@ class SpeculatorsEagle3(ExportFormat):
         """What the reader refuses: the config's fields alone, and against the target when it is given (the
         reader raises on the first violation, so at most one is listed)."""
         try:
-            _read_config(path)
+            read_config(path)
             if target is not None:
                 tied, args, _ = tied_target(target)
                 read_speculators_eagle3(path, tied, args)

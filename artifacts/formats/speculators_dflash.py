@@ -51,7 +51,7 @@ import torch
 
 from artifacts.formats.base import ExportFormat, loaded
 from artifacts.formats.speculators import (
-    IGNORED_TENSORS, _check_embed, _draft_vocab_size, _fail, _rope_theta, _vocab_mapping, read_tensors,
+    IGNORED_TENSORS, _check_embed, _draft_vocab_size, _fail, _rope_theta, _vocab_mapping, read_config, read_tensors,
 )
 from core.safetensors_io import TensorInfo
 from heads.base import DraftHead, TiedTarget
@@ -78,25 +78,7 @@ CONFIDENCE_TENSORS = {"confidence_head.proj.weight", "confidence_head.proj.bias"
 
 def _read_config(path: Path, kind: str) -> tuple[Path, dict[str, Any]]:
     """(config.json's path, its contents), checked to be a speculators `kind` config this reader understands."""
-    cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{path}: no config.json — not a speculators checkpoint")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise _fail(cfg_file, "config.json", f"unreadable JSON ({e})") from e
-    if "speculators_config" not in cfg:
-        raise _fail(cfg_file, "speculators_config", "missing — not a speculators-format checkpoint")
-    if cfg.get("speculators_model_type") != kind:
-        raise _fail(cfg_file, "speculators_model_type", f"{cfg.get('speculators_model_type')!r}, expected {kind!r}")
-    algo = (cfg["speculators_config"] or {}).get("algorithm", kind)
-    if algo != kind:
-        raise _fail(cfg_file, "speculators_config.algorithm", f"{algo!r}, expected {kind!r}")
-    known = KNOWN_KEYS | (DSPARK_KEYS if kind == "dspark" else set())
-    unknown = sorted(k for k in cfg if k not in known and cfg[k] not in (None, False, [], {}))
-    if unknown:
-        raise _fail(cfg_file, unknown[0], f"not understood by this reader (unknown fields: {unknown})")
-    return cfg_file, cfg
+    return read_config(path, kind, KNOWN_KEYS | (DSPARK_KEYS if kind == "dspark" else set()))
 
 
 def _check_layer_config(cfg_file: Path, layer: Any, args: LlamaArgs, allow_sliding_window: bool) -> int:
