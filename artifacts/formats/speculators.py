@@ -134,12 +134,7 @@ def _check_layer_config(cfg_file: Path, layer: dict[str, Any], args: LlamaArgs,
             raise _fail(cfg_file, f"{where}.{key}", "missing")
         if int(layer[key]) != want:
             raise _fail(cfg_file, f"{where}.{key}", f"{layer[key]}, but the target's is {want}")
-    for key in ("attention_bias", "mlp_bias"):
-        if layer.get(key):
-            raise _fail(cfg_file, f"{where}.{key}", "true: our EAGLE-3 layer has no biases")
-    act = layer.get("hidden_act", "silu")
-    if act != "silu":
-        raise _fail(cfg_file, f"{where}.hidden_act", f"{act!r}: our EAGLE-3 layer is SwiGLU (silu)")
+    check_bias_free_swiglu(cfg_file, layer, where, "our EAGLE-3 layer's projections")
     if int(layer.get("pretraining_tp", 1) or 1) != 1:
         raise _fail(cfg_file, f"{where}.pretraining_tp", f"{layer['pretraining_tp']}: only 1 is supported")
     types = layer.get("layer_types") or []
@@ -208,6 +203,16 @@ def read_speculators_eagle3(path: str | Path, tied: TiedTarget, args: LlamaArgs,
             target.copy_(v)  # cast into the head's dtype
     head.load_state_dict(expected, strict=True)
     return head.to(tied.embed.dtype)
+
+
+def check_bias_free_swiglu(cfg_file: Path, layer: dict[str, Any], where: str, ours: str) -> None:
+    """A draft layer config with no biases and a SiLU-gated MLP (`ours`: what the reader's head has), else refused."""
+    for key in ("attention_bias", "mlp_bias"):
+        if layer.get(key):
+            raise _fail(cfg_file, f"{where}.{key}", f"true: {ours} carry no biases")
+    act = layer.get("hidden_act", "silu")
+    if act != "silu":
+        raise _fail(cfg_file, f"{where}.hidden_act", f"{act!r}: {ours} use SwiGLU (silu)")
 
 
 def read_config(path: Path, kind: str = "eagle3", known: set[str] | frozenset[str] | None = None

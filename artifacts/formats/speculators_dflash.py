@@ -51,7 +51,8 @@ import torch
 
 from artifacts.formats.base import ExportFormat, loaded
 from artifacts.formats.speculators import (
-    IGNORED_TENSORS, _check_embed, _draft_vocab_size, _fail, _rope_theta, _vocab_mapping, read_config, read_tensors,
+    IGNORED_TENSORS, _check_embed, _draft_vocab_size, _fail, _rope_theta, _vocab_mapping, check_bias_free_swiglu,
+    read_config, read_tensors,
 )
 from core.safetensors_io import TensorInfo
 from heads.base import DraftHead, TiedTarget
@@ -102,12 +103,7 @@ def _check_layer_config(cfg_file: Path, layer: Any, args: LlamaArgs, allow_slidi
     eps = float(layer.get("rms_norm_eps", args.rms_norm_eps))
     if abs(eps - args.rms_norm_eps) > 1e-12:
         raise _fail(cfg_file, f"{where}.rms_norm_eps", f"{eps}, but the target's is {args.rms_norm_eps}")
-    for key in ("attention_bias", "mlp_bias"):
-        if layer.get(key):
-            raise _fail(cfg_file, f"{where}.{key}", "true: our block layers have no biases")
-    act = layer.get("hidden_act", "silu")
-    if act != "silu":
-        raise _fail(cfg_file, f"{where}.hidden_act", f"{act!r}: our block layers are SwiGLU (silu)")
+    check_bias_free_swiglu(cfg_file, layer, where, "our block layers")
     n = int(layer.get("num_hidden_layers", 0))
     if n < 1:
         raise _fail(cfg_file, f"{where}.num_hidden_layers", f"{layer.get('num_hidden_layers')!r}: no draft layer")
