@@ -70,7 +70,7 @@ test-serving: $(STAMP)
 NUMERIC_TESTS := tests/test_engine_model.py tests/test_engine.py tests/test_draft_lm.py tests/test_export.py \
 	tests/test_export_family.py tests/test_unroll.py tests/test_losses.py tests/test_gemma3.py \
 	tests/test_deepseek_v2.py tests/test_heads_family.py tests/test_eagle1.py tests/test_speculative.py \
-	tests/test_heads.py tests/test_precompute.py
+	tests/test_heads.py tests/test_precompute.py tests/test_family_conformance.py
 
 test-kernels: $(STAMP)
 	@own=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \

@@ -30,6 +30,7 @@ prefetch_over_online=… … tokens=<n> other_runnable=<l>`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import resource
@@ -70,27 +71,27 @@ class Bench:
     def __init__(self, cfg, steps: int, with_target: bool = True, precompute: bool = True,
                  samples_file: Path | None = None) -> None:
         from data.precompute import tokenize_source
-        from data.sources import resolve_target_dir
+        from data.sources import target_config
         from data.store import StoreWriter
         from heads.registry import resolve_aux_layers
-        from inference_eval.model import target_fingerprint
         from inference_eval.targets import load_target
         from train.online import OnlineSamples, TargetStates
 
         self.cfg, self.steps = cfg, steps
-        self.target_dir = resolve_target_dir(cfg.target)
+        target = dataclasses.replace(target_config(cfg.target), dtype="float32")  # both sides in float32
+        self.target_dir = target.dir
         if samples_file is not None:  # a memory process: the parent's tokenized samples (parsing the ShareGPT
             # dump would set the peak RSS by itself)
             self.samples = [tuple(x) for x in json.loads(samples_file.read_text())]
         else:
             self.samples, _, _ = tokenize_source(cfg, self.target_dir)
-        self.fingerprint = target_fingerprint(self.target_dir, cfg.target.name, "float32")
+        self.fingerprint = target.fingerprint
         self.store_dir = Path(cfg.store_dir)
         self.modules: dict = {}
         self.target = None
         if not with_target:
             return
-        self.target = load_target(cfg, self.target_dir, "engine", torch.float32)
+        self.target = load_target(target, "engine")
         self.aux = resolve_aux_layers(cfg, self.target.args.num_hidden_layers)
         self._writer = lambda root: StoreWriter(root, self.fingerprint, self.target.args.hidden_size, dtype="float32",
                                                 shard_tokens=int(cfg.precompute.shard_tokens),

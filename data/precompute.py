@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
+from core.lock import check_free, writer_lock
 from core.progress import Progress, log_interval
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_sample
-from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, record_rejection, resolve_target_dir
+from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, record_rejection, target_config
 from data.store import (
-    DTYPES,
     IncompleteRanksError,
     Sample,
     StoreWriter,
@@ -48,9 +48,8 @@ from data.store import (
     rank_dir,
 )
 from heads.registry import resolve_aux_layers
-from inference_eval.model import target_fingerprint
 from inference_eval.paged import PackedRows
-from inference_eval.targets import load_target, resolve_backend
+from inference_eval.targets import TargetConfig, load_target, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -335,11 +334,28 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     With world_size > 1 (`resolve_rank`), this rank precomputes its share of the samples (`rank_of`)
     into `<store_dir>/ranks/rank-<rank>/`, a store of its own, resumable like any; the rank that finds
     every rank complete when it finishes writes the merged `<store_dir>/manifest.json`
-    (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand)."""
+    (data/store.py `merge_rank_manifests`; `spechead precompute-merge <store_dir>` does it by hand).
+
+    One writer per directory (core/lock.py): the store directory's lock, or under several ranks this rank
+    directory's, is held while it is written; a second precompute into it is refused at once, naming the
+    first. The merge runs after the release, so the rank that finishes last sees every rank released."""
     rank, world_size = resolve_rank(cfg.precompute)
     check_rank_layout(cfg.store_dir, world_size)
-    target_dir = resolve_target_dir(cfg.target)
-    dtype = cfg.target.dtype
+    writes = rank_dir(cfg.store_dir, rank) if world_size > 1 else Path(cfg.store_dir)
+    with writer_lock(writes, "precompute" if world_size == 1 else f"precompute rank {rank} of {world_size}"):
+        if world_size > 1:
+            check_free(cfg.store_dir)  # a single-rank precompute writing the whole directory
+        check_rank_layout(cfg.store_dir, world_size)  # again, under the lock: a layout another writer made meanwhile
+        stats = precompute_share(cfg, rank, world_size)
+    if world_size > 1:
+        merge_if_last(cfg.store_dir, rank, world_size)
+    return Path(cfg.store_dir), stats
+
+
+def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
+    """This rank's share of the samples (all of them for one rank) into its store, the lock held."""
+    target = target_config(cfg.target)
+    target_dir = target.dir
     # Every rank tokenizes every conversation and keeps its share: the rejections are then the whole
     # source's in every rank's manifest, identical across ranks as the merge requires (and what the
     # merged store reports); tokenizing is cheap next to the target's forward passes.
@@ -353,14 +369,14 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)}; first: "
                            + "; ".join(f"{e['where']}: {e['reason']}: {e['detail']}" for e in examples[:5]) + ")")
     backend = resolve_backend(cfg.precompute.get("backend"), target_dir, "precompute")
-    model = load_target(cfg, target_dir, backend, DTYPES[dtype])
+    model = vllm_target(cfg, target) if backend == "vllm" else load_target(target, backend)
     if int(cfg.data.max_length) > model.args.max_position_embeddings:
         raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
     if world_size > 1 and not samples:
         log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
                     rank, world_size)
-    writer = open_store_writer(cfg, target_dir, backend, model, cfg.store_dir, (rank, world_size), rejected, examples)
+    writer = open_store_writer(cfg, target, backend, model, cfg.store_dir, (rank, world_size), rejected, examples)
     out_dir = writer.root
     try:
         stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
@@ -373,18 +389,22 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s); rejected %s; store %s",
              stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),
              out_dir)
-    if world_size > 1:
-        merge_if_last(cfg.store_dir, rank, world_size)
-    return Path(cfg.store_dir), stats
+    return stats
 
 
-def open_store_writer(cfg: Any, target_dir: str | Path, backend: str, model, root: str | Path,
+def vllm_target(cfg: Any, target: TargetConfig):
+    """The target in a vLLM worker process, placed by vLLM (`precompute.vllm.*`)."""
+    from inference_eval.vllm_backend import VLLMBackend
+
+    return VLLMBackend.from_config(cfg, target.dir, target.torch_dtype)
+
+
+def open_store_writer(cfg: Any, target: TargetConfig, backend: str, model, root: str | Path,
                       rank: tuple[int, int], rejected: Counter, examples: list[dict]) -> StoreWriter:
     """The StoreWriter of the store at `root` (`rank` = (rank, world_size) > 1: its rank directory) with
     the manifest precompute writes for `cfg` — fingerprint, source, captured layers, rejections — so that
     online training's write-through (train/online_store.py) writes the store this stage would."""
-    (r, world_size), dtype = rank, cfg.target.dtype
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, dtype, cfg.target.get("fingerprint", "header"))
+    r, world_size = rank
     source = store_source(cfg, backend, model)
     out_dir = Path(root)
     if world_size > 1:
@@ -392,7 +412,7 @@ def open_store_writer(cfg: Any, target_dir: str | Path, backend: str, model, roo
         out_dir = rank_dir(root, r)
     aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
-    writer = StoreWriter(out_dir, fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
+    writer = StoreWriter(out_dir, target.fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
     # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
     writer.manifest["rejected"] = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())),

@@ -79,12 +79,11 @@ from core.paths import cache_dir
 from core.progress import Progress, log_interval
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_prompt
 from data.prompts import stop_token_ids
-from data.sources import load_conversations, resolve_target_dir
-from data.store import DTYPES
+from data.sources import load_conversations, target_config
 from inference_eval.engine import engine_generate
-from inference_eval.model import LlamaForCausalLM, target_fingerprint
+from inference_eval.model import LlamaForCausalLM
 from inference_eval.speculative import GREEDY, Sampling
-from inference_eval.targets import resolve_backend, resolve_target_device, trusts_remote_code
+from inference_eval.targets import TargetConfig, resolve_backend, resolve_target_device
 
 if TYPE_CHECKING:
     from data.sources import Conversations
@@ -377,7 +376,7 @@ def key_file(path: Path) -> Path:
 @dataclass(frozen=True)
 class Plan:
     """What a regeneration will do, known without loading the target."""
-    target_dir: Path
+    target: TargetConfig
     conversations: Conversations
     settings: GenerationSettings
     batch_size: int
@@ -395,8 +394,8 @@ def plan_regeneration(cfg: Any) -> Plan:
     if batch_size < 1 or settings.max_new_tokens < 1:
         raise ValueError(f"regenerate.batch_size ({batch_size}) and max_new_tokens ({settings.max_new_tokens}) "
                          "must be at least 1")
-    target_dir = resolve_target_dir(cfg.target)
-    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    target = target_config(cfg.target)
+    target_dir, fp = target.dir, target.fingerprint
     identity = ("config_sha256", "weights_sha256", "tokenizer_sha256", "weights_content_sha256")
     meta = {"target": cfg.target.name,
             "target_sha256": hashlib.sha256("".join(fp[k] for k in identity if k in fp).encode()).hexdigest(),
@@ -410,7 +409,7 @@ def plan_regeneration(cfg: Any) -> Plan:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
     meta["prompts_sha256"] = prompts_sha256(convs.items)
     keyed = rcfg.get("out") in (None, "auto")
-    return Plan(target_dir, convs, settings, batch_size, max_prompt_tokens, meta,
+    return Plan(target, convs, settings, batch_size, max_prompt_tokens, meta,
                 cache_path(meta) if keyed else Path(rcfg.out).expanduser(), keyed)
 
 
@@ -434,20 +433,18 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
                  "no model loaded", out, len(convs.items))
         return out, RegenerateStats(skipped_done=len(convs.items), rejected=dict(convs.rejected), cached=True)
     rcfg = cfg.regenerate
-    device = resolve_target_device(rcfg.get("device") or cfg.target.get("device", "auto"))
-    tokenizer = load_tokenizer(plan.target_dir, cfg.data)  # with data.chat_template's template when set
+    target = plan.target
+    device = resolve_target_device(rcfg.get("device") or target.device)
+    tokenizer = load_tokenizer(target.dir, cfg.data)  # with data.chat_template's template when set
     if meta["backend"] == "engine":
-        from inference_eval.model import LlamaForCausalLM
-
-        model = LlamaForCausalLM.from_pretrained(plan.target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
+        model = LlamaForCausalLM.from_pretrained(target.dir, dtype=target.torch_dtype, device=device)
     elif meta["backend"] == "vllm":  # the target in a vLLM worker process (tensor parallel: regenerate.vllm)
         from inference_eval.vllm_backend import VLLMGenerator
 
-        model = VLLMGenerator.from_config(cfg, plan.target_dir, DTYPES[cfg.target.dtype])
+        model = VLLMGenerator.from_config(cfg, target.dir, target.torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            plan.target_dir, dtype=DTYPES[cfg.target.dtype],
-            trust_remote_code=trusts_remote_code(cfg)).to(device).eval()
+            target.dir, dtype=target.torch_dtype, trust_remote_code=target.trust_remote_code).to(device).eval()
         model.generation_config = GenerationConfig()  # the checkpoint's defaults (penalties, sampling) do not apply
     if plan.keyed:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from typing import Any
 from core.jsonio import UTF8_BOM, Rejected, json_array_records, jsonl_records
 from data.assets import TARGET_SOURCES
 from data.conversations import Drop, check_text, explain_record, json_type
+from inference_eval.targets import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,15 @@ def resolve_target_dir(target_cfg: Any) -> Path:
         return TARGET_SOURCES[target_cfg["source"]]()
     raise ValueError(f"target: set `path` to an HF checkpoint directory or `source` to one of "
                      f"{', '.join(TARGET_SOURCES)}")
+
+
+def target_config(section: Any) -> TargetConfig:
+    """The config's `target` section as the typed TargetConfig every stage takes: its directory resolved once
+    (`resolve_target_dir`), the rest checked."""
+    return TargetConfig(dir=resolve_target_dir(section), name=str(section.get("name") or ""),
+                        dtype=str(section.get("dtype")), fingerprint_mode=str(section.get("fingerprint", "header")),
+                        device=str(section.get("device", "auto")), device_map=section.get("device_map"),
+                        trust_remote_code=bool(section.get("trust_remote_code", False)))
 
 
 class SourceError(ValueError):

@@ -18,15 +18,15 @@ from core.progress import Progress, log_interval
 from core.timing import Paired, measure_pairs
 from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from data.store import DTYPES, FeatureStore
 from evaluation.tau_stats import tau_standard_error
 from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
                                   round_cost)
-from inference_eval.model import LlamaForCausalLM, target_fingerprint, tied_from_model, tied_target
+from inference_eval.model import LlamaForCausalLM, tied_from_model, tied_target
 from inference_eval.scoring import simulated_tau
 from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
-from inference_eval.targets import resolve_target_device
+from inference_eval.targets import TargetConfig, load_target
 
 log = logging.getLogger(__name__)
 
@@ -285,9 +285,9 @@ def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
 
 @dataclass
 class EvalTarget:
-    """The target as the evaluation runs it: its model, the heads' shared tensors, tokenizer and stops."""
+    """The target as the evaluation runs it: its config, model, the heads' shared tensors, tokenizer and stops."""
 
-    target_dir: Path
+    config: TargetConfig
     model: Any  # LlamaForCausalLM
     tied: Any  # TiedTarget
     head_dtype: str
@@ -300,20 +300,21 @@ def load_evaluation_target(cfg: Any) -> EvalTarget:
     """The target in target.dtype on target.device; the heads' tied tensors (the target's own unless
     evaluate.head_dtype asks for another dtype)."""
     t_load = time.perf_counter()
-    target_dir = resolve_target_dir(cfg.target)
-    log.info("evaluate: loading the target %s (%s) from %s", cfg.target.name, cfg.target.dtype, target_dir)
+    tc = target_config(cfg.target)
+    target_dir = tc.dir
+    log.info("evaluate: loading the target %s (%s) from %s", tc.name, tc.dtype, target_dir)
     tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
-    device = resolve_target_device(cfg.target.get("device", "auto"))
-    target = LlamaForCausalLM.from_pretrained(target_dir, dtype=DTYPES[cfg.target.dtype], device=device)
-    head_dtype = cfg.evaluate.get("head_dtype") or cfg.target.dtype
-    if head_dtype == cfg.target.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
+    target = load_target(tc, "engine")
+    device = target.device
+    head_dtype = cfg.evaluate.get("head_dtype") or tc.dtype
+    if head_dtype == tc.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
         tied = tied_from_model(target)
     else:  # another dtype needs its own copy of the shared tensors (2 · V · H values)
         tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
         log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
                  "embedding and lm_head", head_dtype, cfg.target.dtype)
     log.info("evaluate: target loaded in %.0fs", time.perf_counter() - t_load)
-    return EvalTarget(Path(target_dir), target, tied, head_dtype, device, tokenizer, stop_token_ids(tokenizer))
+    return EvalTarget(tc, target, tied, head_dtype, device, tokenizer, stop_token_ids(tokenizer))
 
 
 def load_proposers(cfg: Any, et: EvalTarget) -> dict[str, Any]:
@@ -321,18 +322,14 @@ def load_proposers(cfg: Any, et: EvalTarget) -> dict[str, Any]:
     and draft-model baselines (a checkpoint, or the target's first `layers` layers)."""
     ecfg, target = cfg.evaluate, et.model
     proposers: dict[str, Any] = {}
-    expected_fp = None  # the configured target's fingerprint
     for label, path in (ecfg.get("heads") or {}).items():
         if path:
-            if expected_fp is None:
-                expected_fp = target_fingerprint(et.target_dir, cfg.target.name, cfg.target.dtype,
-                                                 cfg.target.get("fingerprint", "header"))
-            proposers[label] = load_any(path, et.tied, target.args, expected_fingerprint=expected_fp).to(et.device).eval()
+            proposers[label] = load_any(path, et.tied, target.args, expected_fingerprint=et.config.fingerprint).to(et.device).eval()
     for label, spec in (ecfg.get("draft_models") or {}).items():
         if not spec:
             continue
         if spec.get("path"):
-            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=DTYPES[cfg.target.dtype], device=et.device)
+            draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=et.config.torch_dtype, device=et.device)
             if draft.args.vocab_size != target.args.vocab_size:
                 raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
                                  f"{target.args.vocab_size} (a draft model must share the tokenizer)")

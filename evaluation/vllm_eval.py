@@ -30,8 +30,8 @@ from typing import Any
 from artifacts.export import VLLM_METHODS, check_servable, detect_format, load_any, vllm_export
 from data.conversations import load_tokenizer
 from data.prompts import load_prompts, stop_token_ids
-from data.sources import resolve_target_dir
-from inference_eval.model import target_fingerprint, tied_target
+from data.sources import target_config
+from inference_eval.model import tied_target
 from inference_eval.vllm_backend import vllm_python
 from inference_eval.vllm_spec import VLLMRunner, rate, spec_figures
 
@@ -106,23 +106,24 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
     `run_evaluation` writes) has the same shape, each entry's figures from vLLM's counters."""
     check_vllm_evaluation(cfg)
     ecfg = cfg.evaluate
-    target_dir = Path(resolve_target_dir(cfg.target))
+    tc = target_config(cfg.target)
+    target_dir = tc.dir
     tokenizer = load_tokenizer(target_dir, cfg.data)
     stops = stop_token_ids(tokenizer)
     prompts = load_prompts(cfg, tokenizer, None, stops)
     if not prompts:
         raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
     tied, args, _ = tied_target(target_dir)  # the shared tensors only, to read and export the heads
-    expected_fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    expected_fp = tc.fingerprint
     auto_k = str(ecfg.k) == "auto"
-    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "engine": "vllm",
+    report: dict[str, Any] = {"target": tc.name, "target_dtype": tc.dtype, "engine": "vllm",
                               "dataset": ecfg.dataset, "turn": "1", "prompts": len(prompts),
                               "k": "auto" if auto_k else int(ecfg.k), "max_new_tokens": int(ecfg.max_new_tokens),
                               "temperature": 0.0, "batch_size": int(ecfg.get("batch_size", 1)), "proposer": "chain",
                               "tensor_parallel_size": int(ecfg.vllm.get("tensor_parallel_size", 1)), "results": {}}
     out_root = Path(cfg.run_dir) / "eval_vllm"
     with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
-        runner = VLLMRunner(ecfg.vllm, target_dir, cfg.target.dtype, int(ecfg.max_new_tokens),
+        runner = VLLMRunner(ecfg.vllm, target_dir, tc.dtype, int(ecfg.max_new_tokens),
                             int(ecfg.get("batch_size", 1)), max(len(p["ids"]) for p in prompts), stops, Path(tmp))
         report["data_parallel_size"] = runner.replicas
         plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None

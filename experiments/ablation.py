@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.files import atomic_write_bytes
 from data.precompute import run_precompute
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from data.store import FeatureStore
 from experiments.runner import apply_overrides, head_preset, run_point
 from heads.eagle3 import default_aux_layers
-from inference_eval.model import target_args, target_fingerprint
+from inference_eval.model import target_args
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:
@@ -57,7 +57,7 @@ def store_aux_layers(cfg: DictConfig, heads: list[str]) -> tuple[int, ...]:
         h = head_preset(name)[0]
         if h.get("type") == "eagle3":
             wanted.add(tuple(h.get("aux_layers") or
-                             default_aux_layers(target_args(resolve_target_dir(cfg.target)).num_hidden_layers)))
+                             default_aux_layers(target_args(target_config(cfg.target).dir).num_hidden_layers)))
     if len(wanted) > 1:
         raise ValueError(f"ablation heads read different aux layers {sorted(wanted)}: one store cannot serve them")
     return wanted.pop() if wanted else ()
@@ -76,9 +76,8 @@ def run_ablation(cfg: DictConfig) -> dict:
     store_conversations = sum(s["num_samples"] for s in manifest["shards"])
     store_tokens = sum(s["num_tokens"] for s in manifest["shards"])
     print(f"ablation store: {store_conversations} conversations, {store_tokens} tokens → {store}")
-    target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                     cfg.target.get("fingerprint", "header"))
+    target = target_config(cfg.target)
+    target_dir, fingerprint = target.dir, target.fingerprint
     results: dict[str, dict] = {}
     for name in acfg.heads:
         hc = head_config(cfg, name)

@@ -24,16 +24,14 @@ from omegaconf import DictConfig, open_dict
 
 from core.files import atomic_write_bytes
 from data.precompute import run_precompute
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from data.store import FeatureStore
 from experiments.runner import run_point
-from inference_eval.model import target_fingerprint
 
 
 def run_fp8_study(cfg: DictConfig) -> dict:
-    target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                     cfg.target.get("fingerprint", "header"))
+    target = target_config(cfg.target)
+    target_dir, fingerprint = target.dir, target.fingerprint
     depth = int(cfg.get("fp8_study", {}).get("eval_depth", 3))
     results = {}
     for dtype in ("bfloat16", "fp8"):

@@ -52,13 +52,14 @@ from artifacts.formats import VLLM_METHODS
 from core.files import atomic_write_bytes
 from core.paths import CONF
 from data.prompts import mtbench_prompts
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from experiments.cache import cached_training, dir_fingerprint, digest, lookup, record
 from experiments.peer_data import export as export_peer_data
 from experiments.peer_data import block_peer_shape, peer_command
 from experiments.runner import cached_heldout, evaluate_point, head_preset
 from experiments.study import apply_overrides, flatten, mean_batch_tokens, store_for
-from inference_eval.model import target_fingerprint, tied_target
+from inference_eval.model import tied_target
+from inference_eval.vllm_spec import spec_figures
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +239,8 @@ def train_peer(cfg: DictConfig, store: Path, target_dir: Path) -> tuple[Path, fl
 
 
 def vllm_tau(cfg: DictConfig, label: str, draft: Path, fmt_method: str, k: int, target_dir: Path) -> dict[str, Any]:
-    """Greedy decoding of the evaluation prompts by real vLLM with `draft`: τ = 1 + accepted / drafts and the
-    conditional α per position, from vLLM's own counters (cached under the draft's digest)."""
+    """Greedy decoding of the evaluation prompts by real vLLM with `draft`: τ and the conditional α per position from
+    vLLM's own counters (`spec_figures`, as evaluation reads them; cached under the draft's digest)."""
     if not VLLM_PYTHON.exists():
         raise FileNotFoundError(f"{VLLM_PYTHON} is missing: `make vllm-env` (or peer_compare.vllm=false)")
     tok = AutoTokenizer.from_pretrained(target_dir)
@@ -259,11 +260,7 @@ def vllm_tau(cfg: DictConfig, label: str, draft: Path, fmt_method: str, k: int, 
     subprocess.run([str(VLLM_PYTHON), "-m", "inference_eval.vllm_serve_worker", str(job_file), str(raw)],
                    cwd=ROOT, env=env, check=True)
     spec = json.loads(raw.read_text())["spec"]
-    accepted = spec["accepted_per_pos"]
-    reached = [spec["num_drafts"], *accepted[:-1]]
-    result = {"tau": 1 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1),
-              "alpha": [a / max(r, 1) for a, r in zip(accepted, reached)], "accepted_per_pos": accepted,
-              "num_drafts": spec["num_drafts"], "prompts": len(prompts)}
+    result = {**spec_figures(spec, k), "prompts": len(prompts)}
     atomic_write_bytes(out, json.dumps(result, indent=1).encode())
     record(out, key)
     return result
@@ -298,8 +295,8 @@ def vllm_export(cfg: DictConfig, label: str, head_dir: Path, target_dir: Path, f
 def run_peer_compare(cfg: DictConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     pc = cfg.peer_compare
-    target_dir = resolve_target_dir(cfg.target)
-    fp = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype, cfg.target.get("fingerprint", "header"))
+    target = target_config(cfg.target)
+    target_dir, fp = target.dir, target.fingerprint
     store = store_for(cfg, store_head(cfg))
     results: dict[str, Any] = {}
     for label, spec in (pc.ours or {}).items():

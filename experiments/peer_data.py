@@ -26,7 +26,7 @@ The store must hold aux layers (precompute with `head=eagle3` or `precompute.aux
 DFlash / DSpark, the store of our `head=dflash`, which captures the block head's `target_layers`: the same export,
 speculators' DFlash reads the K aux states as its context and the last one for its teacher).
 `peer_data.json` records the store, the split digest, the counts, the layer ids and the verifier
-directory (`data.sources.resolve_target_dir`), and `command` is the peer training command.
+directory (`data.sources.target_config`), and `command` is the peer training command.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-fraction", type=float, default=0.05, help="train.data.val_fraction (without --heldout)")
     p.add_argument("--train-samples", type=int, default=None, help="the first N training conversations only")
     p.add_argument("--verifier", default=None,
-                   help="the target's HF directory (default: the configured target, data.sources.resolve_target_dir)")
+                   help="the target's HF directory (default: the configured target, data.sources.target_config)")
     p.add_argument("--target", default=None, help="hydra target= group for the default --verifier (e.g. smollm2)")
     p.add_argument("--dtype", default=None, help="hidden-states dtype of the files (default: the store's)")
     p.add_argument("--overwrite", action="store_true")
@@ -240,14 +240,14 @@ def default_verifier(target: str | None) -> Path:
     """The configured target's checkpoint dir (the converted SmolLM2 by default)."""
     from hydra import compose, initialize_config_dir
 
-    from data.sources import resolve_target_dir
+    from data.sources import target_config
     from inference_eval.targets import register_target_resolvers
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     register_target_resolvers()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("config", overrides=[f"target={target}"] if target else [])
-    return resolve_target_dir(cfg.target)
+    return target_config(cfg.target).dir
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from artifacts.checkpoint import load_native
 from core.files import atomic_write_bytes
 from core.paths import CONF
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from experiments.cache import cached_evaluation, cached_training, dir_fingerprint, lookup, record, store_fingerprint
 from inference_eval.model import tied_target
 from train.data import FeatureDataModule, heldout_ids_digest
@@ -123,7 +123,7 @@ def cached_heldout(cfg: DictConfig, label: str, head_dir: Path, store: Path, dep
 
 def heldout(cfg: DictConfig, head_dir: Path, dm: FeatureDataModule, depth: int, fp: dict[str, Any]) -> dict[str, Any]:
     """Top-1 agreement per depth of the head at `head_dir` with the target on dm's held-out split."""
-    tied, args, _ = tied_target(resolve_target_dir(cfg.target))
+    tied, args, _ = tied_target(target_config(cfg.target).dir)
     head = load_native(head_dir, tied, args, expected_fingerprint=fp)
     depth = min(depth, head.max_depth or depth)
     return heldout_agreement(head, dm.val_dataloader(), depth) | {"conversations": len(dm.val_idx),

@@ -46,12 +46,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from core.files import atomic_write_bytes
 from core.paths import CONF
 from data.precompute import run_precompute
-from data.sources import resolve_target_dir
+from data.sources import target_config
 from data.store import FeatureStore
 from experiments.cache import config_sections, digest
 from experiments.runner import apply_overrides, flatten, head_preset, run_point
 from heads.registry import head_aux_layers
-from inference_eval.model import target_args, target_fingerprint
+from inference_eval.model import target_args
 from train.data import FeatureDataModule
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     sc = cfg.copy()
     with open_dict(sc):
         sc.head = head_cfg
-        num_layers = target_args(resolve_target_dir(cfg.target)).num_hidden_layers
+        num_layers = target_args(target_config(cfg.target).dir).num_hidden_layers
         sc.precompute.aux_layers = list(head_aux_layers(head_cfg, num_layers))
         sc.store_dir = str(Path(cfg.run_dir) / "stores" / store_key(sc))
     store, _ = run_precompute(sc)
@@ -188,10 +188,9 @@ class Study:
                 if limit is not None and max(ks) > limit:
                     raise ValueError(f"study.{key}={ks}: variant {name!r} trains a head of {limit} per-depth modules "
                                      f"(head={v['head']}), which drafts at most k={limit}; set study.{key} to k ≤ {limit}")
-        target_dir = resolve_target_dir(cfg.target)
-        self.num_layers = target_args(target_dir).num_hidden_layers
-        self.fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                              cfg.target.get("fingerprint", "header"))
+        target = target_config(cfg.target)
+        self.num_layers = target_args(target.dir).num_hidden_layers
+        self.fingerprint = target.fingerprint
         self.data_cfgs: dict[str, DictConfig] = {}
         self.stores: dict[tuple[str, tuple[int, ...]], Path] = {}
         self.points: list[dict[str, Any]] = []

@@ -1,10 +1,10 @@
 """Teacher-forced scoring in the engine: the head's states along a known token sequence, computed the
 way the engine's draft path computes them, and the simulated τ built on their top-1 agreement.
 
-For each scored row i of a sequence the target recomputes H (and the aux layers a head reads); the head
-runs its cached draft path from row i with the true tokens forced — `refresh` over the target's states
-for depth 1, then `draft_chain` for depths 2..D — which is what the draft loop computes once the target
-has accepted up to row i. Depth d's state at row i estimates H_{i+d}; its logits predict t_{i+d+1}.
+For each scored row i of a sequence the target recomputes H (and the aux layers a head reads); the engine's own
+proposer (`PagedHeadProposer`, on a one-sequence paged cache) runs the head over the target's states for depth 1,
+then its draft chain from row i with the true tokens forced for depths 2..D — what the draft loop computes once the
+target has accepted up to row i. Depth d's state at row i estimates H_{i+d}; its logits predict t_{i+d+1}.
 Training's validation scores these states with the training loss (train/validation.py); evaluation
 only needs their agreement with the target (`simulated_tau`).
 
@@ -21,8 +21,9 @@ import torch
 
 from inference_eval.engine.base import target_state
 from inference_eval.engine.block import PagedBlockProposer
+from inference_eval.engine.head import PagedHeadProposer
 from inference_eval.paged import BlockAllocator, BlockTable
-from inference_eval.speculative import draft_chain, full_vocab_logits, refresh
+from inference_eval.speculative import chain_tau, full_vocab_logits
 
 
 def scored_rows(loss_mask: torch.Tensor, rows: list[int], d: int) -> list[int]:
@@ -40,37 +41,52 @@ def select_rows(loss_mask: torch.Tensor, max_rows: int | None) -> list[int]:
     return rows
 
 
+def one_sequence(prop, dev: torch.device, length: int, k: int, block_size: int = 16) -> BlockTable:
+    """Attach proposer `prop` to a one-sequence paged cache of `length` slots on `dev`; its block table."""
+    blocks = -(-length // block_size)
+    prop.attach(SimpleNamespace(device=dev, num_blocks=blocks, block_size=block_size, k=k))
+    table = BlockTable(block_size, dev)
+    table.extend(BlockAllocator(blocks).allocate(blocks))
+    return table
+
+
+@torch.no_grad()
+def chain_states(head, x: torch.Tensor, ids: torch.Tensor, depth: int, rows: list[int]) -> dict[int, list[torch.Tensor]]:
+    """{d: a chain head's depth-d state [S] at each row of `rows`} along tokens `ids` [T] from what it reads of the
+    target (`x` [1, T, ·], head.target_input of its states), through the engine's proposer: depth 1 over every row,
+    then each row's chain with the true tokens forced (rows in descending order: row i's chain writes slots
+    i + 1.., which only rows > i read)."""
+    t = ids.shape[0]
+    prop = PagedHeadProposer(head)
+    table = one_sequence(prop, x.device, t + depth + 2, depth)
+    s1 = prop._refresh([SimpleNamespace(table=table)], x[:, : t - 1], [ids[1:t].tolist()], [0])  # [T-1, S]
+    states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
+    states[1] = [s1[i] for i in rows]
+    deeper: dict[int, list[torch.Tensor]] = {}
+    for i in sorted(rows, reverse=True) if depth > 1 else []:
+        forced = ids[i + 2: i + depth + 1].tolist()
+        forced += [0] * (depth - 1 - len(forced))  # past the end: scored out, as in the unroll
+        deeper[i] = prop.chain([SimpleNamespace(table=table, m=i + 1)], s1[i][None, None], depth,
+                               lambda j, _: forced[j - 1: j])
+    for d in range(2, depth + 1):
+        states[d] = [deeper[i][d - 1][0, 0] for i in rows]
+    return states
+
+
 @torch.no_grad()
 def teacher_forced_states(target, head, ids: torch.Tensor, depth: int, rows: list[int]
                           ) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor]:
     """({d: the head's depth-d state at each row of `rows`}, the target's states H [1, T, H] in float32),
     on the target's device."""
-    t = ids.shape[0]
     ids = ids.to(target.device)
     out = target(ids[None], logits="none", capture_layers=head.capture_layers)
     hidden = out.hidden.float()
     aux = torch.cat(out.aux, dim=-1).float() if head.capture_layers else None
     if hasattr(head, "teacher_forced_states"):  # a draft LM (heads/draft_lm.py): tokens only, its own forward
         return head.teacher_forced_states(ids, depth, rows), hidden
-    states: dict[int, list[torch.Tensor]] = {d: [] for d in range(1, depth + 1)}
     if not head.chain:  # medusa: every depth straight from the target state
-        for d in range(1, depth + 1):
-            states[d] = list(head(hidden[:, rows], depth=d)[0])
-        return states, hidden
-    x = head.target_input(hidden, aux)
-    cache = head.new_cache(1, t + depth + 2)
-    s1 = refresh(head, x[:, : t - 1], ids[None, 1:t], 0, cache, last_only=False)  # [1, T-1, H]
-    states[1] = [s1[0, i] for i in rows]
-    if depth > 1:
-        # rows in descending order: row i's chain overwrites slots i+1.., which only rows > i read
-        deeper: dict[int, list[torch.Tensor]] = {}
-        for i in sorted(rows, reverse=True):
-            forced = ids[i + 2: i + depth + 1].tolist()
-            forced += [0] * (depth - 1 - len(forced))  # past the end: scored out, as in the unroll
-            deeper[i] = draft_chain(head, s1[:, i: i + 1], depth, i + 1, cache, forced)[1]
-        for d in range(2, depth + 1):
-            states[d] = [deeper[i][d - 1][0, 0] for i in rows]
-    return states, hidden
+        return {d: list(head(hidden[:, rows], depth=d)[0]) for d in range(1, depth + 1)}, hidden
+    return chain_states(head, head.target_input(hidden, aux), ids, depth, rows), hidden
 
 
 @torch.no_grad()
@@ -85,13 +101,9 @@ def block_states(target, head, ids: torch.Tensor, rows: list[int], block_size: i
     out = target(ids[None], logits="none", capture_layers=head.capture_layers)
     k = head.max_depth
     rows_per_block = head.block_rows(k)
-    blocks = -(-(t + rows_per_block) // block_size)
     prop = PagedBlockProposer(head)
-    prop.attach(SimpleNamespace(device=dev, num_blocks=blocks, block_size=block_size, k=k))
-    table = BlockTable(block_size, dev)
-    table.extend(BlockAllocator(blocks).allocate(blocks))
-    seq = SimpleNamespace(table=table)
-    prop.write_context([seq], target_state(head, out.hidden, out.aux), [(0, t)], [0])
+    table = one_sequence(prop, dev, t + rows_per_block, k, block_size)
+    prop.write_context([SimpleNamespace(table=table)], target_state(head, out.hidden, out.aux), [(0, t)], [0])
     found = {}
     for i in sorted(rows, reverse=True):
         a = i + 1
@@ -147,8 +159,4 @@ def simulated_tau(target, head, prompts: list[list[int]], continuations: list[li
                 agree[d - 1] += agreement(head, preds, hidden[0, [rows[j] + d for j in keep]], d)
                 n[d - 1] += len(keep)
     accs = [a / max(c, 1) for a, c in zip(agree, n)]
-    sim, survive = 1.0, 1.0
-    for acc in accs:
-        survive *= acc
-        sim += survive
-    return sim, accs
+    return chain_tau(accs), accs

@@ -1,10 +1,9 @@
-"""Speculative decoding's shared pieces (docs/design.md §5): acceptance statistics, the greedy and the
-rejection-sampling accept rules (`Sampling`, `accept_rejection`), a head's logits over the target
-vocabulary, and the head's cached draft path along one sequence (`refresh`, `draft_chain`) that
-teacher-forced scoring runs (inference_eval/scoring.py). The decoder itself is the paged engine
-(inference_eval/engine/, `engine_generate`), which imports this module, never the other way round.
-(The earlier batch-1 loop over a contiguous cache survives only as the tests' reference,
-tests/reference_decoding.py; tests/helpers.py has the engine with one slot as `generate_speculative`.)
+"""Speculative decoding's shared pieces (docs/design.md §5): acceptance statistics, τ from per-depth acceptance
+(`chain_tau`), the greedy and the rejection-sampling accept rules (`Sampling`, `accept_rejection`) and a head's logits
+over the target vocabulary. The decoder itself, and the only draft path, is the paged engine
+(inference_eval/engine/, `engine_generate`; teacher-forced scoring runs its proposers too, inference_eval/scoring.py),
+which imports this module, never the other way round. (The earlier batch-1 loop over a contiguous cache survives only
+as the tests' independent reference, tests/reference_decoding.py.)
 
 After each verification the head re-runs over the newly accepted positions with the *target's* hidden
 states, so its cache only ever holds step-1 entries computed from target states plus the current
@@ -63,6 +62,16 @@ class SpecStats:
         self.accepted = [a + b for a, b in zip(self.accepted, other.accepted)]
         self.seconds += other.seconds
         self.new_tokens += other.new_tokens
+
+
+def chain_tau(accs):
+    """τ if acceptance at each draft depth were independent: 1 + Σ_d Π_{j≤d} α_j, from per-depth acceptance rates
+    `accs` (floats, or tensors: the sum keeps their autograd graph)."""
+    tau, survive = 1.0, 1.0
+    for acc in accs:
+        survive = survive * acc
+        tau = tau + survive
+    return tau
 
 
 def accept_greedy(drafts: torch.Tensor, target_argmax: torch.Tensor) -> int:
@@ -156,51 +165,6 @@ def full_vocab_logits(head, hidden: torch.Tensor, depth: int = 1) -> torch.Tenso
     out = logits.new_full((*logits.shape[:-1], head.args.vocab_size), float("-inf"))
     out[..., ids] = logits
     return out
-
-
-def _target_state(head, out) -> torch.Tensor:
-    """What the head consumes from a target pass: H, or the captured aux layers (EAGLE-3)."""
-    aux = torch.cat(out.aux, dim=-1) if head.capture_layers else None
-    return head.target_input(out.hidden, aux)
-
-
-def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache, last_only: bool = True
-            ) -> torch.Tensor:
-    """Run the head over target states (H_j, t_{j+1}) at positions start.. and return its depth-1
-    state at the last one (or at every one). Separate modules (mtp num_modules > 1) each refresh their
-    own cache."""
-    n = tokens.shape[1]
-    positions = torch.arange(start, start + n, device=tokens.device).expand(1, n)
-    state = head(states, tokens, positions, cache, start)
-    if head.separate_modules:
-        for d in range(2, len(head.layers) + 1):
-            head(states, tokens, positions, cache, start, depth=d)
-    return state[:, -1:] if last_only else state
-
-
-def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[int] | None = None,
-                sampling: Sampling = GREEDY) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """d_1 from the state at position m-1, then Ĥ^j = head(Ĥ^{j-1}, d_{j-1}) at RoPE position m+j-2
-    and d_j picked from its logits (argmax, or sampled). Depth j writes slot m+j-2 (after the depth-1
-    entries ≤ m-1 and depths 2..j-1): of the one shared cache, or with separate modules of module j's
-    cache and, from the same input, of every module that answers a deeper step of this draft (what
-    vLLM's draft loop reads: docs/export.md `mtp-vllm`). `forced` feeds those tokens instead of the
-    drafts (teacher forcing, for tests). Returns the drafts, the states and (sampling) the draft
-    distributions q_j over the target vocabulary."""
-    d, q = sampling.pick(full_vocab_logits(head, state)[0, -1])
-    drafts, qs, h, states = [d], [q], state, [state]
-    for j in range(2, k + 1):
-        pos = m + j - 2
-        tok = forced[j - 2] if forced is not None else drafts[-1]
-        tok_t, pos_t = torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device)
-        for e in head.key_writers(j, k):  # separate modules: the deeper modules' keys of this step
-            head(h, tok_t, pos_t, cache, pos, depth=e)
-        h = head(h, tok_t, pos_t, cache, pos, depth=j)
-        states.append(h)
-        d, q = sampling.pick(full_vocab_logits(head, h, depth=j)[0, -1])
-        drafts.append(d)
-        qs.append(q)
-    return drafts, states, qs
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Stage plumbing around the target: which backend a stage runs it with (`resolve_backend`), HF
+"""Stage plumbing around the target: the target a stage runs as one typed object (`TargetConfig`, built once from
+the config's `target` section by data/sources.py `target_config`), which backend a stage runs it with (`resolve_backend`), HF
 transformers behind the engine model's forward signature for families the engine lacks (`HFTarget`), and
-`load_target`, the target a stage runs as its config places it (the engine's model, HF, or a vLLM worker),
+`load_target`, the target a stage runs as its config places it (the engine's model or HF),
 and what the `auto` placements choose: `target.device=auto` (`resolve_target_device`) and `trainer=auto`
 (`auto_accelerator`) — CUDA where torch sees it, the CPU only on a machine without GPUs (`cuda_visible`).
 """
@@ -12,14 +13,53 @@ import os
 import subprocess
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 from types import SimpleNamespace
 
 import torch
 
-from inference_eval.model import LlamaForCausalLM, TargetOutput, auto_compute_dtype, resolve_device, target_args
+from inference_eval.model import (LlamaForCausalLM, TargetOutput, auto_compute_dtype, resolve_device, target_args,
+                                  target_fingerprint)
 
 log = logging.getLogger(__name__)
+
+TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FINGERPRINTS = ("header", "full")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The target every stage runs: its checkpoint directory (resolved: `target.path`, or the packaged `source`
+    converted once), the name and compute dtype its fingerprint records, how the fingerprint hashes the weights
+    (`header`: safetensors headers and sizes; `full`: also the bytes), where it runs (`device`; `device_map`: HF's
+    sharding) and whether HF may run the checkpoint's own code."""
+
+    dir: Path
+    name: str
+    dtype: str
+    fingerprint_mode: str = "header"
+    device: str = "auto"
+    device_map: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TARGET_DTYPES:
+            raise ValueError(f"target.dtype={self.dtype!r}: expected one of {', '.join(TARGET_DTYPES)}")
+        if self.fingerprint_mode not in FINGERPRINTS:
+            raise ValueError(f"target.fingerprint={self.fingerprint_mode!r}: expected one of {', '.join(FINGERPRINTS)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TARGET_DTYPES[self.dtype]
+
+    @cached_property
+    def fingerprint(self) -> dict[str, Any]:
+        """What stores, heads and caches made from this target record and compare (inference_eval/model.py
+        `target_fingerprint`); computed once (`full` reads every weight byte)."""
+        return target_fingerprint(self.dir, self.name, self.dtype, self.fingerprint_mode)
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:
@@ -93,20 +133,20 @@ class HFTarget:
 
 
 
-def load_target(cfg, target_dir: str | Path, backend: str, dtype: torch.dtype):
-    """The target a stage runs, placed by `target.device` (`resolve_device`): the engine's model, or for
-    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set, or
-    for `vllm` (precompute only) a vLLM worker process placed by vLLM (`precompute.vllm.*`)."""
-    if backend == "vllm":
-        from inference_eval.vllm_backend import VLLMBackend
-
-        return VLLMBackend.from_config(cfg, target_dir, dtype)
-    device = resolve_target_device(cfg.target.get("device", "auto"))
+def load_target(target: TargetConfig, backend: str, dtype: torch.dtype | None = None):
+    """The target a stage runs, placed by `target.device` (`resolve_target_device`): the engine's model, or for
+    the `hf` backend HF transformers, sharded over the visible GPUs when `target.device_map` is set; in `dtype`
+    (default the target's compute dtype). vLLM (precompute's `vllm` backend) starts its own worker process
+    (inference_eval/vllm_backend.py)."""
+    if backend not in ("engine", "hf"):
+        raise ValueError(f"load_target: backend {backend!r} (engine or hf; vllm runs as inference_eval/vllm_backend.py "
+                         "VLLMBackend)")
+    dtype = target.torch_dtype if dtype is None else dtype
+    device = resolve_target_device(target.device)
     if backend == "engine":
-        return LlamaForCausalLM.from_pretrained(target_dir, dtype=dtype, device=device)
-    return HFTarget.from_pretrained(target_dir, dtype=dtype, device=device,
-                                    trust_remote_code=trusts_remote_code(cfg),
-                                    device_map=cfg.target.get("device_map"))
+        return LlamaForCausalLM.from_pretrained(target.dir, dtype=dtype, device=device)
+    return HFTarget.from_pretrained(target.dir, dtype=dtype, device=device, trust_remote_code=target.trust_remote_code,
+                                    device_map=target.device_map)
 
 
 class GPUNotVisible(RuntimeError):
@@ -161,11 +201,6 @@ def auto_accelerator(torch_sees: bool | None = None, listed_gpus: Callable[[], l
     log.info("trainer=auto: the %s preset (%s)", "gpu" if on_gpu else "cpu",
              f"torch sees {torch.cuda.device_count()} CUDA device(s)" if on_gpu else "no GPU on this machine")
     return "gpu" if on_gpu else "cpu"
-
-
-def trusts_remote_code(cfg) -> bool:
-    """`+target.trust_remote_code=true`: HF transformers may run the checkpoint's own code (off unless set)."""
-    return bool(cfg.target.get("trust_remote_code", False))
 
 
 def register_target_resolvers() -> None:

@@ -75,16 +75,21 @@ def check_before_work(cfg: Any, stage: str) -> None:
 
 
 def check_training_strategy(cfg: Any) -> None:
-    """Training settings the trainer's strategy cannot run, refused before the target loads: under DeepSpeed
-    (trainer=8xh100, 8xh100_zero3, or a strategy named so) an explicit Muon, per-module clipping or a
-    `deep_from_step` (their `auto` forms adapt there)."""
+    """The training module's settings, refused before the target loads: each `train.module` setting as the module
+    checks it (train/settings.py `ModuleSettings`, the same message), then what the trainer's strategy cannot run —
+    under DeepSpeed (trainer=8xh100, 8xh100_zero3, or a strategy named so) an explicit Muon, per-module clipping or
+    a `deep_from_step` (their `auto` forms adapt there)."""
+    from train.settings import ModuleSettings, deepspeed_conflicts
+
+    try:
+        settings = ModuleSettings.from_config((cfg.get("train") or {}).get("module"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     strategy = (cfg.get("trainer") or {}).get("strategy")
     name = strategy.get("_target_", "") if hasattr(strategy, "get") else str(strategy or "")
     if "deepspeed" not in name.lower():
         return
-    from train.module import deepspeed_conflicts
-
-    if problems := deepspeed_conflicts(cfg.train.module):
+    if problems := deepspeed_conflicts(settings):
         raise ConfigError(f"trainer.strategy={name}: " + "; ".join(problems))
 
 

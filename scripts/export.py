@@ -15,8 +15,7 @@ log = logging.getLogger(__name__)
 
 def run_export(cfg: DictConfig) -> dict[str, Path]:
     """Returns {format: directory}; "native" is always among them."""
-    from data.sources import resolve_target_dir
-    from inference_eval.model import target_fingerprint
+    from data.sources import target_config
     from artifacts.checkpoint import load_native, read_config
     from artifacts.export import default_formats, export_head
     from inference_eval.model import tied_target
@@ -24,12 +23,12 @@ def run_export(cfg: DictConfig) -> dict[str, Path]:
     if not Path(cfg.export.source).is_dir():
         raise FileNotFoundError(f"export.source={cfg.export.source}: no such directory (train a head first, or point "
                                 "export.source at a native head checkpoint)")
-    target_dir = resolve_target_dir(cfg.target)
+    target = target_config(cfg.target)
+    target_dir = target.dir
     log.info("export: loading %s and the target's embedding / lm_head from %s", cfg.export.source, target_dir)
     tied, args, _ = tied_target(target_dir)
     # the configured target's fingerprint: a head trained for another target (or target.dtype) is refused
-    expected = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                  cfg.target.get("fingerprint", "header"))
+    expected = target.fingerprint
     head = load_native(cfg.export.source, tied, args, expected_fingerprint=expected)
     formats = list(cfg.export.get("formats") or default_formats(head))
     dirs = {fmt: Path(cfg.export.dir) if fmt == "native" else Path(cfg.export.root) / fmt

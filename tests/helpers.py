@@ -78,6 +78,7 @@ def paged_steps_per_sequence(model, seqs: list[list[int]], steps: list[list[int]
     ids = torch.tensor([t for s in seqs for t in s])[None]
     pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
     batch = PagedBatch([SeqSlice(t, 0, len(s)) for t, s in zip(tables, seqs)], per_sequence=prefill_per_sequence)
+    assert batch.per_sequence == prefill_per_sequence
     got = [model(ids, pos, cache=PagedCache(pool, batch)).logits[0]]
     lens = [len(s) for s in seqs]
     for rows in steps:
@@ -146,12 +147,12 @@ def assert_cached_decode_equals_full_forward(hf, model, ids: torch.Tensor) -> No
 
 
 @torch.inference_mode()
-def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
-                         ) -> tuple[list[int], SpecStats]:
+def engine_speculative(target, proposer, prompt: list[int], k: int, max_new_tokens: int,
+                       stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY, **engine_kw
+                       ) -> tuple[list[int], SpecStats]:
     """Speculative decoding of one prompt by the paged engine (inference_eval/engine/) with one slot —
     the one decoder every stage runs (the tests' shorthand for `engine_generate` of one prompt). `proposer`: a head from heads/, a draft LM, or an engine proposer.
-    Greedy: output equal to `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s
+    Greedy: output equal to `engine_plain`'s token for token; sampling: distributed as `engine_plain`'s
     (rejection sampling). Returns the new tokens and the acceptance stats."""
     outs, eng = engine_generate(target, [prompt], max_new_tokens, proposer, k, stop_ids, sampling,
                                 **{"max_batch": 1, **engine_kw})
@@ -159,8 +160,8 @@ def generate_speculative(target, proposer, prompt: list[int], k: int, max_new_to
 
 
 @torch.inference_mode()
-def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
-                   sampling: Sampling = GREEDY, **engine_kw) -> list[int]:
+def engine_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                 sampling: Sampling = GREEDY, **engine_kw) -> list[int]:
     """Plain decoding of one prompt by the paged engine with one slot."""
     outs, _ = engine_generate(target, [prompt], max_new_tokens, None, 1, stop_ids, sampling,
                               **{"max_batch": 1, **engine_kw})

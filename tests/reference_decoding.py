@@ -12,13 +12,60 @@ from typing import Any
 import torch
 
 from evaluation.evaluate import EvalResult
-from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, _target_state,
-                                        accept_greedy, accept_rejection, draft_chain, full_vocab_logits, refresh)
+from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, accept_greedy,
+                                        accept_rejection, full_vocab_logits)
+
+
+# The head's draft path along one sequence over a contiguous cache: the reference the engine's paged proposer
+# (inference_eval/engine/head.py) must equal.
+def _target_state(head, out) -> torch.Tensor:
+    """What the head consumes from a target pass: H, or the captured aux layers (EAGLE-3)."""
+    aux = torch.cat(out.aux, dim=-1) if head.capture_layers else None
+    return head.target_input(out.hidden, aux)
+
+
+def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache, last_only: bool = True
+            ) -> torch.Tensor:
+    """Run the head over target states (H_j, t_{j+1}) at positions start.. and return its depth-1
+    state at the last one (or at every one). Separate modules (mtp num_modules > 1) each refresh their
+    own cache."""
+    n = tokens.shape[1]
+    positions = torch.arange(start, start + n, device=tokens.device).expand(1, n)
+    state = head(states, tokens, positions, cache, start)
+    if head.separate_modules:
+        for d in range(2, len(head.layers) + 1):
+            head(states, tokens, positions, cache, start, depth=d)
+    return state[:, -1:] if last_only else state
+
+
+def draft_chain(head, state: torch.Tensor, k: int, m: int, cache, forced: list[int] | None = None,
+                sampling: Sampling = GREEDY) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """d_1 from the state at position m-1, then Ĥ^j = head(Ĥ^{j-1}, d_{j-1}) at RoPE position m+j-2
+    and d_j picked from its logits (argmax, or sampled). Depth j writes slot m+j-2 (after the depth-1
+    entries ≤ m-1 and depths 2..j-1): of the one shared cache, or with separate modules of module j's
+    cache and, from the same input, of every module that answers a deeper step of this draft (what
+    vLLM's draft loop reads: docs/export.md `mtp-vllm`). `forced` feeds those tokens instead of the
+    drafts (teacher forcing). Returns the drafts, the states and (sampling) the draft
+    distributions q_j over the target vocabulary."""
+    d, q = sampling.pick(full_vocab_logits(head, state)[0, -1])
+    drafts, qs, h, states = [d], [q], state, [state]
+    for j in range(2, k + 1):
+        pos = m + j - 2
+        tok = forced[j - 2] if forced is not None else drafts[-1]
+        tok_t, pos_t = torch.tensor([[tok]], device=h.device), torch.tensor([[pos]], device=h.device)
+        for e in head.key_writers(j, k):  # separate modules: the deeper modules' keys of this step
+            head(h, tok_t, pos_t, cache, pos, depth=e)
+        h = head(h, tok_t, pos_t, cache, pos, depth=j)
+        states.append(h)
+        d, q = sampling.pick(full_vocab_logits(head, h, depth=j)[0, -1])
+        drafts.append(d)
+        qs.append(q)
+    return drafts, states, qs
 
 
 @torch.inference_mode()
-def generate_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
-                   sampling: Sampling = GREEDY) -> list[int]:
+def reference_plain(target, prompt: list[int], max_new_tokens: int, stop_ids: set[int] = frozenset(),
+                    sampling: Sampling = GREEDY) -> list[int]:
     cache = target.new_cache(1, len(prompt) + max_new_tokens + 1)
     dev = target.device
     out = target(torch.tensor([prompt], device=dev), cache=cache, logits="last")
@@ -129,12 +176,12 @@ def as_proposer(x):
 
 
 @torch.inference_mode()
-def generate_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
-                         stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY
-                         ) -> tuple[list[int], SpecStats]:
+def reference_speculative(target, head, prompt: list[int], k: int, max_new_tokens: int,
+                          stop_ids: set[int] = frozenset(), sampling: Sampling = GREEDY
+                          ) -> tuple[list[int], SpecStats]:
     """Speculative decoding of `prompt` with `head` (a head from heads/, or a proposer:
     HeadProposer / DraftModelProposer), plus acceptance stats. Greedy: output equal to
-    `generate_plain`'s token for token; sampling: distributed as `generate_plain`'s (rejection sampling)."""
+    `reference_plain`'s token for token; sampling: distributed as `reference_plain`'s (rejection sampling)."""
     proposer = as_proposer(head)
     proposer.check(k)
     stats = SpecStats(k=k)
@@ -181,12 +228,12 @@ def evaluate_head(target, head, prompts: list[dict[str, Any]], k: int, max_new_t
     total = SpecStats(k=k)
     by_cat: dict[str, SpecStats] = {}
     for p in prompts[:warmup]:
-        generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
+        reference_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
     speeds = []
     for r in range(max(repeats, 1)):
         seconds = new_tokens = 0
         for p in prompts:
-            out, st = generate_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
+            out, st = reference_speculative(target, head, p["ids"], k, max_new_tokens, stop_ids, sampling)
             seconds, new_tokens = seconds + st.seconds, new_tokens + st.new_tokens
             if r == 0:
                 if outputs is not None:

@@ -121,7 +121,7 @@ def test_save_replaces_an_empty_dir_the_same_kind_and_a_legacy_native_head(mtp_h
     save_native(mtp_heads[2], out)
     assert torch.equal(probe_logits(load_native(out, tied, args)), probe_logits(mtp_heads[2]))
     assert sorted(os.listdir(tmp_path)) == ["head"]
-    assert sorted(os.listdir(out)) == [ARTIFACT_MARKER, "config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == [ARTIFACT_MARKER, "checksums.json", "config.json", "model.safetensors"]
 
 
 @pytest.mark.unit

@@ -18,7 +18,7 @@ from inference_eval.speculative import Sampling
 from tests.conftest import make_hf_model
 from tests.helpers import train_on_batch
 from tests.numerics import assert_same_function, float64_copy
-from tests.reference_decoding import generate_plain
+from tests.reference_decoding import reference_plain
 from tests.test_sampling import chi2, chi2_critical
 from train.block_loss import BlockLossConfig, block_terms, dpace_weights, row_terms, select_anchors
 from train.module import DraftHeadModule
@@ -55,13 +55,13 @@ def varied(tmp_path_factory):
     target = LlamaForCausalLM.from_pretrained(path)
     g = torch.Generator().manual_seed(0)
     starts = [torch.randint(0, 512, (4,), generator=g).tolist() for _ in range(16)]
-    ids = torch.tensor([s + generate_plain(target, s, 60) for s in starts])
+    ids = torch.tensor([s + reference_plain(target, s, 60) for s in starts])
     with torch.no_grad():
         out = target(ids, logits="none", capture_layers=(1,))
     ones = torch.ones_like(ids, dtype=torch.bool)
     batch = {"input_ids": ids, "loss_mask": ones, "valid": ones, "hidden": out.hidden, "aux_hidden": out.aux[0]}
     prompts = [ids[i, : 4 + 5 * i].tolist() for i in range(8)]
-    reference = [generate_plain(target, p, 20) for p in prompts]
+    reference = [reference_plain(target, p, 20) for p in prompts]
     return target, path, batch, prompts, reference
 
 
@@ -412,6 +412,7 @@ def test_block_export_defects_are_named_or_change_acceptance(varied, trained, tm
     from safetensors.torch import load_file, save_file
 
     from artifacts.export import load_export
+    from artifacts.integrity import write_manifest
     from artifacts.validate import validate_export
 
     target, path, _, prompts, _ = varied
@@ -430,6 +431,7 @@ def test_block_export_defects_are_named_or_change_acceptance(varied, trained, tm
             state = load_file(d / "model.safetensors")
             edit_state(state)
             save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+        write_manifest(d)  # edited on purpose: record the files as they are now
         return d
 
     zeroed = variant("zeroed_fc", edit_state=lambda s: s.__setitem__("fc.weight", torch.zeros_like(s["fc.weight"])))

@@ -20,7 +20,7 @@ from artifacts.draft_hf import read_target_layers
 from inference_eval.engine import PagedDraftModelProposer, engine_generate, engine_run
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import DraftModelProposer
-from tests.helpers import generate_plain, generate_speculative
+from tests.helpers import engine_plain, engine_speculative
 from tests.conftest import compose_config, make_hf_model
 from tests.helpers import train_on_batch
 from tests.numerics import assert_matches_hf
@@ -71,7 +71,7 @@ def setup(tmp_path_factory):
     losses = train_on_batch(DraftHeadModule(head, kl_chunk_size=64), batch, 40, lr=3e-3)
     head.eval().requires_grad_(False)
     prompts = [ids[i, : 4 + 4 * i].tolist() for i in range(8)]  # 4..32 tokens, continuations seen in training
-    reference = [generate_plain(target, p, 20) for p in prompts]  # the batch-1 contiguous-cache loop
+    reference = [engine_plain(target, p, 20) for p in prompts]  # the engine with one slot
     return {"path": path, "target": target, "batch": batch, "head": head, "untrained": untrained,
             "losses": losses, "prompts": prompts, "reference": reference}
 
@@ -106,7 +106,7 @@ def test_greedy_speculative_equals_plain_batch1_and_batch8(setup, k):
     assert out8 == reference and 0 < eng8.stats.alpha[0] < 1
     # the batch-1 reference loop (contiguous KV cache) is lossless too (its acceptance counts differ: the
     # engine's draft-model schedule decodes the step of a prefill plainly)
-    ref = [generate_speculative(target, DraftModelProposer(head), p, k, 20) for p in prompts]
+    ref = [engine_speculative(target, DraftModelProposer(head), p, k, 20) for p in prompts]
     assert [o for o, _ in ref] == reference and sum(s.accepted[0] for _, s in ref) > 0
 
 

@@ -13,7 +13,7 @@ from artifacts.checkpoint import load_native, read_config
 from heads.eagle1 import Eagle1Head
 from artifacts.export import export_native, probe_logits
 from inference_eval.model import LlamaForCausalLM, tied_target
-from tests.helpers import generate_plain, generate_speculative
+from tests.helpers import engine_plain, engine_speculative
 from tests.conftest import compose_config
 from tests.helpers import assert_cached_steps_equal_full_forward, train_on_batch
 from tests.numerics import assert_close_float32, decoder_chain
@@ -118,8 +118,8 @@ def test_greedy_speculative_equals_plain(head, tiny_target, k):
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     accepted = rejected = 0
     for prompt in ([1, 17, 33, 250, 9], list(range(40, 77))):
-        spec, st = generate_speculative(target, head, prompt, k, 24)
-        assert spec == generate_plain(target, prompt, 24)
+        spec, st = engine_speculative(target, head, prompt, k, 24)
+        assert spec == engine_plain(target, prompt, 24)
         assert st.emitted == sum(st.accepted) + st.steps and 1.0 <= st.tau <= k + 1
         accepted, rejected = accepted + sum(st.accepted), rejected + sum(st.reached) - sum(st.accepted)
     assert accepted > 0 and rejected > 0

@@ -77,7 +77,7 @@ def test_mtbench_turn2_uses_the_models_own_answer(target, tiny_target):
 
     from data.assets import load_mtbench
     from data.prompts import mtbench_prompts
-    from tests.helpers import generate_plain
+    from tests.helpers import engine_plain
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     first = mtbench_prompts(tok, 2, turn=1)
@@ -85,7 +85,7 @@ def test_mtbench_turn2_uses_the_models_own_answer(target, tiny_target):
     questions = {q["question_id"]: q for q in load_mtbench()}
     for p1, p2 in zip(first, second):
         q = questions[p2["id"]]
-        answer = tok.decode(generate_plain(target, p1["ids"], 6), skip_special_tokens=True).strip()
+        answer = tok.decode(engine_plain(target, p1["ids"], 6), skip_special_tokens=True).strip()
         text = tok.decode(p2["ids"])
         assert p2["ids"][: len(p1["ids"]) - 3] == p1["ids"][: len(p1["ids"]) - 3]  # same turn-1 question
         assert answer in text and q["turns"][1] in text and text.index(answer) < text.index(q["turns"][1])

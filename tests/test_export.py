@@ -21,9 +21,10 @@ from artifacts.export import (ENGINE_FORMATS, VLLM_METHODS, default_formats, det
                               load_export, probe_logits)
 from artifacts.formats import FORMATS, register
 from artifacts.formats.base import ExportFormat, head_state, loaded, read_json, write_config
+from artifacts.integrity import write_manifest
 from artifacts.validate import ExportValidationError, check_export, main as validate_main, validate_export
 from inference_eval.model import LlamaForCausalLM, tied_target
-from tests.helpers import generate_speculative
+from tests.helpers import engine_speculative
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +93,8 @@ def test_golden_eagle1(exported):
         "architectures": ["LlamaForCausalLMEagle"], "bias": True}
     assert not load_file(sglang / "model.safetensors")["fc.bias"].any()  # trained without: zeros shipped
     assert load_file(exported["eagle1-sglang-bias"] / "model.safetensors")["fc.bias"].any()
-    assert sorted(p.name for p in vllm.iterdir()) == [".spechead-artifact.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in vllm.iterdir()) == [".spechead-artifact.json", "checksums.json", "config.json",
+                                                      "model.safetensors"]
     assert json.loads((vllm / ".spechead-artifact.json").read_text())["kind"] == "export:eagle1-vllm"
 
 
@@ -154,8 +156,8 @@ def test_two_mtp_modules_stitch_as_consecutive_layers(tiny_target, tmp_path):
     # the same τ through the engine, which drafts depth d with module d
     target = LlamaForCausalLM.from_pretrained(tiny_target)
     for prompt in (list(range(40, 60)), [7, 3, 11]):
-        before = generate_speculative(target, head, prompt, 2, 16)
-        after = generate_speculative(target, back, prompt, 2, 16)
+        before = engine_speculative(target, head, prompt, 2, 16)
+        after = engine_speculative(target, back, prompt, 2, 16)
         assert before[0] == after[0] and before[1].accepted == after[1].accepted and before[1].tau == after[1].tau
 
 
@@ -173,8 +175,8 @@ def test_every_format_reads_back_to_the_same_function(exported, heads, tiny_targ
     for fmt, path in exported.items():
         back = load_export(path, fmt.removesuffix("-bias"), tied, args)
         for prompt in (list(range(40, 60)), [7, 3, 11]):
-            before = generate_speculative(target, heads[owner[fmt]], prompt, 3, 16)
-            after = generate_speculative(target, back, prompt, 3, 16)
+            before = engine_speculative(target, heads[owner[fmt]], prompt, 3, 16)
+            after = engine_speculative(target, back, prompt, 3, 16)
             assert before[0] == after[0] and before[1].tau == after[1].tau, fmt
             assert before[1].accepted == after[1].accepted, fmt
 
@@ -202,6 +204,7 @@ def _plant(src: Path, dst: Path, *, drop=(), add=None, rename=None, cast=None, c
     if config:
         cfg = json.loads((dst / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps(cfg | config))
+    write_manifest(dst)  # record the edited files, so only the planted defect is reported
     return dst
 
 
@@ -580,7 +583,8 @@ def test_a_format_registered_outside_artifacts_goes_through_every_public_functio
     assert ENGINE_FORMATS["medusa"] == ("medusa-vllm", "toy-medusa") and "toy-medusa" not in VLLM_METHODS
     assert default_formats(head) == ["native", "medusa-vllm", "toy-medusa"]
     out = export_head(head, {"toy-medusa": tmp_path / "toy"}, tiny_target)["toy-medusa"]  # validated, read back
-    assert sorted(p.name for p in out.iterdir()) == [".spechead-artifact.json", "config.json", "toy.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".spechead-artifact.json", "checksums.json", "config.json",
+                                                     "toy.safetensors"]
     assert json.loads((out / ".spechead-artifact.json").read_text())["kind"] == "export:toy-medusa"
     assert detect_format(out) == "toy-medusa"
     assert torch.equal(probe_logits(load_any(out, tied, args)), probe_logits(head))

@@ -12,7 +12,7 @@ from heads.registry import build_head
 from artifacts.export import default_formats, export_head, load_export, probe_logits
 from artifacts.validate import validate_export
 from inference_eval.model import LlamaForCausalLM, tied_target
-from tests.helpers import generate_speculative
+from tests.helpers import engine_speculative
 from tests.test_export import _embed, _keys, _perturb, assert_rejects_planted_defect
 
 pytestmark = pytest.mark.unit
@@ -94,8 +94,8 @@ def test_round_trip_same_logits_and_tau(exported, heads, deep_target):
             assert torch.equal(probe_logits(back), probe_logits(heads[name])), (name, f)
             assert validate_export(path, f, deep_target) == []
             for p in prompts:
-                before = generate_speculative(target, heads[name], p, 3, 16)
-                after = generate_speculative(target, back, p, 3, 16)
+                before = engine_speculative(target, heads[name], p, 3, 16)
+                after = engine_speculative(target, back, p, 3, 16)
                 assert before[0] == after[0] and before[1].accepted == after[1].accepted, (name, f)
                 assert before[1].tau == after[1].tau
 

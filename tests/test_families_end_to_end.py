@@ -11,8 +11,7 @@ from tests.conftest import compose_config
 
 
 def _target(kind: str, path):
-    from tests.test_deepseek_v2 import make_hf_deepseek
-    from tests.test_gemma3 import make_hf_gemma3
+    from tests.families import make_hf_deepseek, make_hf_gemma3
     from tests.tiny_tokenizer import make_tiny_tokenizer
 
     tok = make_tiny_tokenizer("chatml")

@@ -1,42 +1,20 @@
-"""The engine's Gemma 3 family (inference_eval/families/gemma3.py) against HF transformers'
-Gemma3ForCausalLM on tiny random configs whose sliding window (7) is shorter than the sequences:
-logits and captured states, the contiguous cache, the paged cache (prefill, decode, verification,
-a draft tree), packed rows, and the batched engine's plain and speculative decoding."""
-
-import json
+"""What only the engine's Gemma 3 family (inference_eval/families/gemma3.py) has, against HF transformers'
+Gemma3ForCausalLM on tiny random configs whose sliding window (7) is shorter than the sequences: the window
+and the local RoPE, bf16's embedding scale, its config layouts, the tied conventions a head follows (E·√H,
+(1 + w) norms, the final logit cap) in training, drafting and export. What every family does (parity with
+HF, the caches, packed rows, the engine's decoding) is tests/test_family_conformance.py."""
 
 import pytest
 import torch
 
 from inference_eval.engine import engine_generate
-from inference_eval.families.gemma3 import Gemma3Args, Gemma3ForCausalLM
+from inference_eval.families.gemma3 import Gemma3Args
 from inference_eval.model import LlamaForCausalLM
-from inference_eval.paged import PackedRows
-from tests.helpers import generate_plain
-from tests.numerics import assert_matches_hf, assert_same_function, decoder_chain, float32_bound, float64_copy
-from tests.helpers import (assert_cached_decode_equals_full_forward, assert_tree_verification_equals_branches,
-                           paged_steps_per_sequence, random_hf_model)
+from tests.families import TYPES, WINDOW, make_hf_gemma3
+from tests.helpers import engine_plain
+from tests.numerics import assert_matches_hf, decoder_chain, float32_bound
 
 pytestmark = pytest.mark.unit
-
-WINDOW = 7
-TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-
-
-def make_hf_gemma3(seed: int = 0, **overrides):
-    """A tiny random HF Gemma 3 text model (eager attention: the reference for the caps and windows).
-    Hidden size 48, so √H is not exact in bf16; the global RoPE has linear scaling, the local one
-    another base; query_pre_attn_scalar differs from head_dim. Norm weights (zero at init: the
-    (1 + w) form) are perturbed so that norm bugs show."""
-    import transformers
-
-    kwargs = dict(vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                  layer_types=TYPES, max_position_embeddings=4096, attn_implementation="eager",
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
-    kwargs.update(overrides)
-    return random_hf_model(transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(**kwargs), seed)
 
 
 @pytest.fixture(scope="module")
@@ -48,54 +26,9 @@ def gemma(tmp_path_factory):
     return hf, LlamaForCausalLM.from_pretrained(path), path
 
 
-def _compare_with_hf(hf, ours, ids):
-    with torch.no_grad():
-        ref = hf(ids, output_hidden_states=True)
-    out = ours(ids, capture_layers=(0, 1, 3))
-    assert_matches_hf(out.logits, ref.logits, ours.args, ids.shape[1])
-    for got, i in zip(out.aux, (0, 1, 3)):  # "input of layer i": HF hidden_states[i]
-        assert_matches_hf(got, ref.hidden_states[i], ours.args, ids.shape[1])
-    assert_matches_hf(ours.model.norm(out.hidden), ref.hidden_states[-1], ours.args, ids.shape[1])
-    assert not torch.allclose(out.hidden, ref.hidden_states[-1], atol=1e-3)  # H_i is pre-norm
-    return ref, out
-
-
-@pytest.mark.parametrize("variant", ["default", "untied", "softcaps", "hub_config"])
-def test_parity_with_hf(tmp_path, variant):
-    """Logits and captured states equal HF's over 40 tokens (window 7). `softcaps`: attention and
-    final-logit caps (Gemma 3 applies only the final one, as HF does), the final one biting (large
-    weights); `hub_config`: the older config.json layout of the
-    Hub's Gemma 3 checkpoints (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern)."""
-    overrides = {"untied": {"tie_word_embeddings": False},
-                 "softcaps": {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "initializer_range": 0.3}
-                 }.get(variant, {})
-    hf = make_hf_gemma3(**overrides)
-    hf.save_pretrained(tmp_path)
-    if variant == "hub_config":
-        cfg = json.loads((tmp_path / "config.json").read_text())
-        for key in ("rope_parameters", "layer_types"):
-            del cfg[key]
-        cfg.update(rope_theta=10000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                   sliding_window_pattern=3, num_hidden_layers=4)
-        (tmp_path / "config.json").write_text(json.dumps(cfg))
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-        assert hf.config.layer_types == [TYPES[0], TYPES[0], TYPES[1], TYPES[0]]
-    ours = LlamaForCausalLM.from_pretrained(tmp_path)
-    assert isinstance(ours, Gemma3ForCausalLM) and list(ours.args.layer_types) == hf.config.layer_types
-    assert (ours.args.rope_theta, ours.args.rope_local_theta, ours.args.sliding_window) == (10000.0, 100.0, WINDOW)
-    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(1))
-    ref, out = _compare_with_hf(hf, ours, ids)
-    if variant == "softcaps":  # the caps shape these logits: without them they differ
-        assert ref.logits.abs().max() > 2.0
-        ours.lm_head.cap = None
-        assert (ours(ids).logits - ref.logits).abs().max() > 0.1
-
-
 def test_sliding_window_and_local_rope_matter(gemma):
     """Without the window (or with the global RoPE on local layers) the logits past position 7 move:
-    the parity above depends on both."""
+    the parity with HF (tests/test_family_conformance.py) depends on both."""
     hf, ours, _ = gemma
     ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -134,68 +67,6 @@ def test_bf16_embedding_scale_rounds_like_hf(gemma):
     assert (out.logits.float().argmax(-1) == ref.logits.float().argmax(-1)).float().mean() > 0.9
 
 
-def test_cached_decode_equals_full_forward(gemma):
-    """Contiguous KVCache: a prefill, a 3-token verification chunk, then single decode steps past
-    the window give the full forward's logits and states (which equal HF's)."""
-    hf, model, _ = gemma
-    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(2))
-    assert_cached_decode_equals_full_forward(hf, model, ids)
-
-
-@pytest.mark.parametrize("prefill_per_sequence", [True, False])
-def test_paged_equals_contiguous(gemma, prefill_per_sequence):
-    """Sequences of 3, 12 and 19 tokens (shorter and longer than the window) over scattered blocks:
-    prefill (per-sequence or padded path), a decode step and 3- and 2-row verification steps (padded
-    path) give the contiguous cache's logits, sequence by sequence."""
-    _, model, _ = gemma
-    model = float64_copy(model)  # the same function in other summation orders: compared in float64
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (12, 3, 19)]
-    steps = [[7], [8, 9, 10], [11, 12]]
-    got = paged_steps_per_sequence(model, seqs, steps, prefill_per_sequence)
-    for s, mine in zip(seqs, got):
-        cache = model.new_cache(1, 64)
-        want = [model(torch.tensor([s]), cache=cache).logits[0]]
-        m = len(s)
-        for rows in steps:
-            want.append(model(torch.tensor([rows]), cache=cache, start=m).logits[0])
-            m += len(rows)
-        assert_same_function(mine, torch.cat(want))
-
-
-def test_paged_tree_verification(gemma):
-    """Two branches verified in one pass through a tree mask after a 12-token context give each
-    branch's own full-forward logits (the window counts a tree row's position by its depth)."""
-    _, model, _ = gemma
-    ctx = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(6)).tolist()
-    assert_tree_verification_equals_branches(model, ctx)
-
-
-def test_packed_rows_equal_separate_forwards(gemma):
-    """Precompute's packed path: samples longer and shorter than the window packed in one row give
-    each sample's own states and captured layer inputs."""
-    _, model, _ = gemma
-    model = float64_copy(model)  # the same function in other summation orders: compared in float64
-    g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (15, 1, 5, 22)]
-    rows = PackedRows([len(s) for s in seqs])
-    got = model(torch.tensor([[t for s in seqs for t in s]]), rows.positions(), cache=rows,
-                logits="none", capture_layers=(2,))
-    for s, a, b in zip(seqs, rows.bounds, rows.bounds[1:]):
-        want = model(torch.tensor([s]), logits="none", capture_layers=(2,))
-        assert_same_function(got.hidden[0, a:b], want.hidden[0])
-        assert_same_function(got.aux[0][0, a:b], want.aux[0][0])
-
-
-def test_truncated_shares_layers(gemma):
-    """A layer-skip draft of a Gemma target: its last state is the full model's input of that layer."""
-    _, model, _ = gemma
-    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(8))
-    draft = model.truncated(2)
-    assert isinstance(draft, Gemma3ForCausalLM) and draft.model.layers[1] is model.model.layers[1]
-    torch.testing.assert_close(draft(ids, logits="none").hidden, model(ids, capture_layers=(2,)).aux[0])
-
-
 def test_args_from_configs():
     """Family dispatch and the config layouts: defaults of Gemma3TextConfig, every 6th layer global,
     the image-text `gemma3` config and unknown families refused with the reason."""
@@ -223,29 +94,6 @@ def test_args_from_configs():
         args_from_hf_config({"model_type": "gemma3", "text_config": {}})
     with pytest.raises(ValueError, match="families: .*gemma3_text"):
         args_from_hf_config({"model_type": "gpt2"})
-
-
-@pytest.fixture(scope="module")
-def varied(tmp_path_factory):
-    """A Gemma target whose greedy continuations vary (weights at std 0.3, untied: tied ones repeat the
-    last token), prompts of 4..25 tokens."""
-    path = tmp_path_factory.mktemp("gemma3_varied")
-    make_hf_gemma3(initializer_range=0.3, tie_word_embeddings=False).save_pretrained(path)
-    target = LlamaForCausalLM.from_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
-    return target, prompts, path, [generate_plain(target, p, 16) for p in prompts]
-
-
-def test_engine_plain_and_draft_model_equal_reference(varied):
-    """The batched engine on a Gemma target: plain greedy decoding with requests arriving at
-    different steps, and a layer-skip draft model's speculation, equal the batch-1 loop."""
-    target, prompts, _, reference = varied
-    assert len({tuple(r) for r in reference}) == len(reference) and len(set(reference[0])) > 4
-    out, eng = engine_generate(target, prompts, 16, arrivals=[0, 0, 1, 2, 3, 5, 8, 13], block_size=4)
-    assert out == reference
-    out, eng = engine_generate(target, prompts, 16, proposer=target.truncated(3), k=2, block_size=4)
-    assert out == reference and 0 < eng.stats.alpha[0] < 1
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
@@ -297,7 +145,6 @@ def test_tied_target_follows_gemma(tmp_path, cap):
     assert "tied_conventions" not in target_fingerprint(tmp_path / "l", "llama", "float32")
 
 
-
 def test_training_kl_and_draft_vocab_follow_the_cap(tmp_path):
     """With `final_logit_softcapping` the training loss (train/module.py → fused KL with the cap) equals
     the naive KL between the head's capped logits and the target's capped logits recomputed from the
@@ -340,34 +187,6 @@ def test_training_kl_and_draft_vocab_follow_the_cap(tmp_path):
     torch.testing.assert_close(sub[:, vocab], full[:, vocab])
     assert torch.isinf(sub[:, 1]).all()
 
-def test_mtp_head_speculative_equals_plain(varied):
-    """An mtp head trained briefly on a Gemma target's own continuations drafts for it in the batched
-    engine (k = 1 and 3) and in the batch-1 loop: greedy output equal to plain decoding, drafts both
-    accepted and rejected."""
-    from heads.registry import build_head
-    from inference_eval.model import tied_target
-    from tests.helpers import generate_speculative
-    from tests.helpers import train_on_batch
-    from train.module import DraftHeadModule
-
-    target, prompts, path, reference = varied
-    ids = torch.tensor([p[:4] + r for p, r in zip(prompts, reference)])  # [8, 20]
-    with torch.no_grad():
-        hidden = target(ids, logits="none").hidden
-    ones = torch.ones_like(ids, dtype=torch.bool)
-    tied, args, parts = tied_target(path)
-    head = build_head({"type": "mtp"}, args, tied)
-    head.reset_parameters(0, parts.first_input_norm)
-    torch.manual_seed(0)
-    losses = train_on_batch(DraftHeadModule(head, kl_chunk_size=64, depth=2),
-                            {"input_ids": ids, "loss_mask": ones, "valid": ones, "hidden": hidden}, 20, lr=1e-2)
-    assert losses[-1] < 0.5 * losses[0]
-    head = head.eval().requires_grad_(False)
-    for k in (1, 3):
-        out, eng = engine_generate(target, prompts, 16, proposer=head, k=k, block_size=4)
-        assert out == reference and 0 < eng.stats.alpha[0] < 1
-    assert [generate_speculative(target, head, p, 2, 16)[0] for p in prompts[:3]] == reference[:3]
-
 
 def test_draft_lm_on_a_capped_gemma_target(tmp_path):
     """The `draft_lm` family on a Gemma target with a logit cap: Llama layers (random init; the target's
@@ -387,7 +206,7 @@ def test_draft_lm_on_a_capped_gemma_target(tmp_path):
     target = LlamaForCausalLM.from_pretrained(path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (4 + 3 * i,), generator=g).tolist() for i in range(8)]
-    reference = [generate_plain(target, p, 16) for p in prompts]
+    reference = [engine_plain(target, p, 16) for p in prompts]
     tied, args, parts = tied_target(path)
     head = build_head({"type": "draft_lm", "num_layers": 1, "init": "random"}, args, tied)
     head.reset_parameters(0, parts.first_input_norm)

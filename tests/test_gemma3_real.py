@@ -76,7 +76,7 @@ def test_engine_equals_hf_on_the_real_weights(gemma_dir):
 
     from inference_eval.families.gemma3 import Gemma3ForCausalLM
     from inference_eval.model import LlamaForCausalLM
-    from tests.helpers import generate_plain
+    from tests.helpers import engine_plain
 
     tokenizer = AutoTokenizer.from_pretrained(gemma_dir)
     ids = torch.tensor([tokenizer(TEXT).input_ids])
@@ -99,7 +99,7 @@ def test_engine_equals_hf_on_the_real_weights(gemma_dir):
     prompt = tokenizer("The capital of France is").input_ids
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
-    assert generate_plain(ours, prompt, 20) == expected
+    assert engine_plain(ours, prompt, 20) == expected
     assert "France" in tokenizer.decode(expected)
 
 

@@ -9,6 +9,7 @@ shapes and no data, and assert that every tensor ends where the engine runs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -171,13 +172,13 @@ def test_gpu_correct_load_target_and_validation_use_the_check(monkeypatch, tiny_
     from train.validation import EngineValidation, EngineValidationSettings
 
     monkeypatch.setattr(targets, "nvidia_smi_gpus", lambda: [H100])
-    cfg = OmegaConf.create({"target": {"device": "auto"}})
+    auto = targets.TargetConfig(dir=tiny_target, name="tiny", dtype="float32", device="auto")
     with pytest.raises(targets.GPUNotVisible, match="target.device=cpu"):
-        targets.load_target(cfg, tiny_target, "engine", torch.float32)
+        targets.load_target(auto, "engine")
     with pytest.raises(targets.GPUNotVisible, match="target.device=cpu"):
         EngineValidation(EngineValidationSettings(tmp_path, device="auto")).engine_device()
     assert EngineValidation(EngineValidationSettings(tmp_path, device="cpu")).engine_device() == torch.device("cpu")
-    model = targets.load_target(OmegaConf.create({"target": {"device": "cpu"}}), tiny_target, "engine", torch.float32)
+    model = targets.load_target(dataclasses.replace(auto, device="cpu"), "engine")
     assert model.device == torch.device("cpu")
 
 

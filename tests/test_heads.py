@@ -55,7 +55,8 @@ def test_native_round_trip(head, tmp_path, tiny_target):
         for p in head.parameters():
             p.add_(0.01 * torch.randn_like(p))
     out = export_native(head, tmp_path / "native", {"name": "tiny"})
-    assert sorted(p.name for p in out.iterdir()) == [".spechead-artifact.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".spechead-artifact.json", "checksums.json", "config.json",
+                                                     "model.safetensors"]
     assert json.loads((out / ".spechead-artifact.json").read_text())["kind"] == "native-head"
     tied, args, _ = tied_target(tiny_target)
     again = load_native(out, tied, args)

@@ -9,8 +9,8 @@ from artifacts.checkpoint import load_native, save_native
 from heads.eagle3 import default_aux_layers
 from heads.unroll import unroll
 from inference_eval.model import LlamaForCausalLM, tied_target
-from inference_eval.speculative import draft_chain, refresh
-from tests.helpers import generate_plain, generate_speculative
+from inference_eval.scoring import chain_states
+from tests.helpers import engine_plain, engine_speculative
 from train.losses import fused_linear_kl, naive_kl
 from tests.numerics import assert_close_float32, decoder_chain
 
@@ -159,12 +159,10 @@ def test_eagle3_lm_head_can_stay_the_targets_rows(tiny_target):
 
 
 def _engine_states(head, hidden, aux, ids, i, depth):
-    """The engine's draft loop with teacher-forced tokens after the target accepted up to i."""
-    cache = head.new_cache(1, hidden.shape[1] + depth + 1)
-    x = head.target_input(hidden[:, : i + 1], aux[:, : i + 1] if aux is not None else None)
-    state = refresh(head, x, ids[:, 1: i + 2], 0, cache)
-    forced = ids[0, i + 2: i + depth + 1].tolist()
-    return draft_chain(head, state, depth, i + 1, cache, forced)[1]
+    """The engine's proposer (inference_eval/scoring.py `chain_states`: PagedHeadProposer on a one-sequence paged
+    cache) with teacher-forced tokens after the target accepted up to i: its state [1, 1, S] at each depth."""
+    states = chain_states(head, head.target_input(hidden, aux), ids[0], depth, [i])
+    return [states[d][0][None, None] for d in range(1, depth + 1)]
 
 
 @torch.no_grad()
@@ -318,8 +316,8 @@ def test_greedy_speculative_equals_plain(target, tiny_target, name, ks):
     prompts = [[1, 17, 33, 250, 9], [3], list(range(40, 77))]
     for k in ks:
         for p in prompts:
-            plain = generate_plain(target, p, 24)
-            spec, st = generate_speculative(target, head, p, k, 24)
+            plain = engine_plain(target, p, 24)
+            spec, st = engine_speculative(target, head, p, k, 24)
             assert spec == plain, (name, k, p)
             assert st.emitted >= st.steps and len(st.alpha) == k
 
@@ -331,17 +329,17 @@ def test_medusa_with_oracle_blocks_is_accepted(target, tiny_target):
     head = build_head({"type": "medusa", "num_heads": 1}, args, tied).eval()
     head.reset_parameters(0)
     prompt = [5, 9, 13]
-    plain = generate_plain(target, prompt, 40)
-    spec, st = generate_speculative(target, head, prompt, 1, 40)
+    plain = engine_plain(target, prompt, 40)
+    spec, st = engine_speculative(target, head, prompt, 1, 40)
     assert spec == plain
     assert st.accepted[0] > 0 or all(a != b for a, b in zip(plain, plain[1:]))
 
 
 def test_k_beyond_the_heads_depth_is_refused(target, tiny_target):
     with pytest.raises(ValueError, match="draft steps"):
-        generate_speculative(target, make(tiny_target, "medusa"), [1, 2], 4, 4)
+        engine_speculative(target, make(tiny_target, "medusa"), [1, 2], 4, 4)
     with pytest.raises(ValueError, match="draft steps"):
-        generate_speculative(target, make(tiny_target, "mtp3"), [1, 2], 4, 4)
+        engine_speculative(target, make(tiny_target, "mtp3"), [1, 2], 4, 4)
 
 
 def test_sub_vocabulary_kl_equals_naive_values_and_gradients():

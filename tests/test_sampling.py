@@ -12,8 +12,8 @@ import torch
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.engine import engine_generate
 from inference_eval.speculative import DraftModelProposer, Sampling, accept_rejection
-from tests.helpers import generate_speculative
-from tests.reference_decoding import generate_plain  # the former batch-1 loop: the reference sampler
+from tests.helpers import engine_speculative
+from tests.reference_decoding import reference_plain
 from tests.test_heads_family import make
 
 
@@ -111,7 +111,7 @@ def test_speculative_sampling_matches_the_targets_joint_distribution(target, tin
     stat, df = chi2(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
     assert rejected > n // 4  # the drafts really were rejected often: the residual path was exercised
-    plain = Counter(tuple(generate_plain(target, prompt, 2, sampling=sampling)) for _ in range(n))
+    plain = Counter(tuple(reference_plain(target, prompt, 2, sampling=sampling)) for _ in range(n))
     assert chi2(plain, exact, n)[0] < chi2_critical(df)  # the reference sampler passes the same test
 
 
@@ -119,7 +119,7 @@ def test_speculative_sampling_matches_the_targets_joint_distribution(target, tin
 def test_top_k_1_sampling_is_greedy(target, tiny_target):
     one = Sampling(temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(1))
     for prompt in ([1, 17, 33, 250, 9], list(range(40, 60))):
-        greedy = generate_plain(target, prompt, 16)
-        assert generate_plain(target, prompt, 16, sampling=one) == greedy
+        greedy = reference_plain(target, prompt, 16)
+        assert reference_plain(target, prompt, 16, sampling=one) == greedy
         for head in (make(tiny_target, "mtp3"), make(tiny_target, "medusa"), make(tiny_target, "eagle3")):
-            assert generate_speculative(target, head, prompt, 3, 16, sampling=one)[0] == greedy
+            assert engine_speculative(target, head, prompt, 3, 16, sampling=one)[0] == greedy

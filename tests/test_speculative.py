@@ -1,7 +1,7 @@
 """Greedy speculative decoding: exact accept rule, output identical to plain greedy, exact τ/α on
 stub drafts with a known acceptance pattern. Stub heads run through the reference batch-1 loop
 (tests/reference_decoding.py); real heads and draft models through the product's decoder, the paged
-engine with one slot (`generate_speculative`), against the reference loop's plain output."""
+engine with one slot (`engine_speculative`), against the reference loop's plain output."""
 
 import pytest
 import torch
@@ -9,8 +9,8 @@ import torch
 from heads.registry import build_head
 from inference_eval.model import LlamaForCausalLM, tied_target
 from inference_eval.speculative import accept_greedy
-from tests.helpers import generate_speculative as engine_speculative
-from tests.reference_decoding import generate_plain, generate_speculative
+from tests.helpers import engine_speculative
+from tests.reference_decoding import reference_plain, reference_speculative
 from tests.helpers import StubHead
 
 
@@ -63,8 +63,8 @@ PROMPTS = [[1, 17, 33, 250, 9], [3], list(range(40, 77))]
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_perfect_draft_gives_tau_k_plus_1(target, k):
     for prompt in PROMPTS:
-        plain = generate_plain(target, prompt, 20)
-        spec, st = generate_speculative(target, OracleHead(target, prompt[0]), prompt, k, 20)
+        plain = reference_plain(target, prompt, 20)
+        spec, st = reference_speculative(target, OracleHead(target, prompt[0]), prompt, k, 20)
         assert spec == plain
         assert st.alpha == [1.0] * k
         assert st.tau == k + 1
@@ -74,15 +74,15 @@ def test_perfect_draft_gives_tau_k_plus_1(target, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_wrong_draft_gives_tau_1(target, k):
     prompt = PROMPTS[0]
-    spec, st = generate_speculative(target, OracleHead(target, prompt[0], wrong=lambda p: True), prompt, k, 12)
-    assert spec == generate_plain(target, prompt, 12)
+    spec, st = reference_speculative(target, OracleHead(target, prompt[0], wrong=lambda p: True), prompt, k, 12)
+    assert spec == reference_plain(target, prompt, 12)
     assert st.tau == 1.0 and st.alpha[0] == 0.0 and st.reached == [st.steps] + [0] * (k - 1)
 
 
 def test_mixed_acceptance_pattern(target):
     prompt = PROMPTS[2]
-    spec, st = generate_speculative(target, OracleHead(target, prompt[0], wrong=lambda p: p % 3 == 0), prompt, 3, 30)
-    assert spec == generate_plain(target, prompt, 30)
+    spec, st = reference_speculative(target, OracleHead(target, prompt[0], wrong=lambda p: p % 3 == 0), prompt, 3, 30)
+    assert spec == reference_plain(target, prompt, 30)
     assert 1.0 < st.tau < 4.0 and 0 < st.alpha[0] < 1
     assert st.emitted == sum(st.accepted) + st.steps
 
@@ -93,9 +93,9 @@ def test_real_head_speculative_equals_plain(target, tiny_target, k):
     head = build_head({"type": "mtp"}, args, tied)
     head.reset_parameters(0, parts.first_input_norm)
     for prompt in PROMPTS:
-        plain = generate_plain(target, prompt, 24)
+        plain = reference_plain(target, prompt, 24)
         spec, st = engine_speculative(target, head, prompt, k, 24)
-        ref, ref_st = generate_speculative(target, head, prompt, k, 24)
+        ref, ref_st = reference_speculative(target, head, prompt, k, 24)
         assert spec == plain == ref
         # the engine's τ and per-position acceptance == the former batch-1 loop's on the same prompt
         assert (st.steps, st.emitted, st.reached, st.accepted) == (ref_st.steps, ref_st.emitted, ref_st.reached,
@@ -105,11 +105,11 @@ def test_real_head_speculative_equals_plain(target, tiny_target, k):
 
 def test_stop_token_truncates_both(target):
     prompt = PROMPTS[0]
-    full = generate_plain(target, prompt, 20)
+    full = reference_plain(target, prompt, 20)
     stop = {full[5]}
     first = full.index(full[5])
-    assert generate_plain(target, prompt, 20, stop) == full[:first + 1]
-    spec, _ = generate_speculative(target, OracleHead(target, prompt[0]), prompt, 3, 20, stop)
+    assert reference_plain(target, prompt, 20, stop) == full[:first + 1]
+    spec, _ = reference_speculative(target, OracleHead(target, prompt[0]), prompt, 3, 20, stop)
     assert spec == full[:first + 1]
 
 
@@ -119,9 +119,9 @@ def test_draft_model_proposer_is_lossless(target, k):
 
     draft = DraftModelProposer(target.truncated(1))
     for prompt in PROMPTS:
-        plain = generate_plain(target, prompt, 20)
+        plain = reference_plain(target, prompt, 20)
         spec, st = engine_speculative(target, draft, prompt, k, 20)
-        ref, _ = generate_speculative(target, draft, prompt, k, 20)  # the reference loop: the same output
+        ref, _ = reference_speculative(target, draft, prompt, k, 20)  # the reference loop: the same output
         # (not the same rounds: the engine's draft-model schedule, vLLM's, drafts in the prefill's step too)
         assert spec == plain == ref
         assert 1 <= st.steps <= len(plain) - 1  # each verification pass emits at least one token
@@ -130,7 +130,7 @@ def test_draft_model_proposer_is_lossless(target, k):
     # follow, none plain (the seed's schedule, speculate_beside_prefill=False: one plain pass more, 5 in all)
     full = DraftModelProposer(target.truncated(target.args.num_hidden_layers))
     spec, st = engine_speculative(target, full, PROMPTS[0], k, 4 * (k + 1) + 1)
-    assert spec == generate_plain(target, PROMPTS[0], 4 * (k + 1) + 1)
+    assert spec == reference_plain(target, PROMPTS[0], 4 * (k + 1) + 1)
     assert st.accepted == st.reached == [4] * k and st.steps == 4 and st.emitted == 4 * (k + 1)
 
 

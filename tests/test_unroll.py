@@ -102,7 +102,7 @@ def test_training_path_logits_equal_the_engine_draft_logits(tiny_target, name, m
     `heads.layers.linear` is F.linear; the engine's few-row linears under no_grad run the native C
     kernel. Here the head's training path exactly as train/module.py takes it (train mode, grad
     enabled: the unroll, then features → F.linear with the student projection, as fused_linear_kl
-    computes the student logits) and the engine's draft chain (refresh + draft_chain, full_vocab_logits)
+    computes the student logits) and the engine's draft chain (its proposer, full_vocab_logits)
     give the same logits for every row and depth, and the same argmax in target ids. fp32, two
     summation orders: observed max difference 2.7e-7 on logits up to 0.64 (a few ulps); bound
     1e-6 + 1e-6·|logit| (≈ 6× that)."""
@@ -130,7 +130,7 @@ def test_training_path_logits_equal_the_engine_draft_logits(tiny_target, name, m
         for i in range(0, t - depth):
             states = _engine_states(head, hidden, aux, ids, i, depth)
             for d in range(1, depth + 1):
-                full = full_vocab_logits(head, states[d - 1], depth=d)[0, -1]  # what draft_chain picks from
+                full = full_vocab_logits(head, states[d - 1], depth=d)[0, -1]  # what the proposer picks from
                 eng = full
                 if head.draft_ids is not None:  # a sub-vocabulary: −inf elsewhere
                     assert torch.isinf(full).sum() == head.args.vocab_size - head.draft_ids.numel()

@@ -10,7 +10,7 @@ import torch
 from data.precompute import run_precompute
 from data.store import FeatureStore
 from inference_eval.model import LlamaForCausalLM
-from tests.reference_decoding import generate_speculative  # the former batch-1 loop: a reference
+from tests.reference_decoding import reference_speculative
 from tests.conftest import compose_config
 from tests.test_heads_family import make
 from train.validation import (engine_teacher_forced, first_reply_prompt, select_rows, speculative_scores,
@@ -55,7 +55,7 @@ def test_speculative_scores_match_the_decoder(store, tiny_target):
     got = speculative_scores(target, head, prompts, 2, 12, set())
     emitted = steps = 0
     for p in prompts:  # the batch-1 loop, now only a reference: the same acceptance, so the same τ
-        _, st = generate_speculative(target, head, p, 2, 12)
+        _, st = reference_speculative(target, head, p, 2, 12)
         emitted, steps = emitted + st.emitted, steps + st.steps
     assert got["tau"] == pytest.approx(emitted / steps)
     a1, a2 = got["tf_acc"]

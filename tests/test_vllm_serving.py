@@ -153,6 +153,7 @@ def served(tmp_path_factory):
     from data.precompute import run_precompute
     from artifacts.export import export_head, load_any, load_export
     from artifacts.formats.speculators import SPECULATORS_EAGLE3
+    from artifacts.integrity import write_manifest
     from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
     from train.run import run_training
@@ -199,6 +200,7 @@ def served(tmp_path_factory):
             state = load_file(out / "model.safetensors")  # that what vLLM drafts depends on the fusion
             state["aux_fc.weight"] = state["aux_fc.weight"] * 30.0
             save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+            write_manifest(out)  # edited on purpose: record the files as they are now
         exports[label] = (out, fmt, method, k)
         queue.submit(label, job({"method": method, "model": str(out), "num_speculative_tokens": k}))
     if SPEC_PYTHON.exists():  # the peer's EAGLE-3, trained by speculators 0.9 itself on the same store

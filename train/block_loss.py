@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from heads.dflash import block_unroll
+from inference_eval.speculative import chain_tau
 
 WEIGHTS = ("decay", "dpace")
 
@@ -177,19 +178,18 @@ def block_terms(head, batch: dict[str, torch.Tensor], cfg: BlockLossConfig, salt
                                                                           reduction="none")
     n_rows = mask.sum()
     out: dict[str, torch.Tensor] = {"tokens": valid.sum(), "loss": (w.to(per_row.dtype) * per_row).sum() / n_rows.clamp(min=1)}
-    sim_tau, survive = torch.tensor(1.0), 1.0
+    accs = []
     for d in range(1, depth + 1):
         at = pos == d
         n = at.sum()
         n_safe = n.clamp(min=1)
         acc = agree[at].sum().float() / n_safe
-        survive = survive * acc
-        sim_tau = sim_tau + survive
+        accs.append(acc)
         out.update({f"kl_d{d}": kl[at].sum() / n_safe, f"tv_d{d}": tv[at].sum() / n_safe, f"acc_d{d}": acc,
                     f"agree_count_d{d}": agree[at].sum().detach(), f"n_count_d{d}": n})
         if conf is not None:
             out[f"conf_d{d}"] = torch.sigmoid(conf[at].float()).sum() / n_safe
     out["n_tokens"] = out["n_count_d1"]
-    out["sim_tau"] = sim_tau
+    out["sim_tau"] = torch.as_tensor(chain_tau(accs))
     return out
 

@@ -5,7 +5,8 @@ embedding / final norm / lm_head attached as non-persistent buffers, and batches
 feature store. Depth 1: position i consumes (H_i, t_{i+1}) and is trained against H_{i+1} and the
 teacher distribution softmax(W_lm N_f(H_{i+1})), which predicts t_{i+2}; the loss mask is that of
 t_{i+2}. `depth: D > 1` unrolls the training-time test (heads/unroll.py): depth d consumes the
-head's own depth d-1 state, exactly as the engine's draft loop does.
+head's own depth d-1 state, exactly as the engine's draft loop does. Its settings (`train.module`) arrive as
+one ModuleSettings (train/settings.py), checked there but for what needs the head.
 """
 
 from __future__ import annotations
@@ -23,49 +24,15 @@ from heads.eagle3 import Eagle3Layer
 from heads.layers import DecoderLayer
 from heads.registry import head_type
 from heads.unroll import unroll
-from train.block_loss import BlockLossConfig, block_terms
+from inference_eval.speculative import chain_tau
+from train.block_loss import block_terms
 from train.data import TokenBudgetBatches
 from train.losses import depth_terms, greedy_inputs
-from train.optim import SETTINGS, build_optimizer, lr_multiplier, resolve_optimizer
+from train.optim import build_optimizer, lr_multiplier, resolve_optimizer
+from train.settings import DEEP_FROM_AUTO, ModuleSettings, deepspeed_conflicts
 
 
-# whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
-# `module` = each of the head's per-depth modules (head.depth_modules(): mtp with num_modules > 1, medusa's blocks)
-# by its own norm, the rest of the head as one more group — with `detach_depths`, module 1 then trains exactly as
-# a depth-1 head alone would (the other depths' gradients no longer scale its steps); `auto` = `module` for a head
-# of several per-depth modules, except where DeepSpeed clips the whole gradient inside its engine (there and for
-# a head of one module: `all`)
-CLIP_SCOPES = ("all", "module", "auto")
-# `deep_from_step: auto`: this fraction of the run's steps, or 0 under DeepSpeed (which keeps the optimizer state
-# that start_deeper_modules drops in its own partitions): every depth from the first step, measured level with
-# the half-run start in τ at ≈ 1.7× its training time (docs/RESULTS.md §8, "The deeper modules of `head=mtp3`")
-DEEP_FROM_AUTO = 0.5
-
-# the positions trained on: `assistant` = the store's loss mask (the assistant replies, what the engine drafts
-# in serving); `all` = every real token of the conversation, the user turns and template tokens too (their
-# states are stored anyway: more supervised rows per stored token); `deep_all` = depth 1 on the replies and
-# depths ≥ 2 on every real token (with separate modules, `detach_depths` and `clip_scope: module`, module 1 then
-# trains as the default head while the deeper modules get the extra rows)
-LOSS_ON = ("assistant", "all", "deep_all")
 log = logging.getLogger(__name__)
-
-
-def deepspeed_conflicts(settings: Any) -> list[str]:
-    """What the train.module `settings` ask that a DeepSpeed strategy cannot run, each naming the fix (checked
-    before any work by scripts/checks.py, and again by the module's setup)."""
-    out = []
-    if settings.get("deep_from_step", 0) not in (0, "auto"):
-        out.append("train.module.deep_from_step drops the deeper modules' optimizer state at its step, which DeepSpeed "
-                   "keeps in its own partitions; use DDP or FSDP (trainer=8xh100_fsdp), or deep_from_step=0 (or auto: "
-                   "0 under DeepSpeed)")
-    if settings.get("optimizer") == "muon":
-        out.append("train.module.optimizer=muon: DeepSpeed ZeRO hands the optimizer flattened partitions of the "
-                   "head's tensors, not the matrices Muon orthogonalises; use FSDP (trainer=8xh100_fsdp) or DDP for "
-                   "Muon, or optimizer=auto (AdamW under DeepSpeed) or adamw")
-    if settings.get("clip_scope", "all") == "module":
-        out.append("train.module.clip_scope=module: DeepSpeed clips the whole gradient inside its engine; use "
-                   "clip_scope=all (or auto) with a DeepSpeed strategy")
-    return out
 
 
 def _dropout_layers(head: torch.nn.Module) -> list[torch.nn.Module]:
@@ -73,62 +40,40 @@ def _dropout_layers(head: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in head.modules() if isinstance(m, (DecoderLayer, Eagle3Layer))]
 
 
+def check_against_head(settings: ModuleSettings, head: torch.nn.Module) -> None:
+    """The settings' checks that need the head (the others: ModuleSettings itself)."""
+    if settings.dropout > 0 and (hasattr(head, "unroll") or not _dropout_layers(head)):
+        raise ValueError(f"train.module.dropout={settings.dropout} drops the residual branches of the layers of the "
+                         f"heads with the shared unroll (mtp, eagle1, eagle3); {type(head).__name__} trains its own "
+                         "way: leave it at 0")
+    if settings.deep_lr_scale != 1.0 and len(head.depth_modules()) < 2:
+        raise ValueError(f"train.module.deep_lr_scale={settings.deep_lr_scale!r} scales the lr of the modules of depth "
+                         f"≥ 2, and this {type(head).__name__} has no separate per-depth modules (e.g. "
+                         f"head.num_modules=3 for mtp); leave it at 1.0")
+
+
 class DraftHeadModule(L.LightningModule):
-    def __init__(self, head: torch.nn.Module, lr: float = 3e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
-                 w_hidden: float = 1.0, w_kl: float = 1.0, normed_regression: bool = True,
-                 kl_chunk_size: int = 512, depth: int = 1, depth_decay: float = 0.8,
-                 gradient_checkpointing: bool = False, optimizer: str = "auto", schedule: str = "cosine",
-                 muon_momentum: float = 0.95, muon_weight_decay: float = 0.1, loss_on: str = "assistant",
-                 kl_temperature: float = 1.0, detach_depths: bool = False, clip_scope: str = "all",
-                 input_noise: float = 0.0, deep_lr_scale: float = 1.0, deep_from_step: int | float | str = 0,
-                 dropout: float = 0.0, offpolicy_weight: float = 1.0, block: dict | None = None) -> None:
+    def __init__(self, head: torch.nn.Module, settings: ModuleSettings | None = None, **kwargs: Any) -> None:
+        """`settings` (train/run.py builds them from the config), or the same settings as keywords
+        (`DraftHeadModule(head, depth=3)`: every other setting at its default), not both."""
         super().__init__()
-        # the block drafters' loss settings (train/block_loss.py); checked for every head, used by dflash / dspark
-        self.block_cfg = BlockLossConfig(**(block or {}))
-        if not 0.0 <= offpolicy_weight <= 1.0:
-            raise ValueError(f"train.module.offpolicy_weight={offpolicy_weight!r}: expected a weight in [0, 1] "
-                             "(1: every row alike, the default; 0: only rows the greedy target would produce)")
-        if optimizer not in SETTINGS:
-            raise ValueError(f"train.module.optimizer={optimizer!r}: expected one of {SETTINGS}")
-        if loss_on not in LOSS_ON:
-            raise ValueError(f"train.module.loss_on={loss_on!r}: expected one of {LOSS_ON}")
-        if clip_scope not in CLIP_SCOPES:
-            raise ValueError(f"train.module.clip_scope={clip_scope!r}: expected one of {CLIP_SCOPES}")
-        if not kl_temperature > 0:
-            raise ValueError(f"train.module.kl_temperature={kl_temperature!r}: expected a positive number")
-        if not input_noise >= 0:
-            raise ValueError(f"train.module.input_noise={input_noise!r}: expected a number ≥ 0 (0: off)")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"train.module.dropout={dropout!r}: expected a probability in [0, 1) (0: off)")
-        if dropout > 0 and (hasattr(head, "unroll") or not _dropout_layers(head)):
-            raise ValueError(f"train.module.dropout={dropout} drops the residual branches of the layers of the heads with "
-                             f"the shared unroll (mtp, eagle1, eagle3); {type(head).__name__} trains its own way: leave it at 0")
-        if dropout > 0 and gradient_checkpointing:
-            raise ValueError(f"train.module.dropout={dropout} and train.module.gradient_checkpointing=true: the "
-                             "recomputed steps would draw other dropout masks than the forward did; turn one off")
-        if not deep_lr_scale > 0:
-            raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r}: expected a positive number (1: off)")
-        step_ok = isinstance(deep_from_step, int) and not isinstance(deep_from_step, bool) and deep_from_step >= 0
-        if not (step_ok or deep_from_step == "auto" or (isinstance(deep_from_step, float) and 0 < deep_from_step < 1)):
-            raise ValueError(f"train.module.deep_from_step={deep_from_step!r}: expected an optimizer step (an integer "
-                             f"≥ 0; 0: every depth trains from the first step), a fraction of the run's steps in (0, 1) "
-                             f"or auto ({DEEP_FROM_AUTO}, and 0 under DeepSpeed)")
-        if (deep_from_step == "auto" or deep_from_step > 0) and depth < 2:
-            raise ValueError(f"train.module.deep_from_step={deep_from_step} delays the depths ≥ 2, and "
-                             f"train.module.depth is {depth}: set depth > 1 or leave deep_from_step at 0")
+        if settings is not None and kwargs:
+            raise TypeError(f"DraftHeadModule: settings given both as a ModuleSettings and as keywords "
+                            f"({sorted(kwargs)})")
+        if settings is not None and not isinstance(settings, ModuleSettings):
+            raise TypeError(f"DraftHeadModule: settings must be a ModuleSettings, got {type(settings).__name__}")
+        self.settings = settings if settings is not None else ModuleSettings.from_config(kwargs)
+        check_against_head(self.settings, head)
         # count the agreements on the rows whose inputs are the target's greedy tokens too (held-out scores)
         self.track_onpolicy = False
         self._deep_copied = False  # `deep_from_step`: the deeper modules started from module 1 (kept in checkpoints)
-        if deep_lr_scale != 1.0 and len(head.depth_modules()) < 2:
-            raise ValueError(f"train.module.deep_lr_scale={deep_lr_scale!r} scales the lr of the modules of depth ≥ 2, "
-                             f"and this {type(head).__name__} has no separate per-depth modules (e.g. "
-                             f"head.num_modules=3 for mtp); leave it at 1.0")
         self.head = head
         # recompute each unrolled decoder step in backward (heads/unroll.py): less memory on long sequences
-        self.head.gradient_checkpointing = gradient_checkpointing
-        self.save_hyperparameters(ignore=["head"])
+        self.head.gradient_checkpointing = self.settings.gradient_checkpointing
+        # recorded as plain values: Lightning writes them into checkpoints and hands them to the logger
+        self.save_hyperparameters(self.settings.as_dict())
         self._t_last: float | None = None
+        clip_scope = self.settings.clip_scope
         if clip_scope == "module" or (clip_scope == "auto" and len(head.depth_modules()) > 1):
             # set on the instance, not the class: Lightning's DeepSpeed strategy warns whenever this hook is
             # overridden (it clips inside its engine), and setup() refuses `module` there (`auto` drops it there)
@@ -155,7 +100,7 @@ class DraftHeadModule(L.LightningModule):
 
         dp = mesh["data_parallel"]
         strategy = self.trainer.strategy
-        for layer, kwargs in fsdp_unit_settings(self, strategy, self.hparams.get("depth", 1)):
+        for layer, kwargs in fsdp_unit_settings(self, strategy, self.settings.depth):
             fully_shard(layer, mesh=dp, **kwargs)
         self._sharded = True
 
@@ -170,13 +115,13 @@ class DraftHeadModule(L.LightningModule):
 
         Row i of depth d estimates H_{i+d}; its teacher is softmax(W_lm N_f(H_{i+d})), which
         predicts t_{i+d+1}, so its loss mask is that of t_{i+d+1} (`loss_on: all`: every real token)."""
-        hp = self.hparams
+        hp = self.settings
         if getattr(self.head, "block", False):  # a block drafter: random anchors, one pass per block
             # anchors from (seed, step) and each row's tokens, not the rank (N processes draw what one does); held-out
             # scores draw the same anchors at every step
             step = self._trainer.global_step if self._trainer is not None else 0
             salt = hash((torch.initial_seed() & 0xFFFFFFFF, step)) & 0x7FFFFFFF if self.training else 0
-            return block_terms(self.head, batch, self.block_cfg, salt, hp.loss_on, hp.kl_chunk_size)
+            return block_terms(self.head, batch, hp.block, salt, hp.loss_on, hp.kl_chunk_size)
         hidden = batch["hidden"].to(self.head.dtype)  # [B, T, H]
         ids, valid, loss_mask = batch["input_ids"], batch["valid"], batch["loss_mask"]
         t = hidden.shape[1]
@@ -190,11 +135,11 @@ class DraftHeadModule(L.LightningModule):
         several = not started and getattr(self._trainer, "world_size", 1) > 1
         with self.residual_dropout():
             outs = unroll(self.head, inp, ids, hp.depth if started or several else 1, aux, batch.get("positions"),
-                          segments, detach=hp.get("detach_depths", False))
+                          segments, detach=hp.detach_depths)
         out: dict[str, torch.Tensor] = {"tokens": valid.sum()}
         total = hidden.new_zeros((), dtype=torch.float32)
-        sim_tau, survive = 1.0, 1.0
-        off_w = float(hp.get("offpolicy_weight", 1.0))
+        accs = []
+        off_w = float(hp.offpolicy_weight)
         # `offpolicy_weight` < 1: greedy[:, j] — t_{j+1} is the target's greedy choice after j; `on` — row i's inputs
         # t_{i+1..i+d} all are (the rows the engine meets when the target decodes greedily)
         track = off_w != 1.0 or self.track_onpolicy
@@ -225,13 +170,13 @@ class DraftHeadModule(L.LightningModule):
             weight = hp.depth_decay ** (d - 1) if d == 1 or started else 0.0
             total = total + weight * (hp.w_hidden * reg + hp.w_kl * kl) / w_sum
             acc = agree.float() / n_safe
-            survive = survive * acc
-            sim_tau = sim_tau + survive  # 1 + Σ_d Π_{j≤d} α_j
+            accs.append(acc)
             out.update({f"reg_d{d}": reg / w_sum, f"kl_d{d}": kl / w_sum, f"acc_d{d}": acc,
                         f"agree_count_d{d}": agree.detach(), f"n_count_d{d}": n})
             if d == 1:
                 out["n_tokens"] = n
         out["loss"] = total
+        sim_tau = chain_tau(accs)
         out["sim_tau"] = sim_tau if torch.is_tensor(sim_tau) else torch.tensor(sim_tau)
         return out
 
@@ -243,7 +188,7 @@ class DraftHeadModule(L.LightningModule):
         held-out scores and the teacher see the states unchanged. The noise of a step is a function of
         (seed, global step, rank) alone: a resumed run draws what the uninterrupted one drew, and each rank
         its own. (Micro-batches of one optimizer step, `trainer.accumulate_grad_batches` > 1, share the draw.)"""
-        sigma = float(self.hparams.get("input_noise", 0.0))
+        sigma = float(self.settings.input_noise)
         if sigma == 0.0 or not self.training:
             return hidden, aux
         gen = torch.Generator(device="cpu").manual_seed(self._step_seed())
@@ -270,7 +215,7 @@ class DraftHeadModule(L.LightningModule):
         layer trained on a few hundred thousand tokens, and its second epoch memorises. Installed on the layers for
         this loss only (the engine, validation and the held-out scores run them as they are); the masks of a step are a
         function of (seed, step, rank)."""
-        p = float(self.hparams.get("dropout", 0.0))
+        p = float(self.settings.dropout)
         if p == 0.0 or not self.training or not torch.is_grad_enabled():
             yield
             return
@@ -303,7 +248,7 @@ class DraftHeadModule(L.LightningModule):
     # ---- `deep_from_step`: depth 1 first, then every depth, the deeper modules starting from module 1 --------
     def deep_from(self) -> int | float:
         """`deep_from_step` as it applies here: `auto` is DEEP_FROM_AUTO, or 0 where DeepSpeed runs the optimizer."""
-        value = self.hparams.get("deep_from_step", 0)
+        value = self.settings.deep_from_step
         if value == "auto":
             return 0 if self._on_deepspeed() else DEEP_FROM_AUTO
         return value
@@ -311,7 +256,7 @@ class DraftHeadModule(L.LightningModule):
     def clip_scope(self) -> str:
         """`clip_scope` as it applies here: `auto` is `module` for a head of several per-depth modules outside
         DeepSpeed, else `all`."""
-        value = self.hparams.get("clip_scope", "all")
+        value = self.settings.clip_scope
         if value == "auto":
             return "module" if len(self.head.depth_modules()) > 1 and not self._on_deepspeed() else "all"
         return value
@@ -416,27 +361,27 @@ class DraftHeadModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         on_deepspeed = self._on_deepspeed()
-        if on_deepspeed and (problems := deepspeed_conflicts(self.hparams)):
+        if on_deepspeed and (problems := deepspeed_conflicts(self.settings)):
             raise ValueError("; ".join(problems))
         if self.clip_scope() == "all":  # `auto` under DeepSpeed: Lightning's own clipping (DeepSpeed's, there)
             self.__dict__.pop("configure_gradient_clipping", None)
         for key, resolved in (("deep_from_step", self.deep_from()), ("clip_scope", self.clip_scope())):
-            if self.hparams.get(key) == "auto":
+            if getattr(self.settings, key) == "auto":
                 log.info("train.module.%s=auto: %s%s", key, resolved, " (DeepSpeed)" if on_deepspeed else "")
 
     def optimizer_name(self) -> str:
         """The optimizer `train.module.optimizer` resolves to for this head and strategy (train/optim.py)."""
-        return resolve_optimizer(self.hparams.get("optimizer", "auto"), head_type(self.head), self._on_deepspeed())
+        return resolve_optimizer(self.settings.optimizer, head_type(self.head), self._on_deepspeed())
 
     def configure_optimizers(self):
-        hp = self.hparams
+        hp = self.settings
         name = self.optimizer_name()
-        if hp.get("optimizer", "auto") == "auto" and getattr(self._trainer, "global_rank", 0) == 0:
+        if hp.optimizer == "auto" and getattr(self._trainer, "global_rank", 0) == 0:
             log.info("train.module.optimizer=auto: %s", name)
         # several ranks hold the same updates (DDP's averaged gradients, FSDP2's shards): each orthogonalises its share
         several = getattr(self._trainer, "world_size", 1) > 1
         opt = build_optimizer(self.head, name, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
-                              hp.muon_weight_decay, deep_lr_scale=hp.get("deep_lr_scale", 1.0), divide_ns=several)
+                              hp.muon_weight_decay, deep_lr_scale=hp.deep_lr_scale, divide_ns=several)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)
         lr_multiplier(0, total, warm, hp.schedule, hp.min_lr_ratio)  # a wrong name fails here, not at step 1
@@ -484,11 +429,7 @@ def heldout_agreement(head: torch.nn.Module, loader, depth: int) -> dict[str, An
             count_on[d - 1] += int(out.get(f"n_on_count_d{d}", 0))
     head.train(was_training)
     acc = [a / max(c, 1) for a, c in zip(agree, count)]
-    sim_tau, survive = 1.0, 1.0
-    for a in acc:
-        survive *= a
-        sim_tau += survive
     # acc_onpolicy: the same agreement over the rows whose input tokens t_{i+1..i+d} are the target's greedy
     # choices (argmax W_lm N_f(H_j)) — the rows the engine meets when the target decodes greedily
-    return {"acc": acc, "tokens": count, "sim_tau": sim_tau,
+    return {"acc": acc, "tokens": count, "sim_tau": chain_tau(acc),
             "acc_onpolicy": [a / max(c, 1) for a, c in zip(agree_on, count_on)], "tokens_onpolicy": count_on}

@@ -20,17 +20,17 @@ from artifacts.checkpoint import save_native
 from core.files import atomic_write_bytes
 from core.progress import log_interval
 from data.precompute import open_store_writer, tokenize_source
-from data.sources import resolve_target_dir
-from data.store import DTYPES
+from data.sources import target_config
 from heads.base import DraftHead
 from heads.registry import build_head, resolve_aux_layers
-from inference_eval.model import cpu_has_fast_bf16, first_input_norm, target_fingerprint, tied_from_model, tied_target
-from inference_eval.targets import load_target
+from inference_eval.model import cpu_has_fast_bf16, first_input_norm, tied_from_model, tied_target
+from inference_eval.targets import TargetConfig, load_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.online import OnlineDataModule, OnlineSamples, TargetStates
 from train.online_store import WriteThrough
 from train.progress import ProgressLog
+from train.settings import ModuleSettings
 from train.strategies import whole_head_state
 from train.validation import EngineValidation, EngineValidationSettings
 
@@ -190,7 +190,7 @@ def write_split(dm: FeatureDataModule, path: Path) -> None:
     atomic_write_bytes(path, json.dumps(split, indent=1).encode())
 
 
-def data_module(cfg: Any, target_dir: Path, fingerprint: dict[str, Any]) -> tuple[FeatureDataModule, Any]:
+def data_module(cfg: Any, target: TargetConfig) -> tuple[FeatureDataModule, Any]:
     """(the training data module, the target model or None) for `train.data.source`: `store` reads the
     feature store at cfg.store_dir; `online` tokenizes `data.*`'s conversations as precompute does and
     loads the target (engine backend, `target.dtype`, `target.device`), which computes each batch's
@@ -198,28 +198,28 @@ def data_module(cfg: Any, target_dir: Path, fingerprint: dict[str, Any]) -> tupl
     data_kw = OmegaConf.to_container(cfg.train.data, resolve=True)
     source = data_kw.get("source", "store")
     if source == "store":
-        return FeatureDataModule(cfg.store_dir, fingerprint, **data_kw), None
+        return FeatureDataModule(cfg.store_dir, target.fingerprint, **data_kw), None
     data_kw.pop("source")
     online = data_kw.pop("online", None) or {}
     if source != "online":
         raise ValueError(f"train.data.source={source!r}: expected `store` (a precomputed feature store) or `online` "
                          "(the target computes each batch's states)")
-    samples, rejected, examples = tokenize_source(cfg, target_dir)
+    samples, rejected, examples = tokenize_source(cfg, target.dir)
     if rejected:
         log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
                     ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
-    target = load_target(cfg, target_dir, "engine", DTYPES[cfg.target.dtype])
-    aux = resolve_aux_layers(cfg, target.args.num_hidden_layers)
+    model = load_target(target, "engine")
+    aux = resolve_aux_layers(cfg, model.args.num_hidden_layers)
     log.info("train: online — %d conversations tokenized, the target (%s, %s) computes each batch's states%s",
-             len(samples), cfg.target.dtype, target.device, f", aux layers {list(aux)}" if aux else "")
-    dm = OnlineDataModule(OnlineSamples(samples, aux), TargetStates(target, aux), prefetch=online.get("prefetch", "auto"),
+             len(samples), target.dtype, model.device, f", aux layers {list(aux)}" if aux else "")
+    dm = OnlineDataModule(OnlineSamples(samples, aux), TargetStates(model, aux), prefetch=online.get("prefetch", "auto"),
                           **data_kw)
     if online.get("write_store"):
         root = online["write_store"]
-        dm.write_through = WriteThrough(root, partial(open_store_writer, cfg, target_dir, "engine", target, root,
+        dm.write_through = WriteThrough(root, partial(open_store_writer, cfg, target, "engine", model, root,
                                                       rejected=rejected, examples=examples), dm)
         log.info("train: online — the first epoch's states are also written to %s", root)
-    return dm, target
+    return dm, model
 
 
 def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
@@ -237,13 +237,13 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
     into the parent's module after fit — so `head` below is the trained head in every case."""
     L.seed_everything(int(cfg.seed), workers=True)
-    target_dir = resolve_target_dir(cfg.target)
-    fingerprint = target_fingerprint(target_dir, cfg.target.name, cfg.target.dtype,
-                                     cfg.target.get("fingerprint", "header"))
-    dm, target = data_module(cfg, target_dir, fingerprint)
+    settings = ModuleSettings.from_config(cfg.train.module)  # checked before the data and the target load
+    tc = target_config(cfg.target)
+    target_dir, fingerprint = tc.dir, tc.fingerprint
+    dm, target = data_module(cfg, tc)
     dm.setup("fit")
     head = init_head(cfg, target_dir, dm, target)
-    module = DraftHeadModule(head, **OmegaConf.to_container(cfg.train.module, resolve=True))
+    module = DraftHeadModule(head, settings)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))

@@ -6,8 +6,8 @@ training ends, on global rank 0:
 
 1. **teacher-forced, in the engine** — recomputes the target's states for a few held-out
    conversations with the engine's target (`inference_eval.model`), runs the current head through the
-   engine's cached draft path (`refresh` + `draft_chain` with the true tokens forced, what the draft
-   loop computes once the target accepted up to row i) and scores every depth d = 1..D with the
+   engine's own proposer with the true tokens forced (inference_eval/scoring.py: what the draft loop
+   computes once the target accepted up to row i) and scores every depth d = 1..D with the
    training loss (regression + KL) and top-1 agreement. The same rows are scored by the *training*
    forward (the unroll over the stored features). Both are logged (`engine_val/…`, `engine_val/train_…`)
    with their gap. They are one computation on two code paths: with a float32 target and store they

@@ -98,18 +98,34 @@ class PagedHeadProposer(ChainProposer):
         if not head.chain:
             cols = [self._pick(reqs, self._logits(head(h, depth=j), j)[0]) for j in range(1, k + 1)]
         else:
-            cols = [self._pick(reqs, self._logits(h)[0])]
-            for j in range(2, k + 1):
-                pos = [[r.m + j - 2] for r in reqs]
-                slices = [SeqSlice(r.table, r.m + j - 2, 1) for r in reqs]
-                toks = [[d] for d in cols[-1][0]]
-                for e in head.key_writers(j, k):  # separate modules: each deeper module's key of this step
-                    self._head(h, toks, pos, slices, depth=e)
-                h = self._head(h, toks, pos, slices, depth=j)
-                cols.append(self._pick(reqs, self._logits(h, depth=j)[0]))
+            cols = []
+
+            def pick(j: int, state: torch.Tensor) -> list[int]:
+                cols.append(self._pick(reqs, self._logits(state, depth=j)[0]))
+                return cols[-1][0]
+
+            self.chain(reqs, h, k, pick)
         drafts = [[c[0][i] for c in cols] for i in range(len(reqs))]
         qs = [[c[1][i] for c in cols] for i in range(len(reqs))]
         return drafts, qs
+
+    def chain(self, reqs: list, h: torch.Tensor, k: int, after) -> list[torch.Tensor]:
+        """The head's states [1, B, S] at depths 1..k of each sequence's chain, from its depth-1 state `h` [1, B, S].
+        Depth j ≥ 2 reads depth j − 1's state and the tokens `after(j − 1, that state)` returns (one per sequence:
+        the drafts picked from it, or forced ones for teacher-forced scoring) at position m + j − 2, writing that
+        slot (with separate modules, of module j and of every deeper module that answers this step)."""
+        states = [h]
+        toks = after(1, h)
+        for j in range(2, k + 1):
+            pos = [[r.m + j - 2] for r in reqs]
+            slices = [SeqSlice(r.table, r.m + j - 2, 1) for r in reqs]
+            toks = [[t] for t in toks]
+            for e in self.head.key_writers(j, k):
+                self._head(h, toks, pos, slices, depth=e)
+            h = self._head(h, toks, pos, slices, depth=j)
+            states.append(h)
+            toks = after(j, h)
+        return states
 
     def update(self, reqs: list[Request], vout, rows: list[tuple[int, int]], accepted: list[int],
                emitted: list[list[int]], argmax: torch.Tensor | None) -> None:

@@ -1,0 +1,76 @@
+"""The target as one typed object (inference_eval/targets.py `TargetConfig`, built by data/sources.py
+`target_config`): built once from the config's `target` section, its settings checked, its fingerprint the one
+stores and heads record — and the product resolves the directory and the fingerprint through it alone."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.sources import target_config
+from inference_eval.model import target_fingerprint
+from inference_eval.targets import TargetConfig, load_target
+from tests.conftest import compose_config
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("core", "heads", "inference_eval", "artifacts", "data", "train", "evaluation", "experiments", "scripts",
+           "bench")
+
+
+def test_the_config_section_becomes_the_typed_target(tiny_overrides, tiny_target):
+    cfg = compose_config([*tiny_overrides, "target.fingerprint=full", "target.device=cpu"])
+    target = target_config(cfg.target)
+    assert target.dir == Path(tiny_target) and target.name == "tiny" and target.dtype == "float32"
+    assert (target.fingerprint_mode, target.device, target.trust_remote_code) == ("full", "cpu", False)
+    assert target.torch_dtype == torch.float32
+    # what stores and heads record: the fingerprint of that directory, name, dtype and hashing method
+    assert target.fingerprint == target_fingerprint(tiny_target, "tiny", "float32", "full")
+    assert target.fingerprint != target_fingerprint(tiny_target, "tiny", "float32", "header")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        target.dtype = "bfloat16"
+    model = load_target(target, "engine")
+    assert model.device == torch.device("cpu") and model.model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("dtype", "fp32", "target.dtype='fp32': expected one of bfloat16, float16, float32"),
+    ("fingerprint_mode", "sha", "target.fingerprint='sha': expected one of header, full"),
+])
+def test_a_wrong_setting_is_refused_naming_it(tiny_target, field, value, words):
+    good = TargetConfig(dir=Path(tiny_target), name="tiny", dtype="float32")
+    with pytest.raises(ValueError) as err:
+        dataclasses.replace(good, **{field: value})
+    assert words in str(err.value)
+
+
+def test_load_target_refuses_a_backend_it_does_not_run(tiny_target):
+    with pytest.raises(ValueError, match="backend 'vllm'"):
+        load_target(TargetConfig(dir=Path(tiny_target), name="tiny", dtype="float32"), "vllm")
+
+
+def _calls(name: str) -> list[str]:
+    """`file:line` of every call of `name` in the product's code."""
+    out = []
+    for pkg in PRODUCT:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Call):
+                    fn = node.func
+                    called = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else None
+                    if called == name:
+                        out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_the_product_reads_the_target_through_target_config_alone():
+    """The directory is resolved, and the fingerprint computed from the config, in one place each: no stage
+    unpacks `cfg.target` into `target_fingerprint(dir, name, dtype, mode)` of its own."""
+    resolves = _calls("resolve_target_dir")
+    assert resolves and all(c.startswith("data/sources.py:") for c in resolves), resolves
+    fingerprints = [c for c in _calls("target_fingerprint") if not c.startswith("inference_eval/targets.py:")]
+    # bench/precompute.py fingerprints a store it writes outside the pipeline, for a fixed target and dtype
+    assert fingerprints == [c for c in fingerprints if c.startswith("bench/precompute.py:")], fingerprints
