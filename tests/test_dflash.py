@@ -185,7 +185,7 @@ def _naive_terms(head, batch, anchors, valid, cfg):
         a = int(anchors[0, j])
         if not valid[0, j]:
             continue
-        kls, ces, tvs, confs = [], [], [], []
+        kls, ces, tvs, confs, hards = [], [], [], [], []
         for i in range(1, head.max_depth + 1):
             if a + i >= ids.shape[1]:
                 break
@@ -194,6 +194,7 @@ def _naive_terms(head, batch, anchors, valid, cfg):
             p = head.tied.teacher_logits(hidden[0, a + i - 1][None]).softmax(-1)
             kls.append((p * (p.log() - q)).sum())
             ces.append(-(p * q).sum())
+            hards.append(-q[0, p.argmax()])
             tvs.append(0.5 * (p - q.exp()).abs().sum())
             c = head.confidence(h[0, j, head.first_row + i - 1][None], prev)
             confs.append(None if c is None else torch.nn.functional.binary_cross_entropy_with_logits(
@@ -201,11 +202,12 @@ def _naive_terms(head, batch, anchors, valid, cfg):
         if cfg.weights == "decay":
             ws = [torch.exp(torch.tensor(-(i - 1) / cfg.gamma, dtype=torch.float64)) for i in range(1, len(kls) + 1)]
         else:  # Σ_{j≥i} Π_{l≤j} s_l
-            s = [(1 - cfg.dpace_alpha) * torch.exp(-c.detach()) + cfg.dpace_alpha for c in ces]
+            s = [(1 - cfg.dpace_alpha) * torch.exp(-c.detach()) + cfg.dpace_alpha for c in (hards if cfg.w_ce else ces)]
             prefix = [torch.prod(torch.stack(s[: j + 1])) for j in range(len(s))]
             ws = [sum(prefix[i:]) for i in range(len(s))]
         for i, w in enumerate(ws):
-            term = w_kl * kls[i] + w_tv * tvs[i] + (cfg.w_conf * confs[i] if confs[i] is not None else 0.0)
+            term = (w_kl * kls[i] + w_tv * tvs[i] + cfg.w_ce * hards[i]
+                    + (cfg.w_conf * confs[i] if confs[i] is not None else 0.0))
             total = total + w * term
             rows += 1
         per.append(kls)
@@ -213,13 +215,15 @@ def _naive_terms(head, batch, anchors, valid, cfg):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("weights", ["decay", "dpace"])
+@pytest.mark.parametrize("weights", ["decay", "dpace", "dpace_ce"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_loss_equals_its_definition_values_and_gradients(varied, kind, weights):
     """`block_terms` (rows in chunks of 5, each recomputed in backward) against the loss written out row by row:
     the same value and the same gradient of every head tensor. TV is ½‖p − q‖₁ = 1 − Σ min(p, q)."""
     _, path, batch, *_ = varied
-    cfg = BlockLossConfig(weights=weights, gamma=2.0)
+    # dpace_ce: speculators' DFlash loss, hard-label CE alone with D-PACE weights read from it
+    cfg = (BlockLossConfig(weights="dpace", w_kl=0.0, w_tv=0.0, w_ce=1.0, gamma=2.0) if weights == "dpace_ce"
+           else BlockLossConfig(weights=weights, gamma=2.0))
     # in float64: the same function in another order of operations
     sub = {k: (v.double() if v.is_floating_point() else v)[:1, :30] for k, v in batch.items()}
     anchors, valid = torch.tensor([[2, 7, 27, 1]]), torch.tensor([[True, True, True, False]])
@@ -265,8 +269,10 @@ def test_block_loss_terms_and_weights_by_hand():
         def confidence(h, prev):
             return None
 
-    kl, ce, tv, agree, conf = row_terms(Two, torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.zeros(2),
-                                        torch.zeros(2, 1))
+    kl, ce, tv, agree, conf, hard = row_terms(Two, torch.tensor([[0.5, 0.5], [0.25, 0.75]]), torch.zeros(2),
+                                              torch.zeros(2, 1))
+    # the hard-label CE: −log q(the teacher's top-1, token 0)
+    torch.testing.assert_close(hard, -torch.log(torch.tensor([0.5, 0.25])))
     torch.testing.assert_close(tv, torch.tensor([0.25, 0.5]))
     torch.testing.assert_close(kl, torch.tensor([0.75 * torch.log(torch.tensor(1.5)) + 0.25 * torch.log(torch.tensor(0.5)),
                                                  0.75 * torch.log(torch.tensor(3.0)) + 0.25 * torch.log(torch.tensor(1 / 3))]))

@@ -38,6 +38,9 @@ class BlockLossConfig:
     dpace_alpha: float = 0.5  # D-PACE's smoothing of the per-position confidence
     w_kl: float | str = "auto"  # auto: 1 for dflash, 0.1 for dspark (DSpark's 0.1·CE + 0.9·TV)
     w_tv: float | str = "auto"  # auto: 0 for dflash, 0.9 for dspark
+    # cross-entropy against the target's top-1 token (hard labels: the loss of speculators' DFlash recipe); where it is
+    # > 0, D-PACE's confidences read this CE instead of the soft one
+    w_ce: float = 0.0
     w_conf: float = 1.0  # the confidence head's BCE (a head with one)
 
     def __post_init__(self) -> None:
@@ -53,6 +56,8 @@ class BlockLossConfig:
             v = getattr(self, key)
             if v != "auto" and not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"train.module.block.{key}={v!r}: expected auto or a weight ≥ 0")
+        if not (isinstance(self.w_ce, (int, float)) and self.w_ce >= 0):
+            raise ValueError(f"train.module.block.w_ce={self.w_ce!r}: expected a weight ≥ 0 (0: off)")
 
     def term_weights(self, head) -> tuple[float, float]:
         """(w_kl, w_tv) for `head`, `auto` resolved by its kind."""
@@ -89,9 +94,10 @@ def select_anchors(trainable: torch.Tensor, count: int, seeds: list[int]) -> tup
 
 
 def row_terms(head, h: torch.Tensor, prev: torch.Tensor, teacher: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per block row: (KL [N], CE [N], TV [N] — float32 — and the draft's top-1 == the teacher's [N] bool, confidence
-    logits [N] or None) for row states `h` [N, H] after tokens `prev` [N] against target states `teacher` [N, H]."""
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per block row: (KL [N], soft CE [N], TV [N] — float32 —, the draft's top-1 == the teacher's [N] bool, confidence
+    logits [N] or None, the hard-label CE [N]: −log q(the teacher's top-1 in the head's vocabulary)) for row states
+    `h` [N, H] after tokens `prev` [N] against target states `teacher` [N, H]."""
     acc = torch.promote_types(h.dtype, torch.float32)  # softmax arithmetic in fp32 (float64 stays float64)
     logits = head.row_logits(h, prev).to(acc)
     full = head.tied.teacher_logits(teacher).to(acc)
@@ -103,7 +109,8 @@ def row_terms(head, h: torch.Tensor, prev: torch.Tensor, teacher: torch.Tensor
     kl = ce + (p_t * lp_t).sum(-1)
     tv = 1.0 - torch.minimum(p_t, lp_s.exp()).sum(-1)
     agree = head.to_target_ids(logits.argmax(-1)) == full.argmax(-1)
-    return kl, ce, tv, agree, head.confidence(h, prev)
+    hard = -lp_s.gather(-1, t.argmax(-1, keepdim=True)).squeeze(-1)
+    return kl, ce, tv, agree, head.confidence(h, prev), hard
 
 
 def chunked_row_terms(head, h: torch.Tensor, prev: torch.Tensor, teacher: torch.Tensor, chunk: int):
@@ -113,9 +120,9 @@ def chunked_row_terms(head, h: torch.Tensor, prev: torch.Tensor, teacher: torch.
         args = (h[a:a + chunk], prev[a:a + chunk], teacher[a:a + chunk])
         fn = lambda hh, pp, tt: row_terms(head, hh, pp, tt)  # noqa: E731
         parts.append(checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
-    kl, ce, tv, agree = (torch.cat([p[i] for p in parts]) for i in range(4))
+    kl, ce, tv, agree, hard = (torch.cat([p[i] for p in parts]) for i in (0, 1, 2, 3, 5))
     conf = torch.cat([p[4] for p in parts]) if parts and parts[0][4] is not None else None
-    return kl, ce, tv, agree, conf
+    return kl, ce, tv, agree, conf, hard
 
 
 def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -162,17 +169,17 @@ def block_terms(head, batch: dict[str, torch.Tensor], cfg: BlockLossConfig, salt
         rows_teacher.append(hidden.gather(1, before[..., None].expand(-1, -1, hidden.shape[-1])))
     mask = torch.stack(masks, dim=-1)  # [B, n, D]
     sel = mask.flatten()
-    kl, ce, tv, agree, conf = chunked_row_terms(
+    kl, ce, tv, agree, conf, hard = chunked_row_terms(
         head, torch.stack(rows_h, dim=2).flatten(0, 2)[sel], torch.stack(rows_prev, dim=-1).flatten()[sel],
         torch.stack(rows_teacher, dim=2).flatten(0, 2)[sel].to(head.dtype), chunk)
     pos = torch.arange(1, depth + 1, device=ids.device).expand_as(mask)[mask]  # each trained row's draft position
     if cfg.weights == "dpace":
         ce_full = torch.zeros(mask.shape, dtype=ce.dtype, device=ce.device)
-        ce_full[mask] = ce.detach()
+        ce_full[mask] = (hard if cfg.w_ce > 0 else ce).detach()
         w = dpace_weights(ce_full.flatten(0, 1), mask.flatten(0, 1), cfg.dpace_alpha).view(mask.shape)[mask]
     else:
         w = torch.exp(-(pos - 1).to(kl.dtype) / cfg.gamma)
-    per_row = w_kl * kl + w_tv * tv
+    per_row = w_kl * kl + w_tv * tv + cfg.w_ce * hard
     if conf is not None:
         per_row = per_row + cfg.w_conf * F.binary_cross_entropy_with_logits(conf.to(tv.dtype), (1.0 - tv).detach(),
                                                                           reduction="none")

@@ -213,7 +213,7 @@ def block_scores(head, h: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
             scores.append(DepthScores())
             continue
         at = torch.tensor([rows[j] + d for j in keep], device=h.device)
-        kl, _, _, agree, _ = row_terms(head, h[keep, head.first_row + d - 1].to(head.dtype), ids[at],
+        kl, _, _, agree, _, _ = row_terms(head, h[keep, head.first_row + d - 1].to(head.dtype), ids[at],
                                        hidden[at].to(head.dtype))
         scores.append(DepthScores(0.0, float(kl.sum()), int(agree.sum()), len(keep)))
     return scores
