@@ -6,9 +6,11 @@ embedding, final norm and lm_head are excluded and re-attached from the target a
 
 Every directory spechead writes (native heads here, engine exports in artifacts/export.py) goes through
 `atomic_artifact_dir`: written in a temp dir next to the destination, marked with
-`.spechead-artifact.json` (`{"kind": "native-head" | "export:<format>", ...}`), fsynced, then swapped
-in atomically. An existing destination is replaced only if it is empty or a spechead artifact of the
-same kind; leftovers of an interrupted save are recovered or removed by the next save.
+`.spechead-artifact.json` (`{"kind": "native-head" | "export:<format>", ...}`), sealed with the checksum
+manifest `checksums.json` (artifacts/integrity.py), fsynced, then swapped in atomically. An existing
+destination is replaced only if it is empty or a spechead artifact of the same kind; leftovers of an
+interrupted save are recovered or removed by the next save. Every reader checks the manifest first
+(`verify_artifact`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from artifacts.integrity import MANIFEST, IntegrityError, integrity_error, manifest_problems, write_manifest
 from core.files import atomic_dir, leftover_hint, recover_interrupted_save
 from core.fingerprint import FINGERPRINT_IGNORED, compare_fingerprints
 from core.safetensors_io import INDEX_FILE
@@ -76,10 +79,12 @@ def load_native(path: str | Path, tied: TiedTarget, args: LlamaArgs | None = Non
                 expected_fingerprint: dict[str, Any] | None = None) -> DraftHead:
     """Rebuild a head from a native checkpoint and attach the target's frozen tensors.
 
-    `expected_fingerprint` (`data.store.target_fingerprint(target_dir, name, dtype)` of the configured
-    target): the checkpoint's stored fingerprint must agree with it (`check_target_fingerprint`);
+    Its files must match its checksum manifest (`verify_artifact`: IntegrityError naming each file that
+    differs). `expected_fingerprint` (`data.store.target_fingerprint(target_dir, name, dtype)` of the
+    configured target): the checkpoint's stored fingerprint must agree with it (`check_target_fingerprint`);
     None skips the check."""
     path = Path(path)
+    verify_artifact(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{path}: not a spechead head checkpoint (no config.json){leftover_hint(path)}")
@@ -186,7 +191,8 @@ def check_replaceable(out_dir: str | Path, kind: str) -> None:
 @contextmanager
 def atomic_artifact_dir(out_dir: str | Path, kind: str, marker: dict[str, Any] | None = None) -> Iterator[Path]:
     """Yield a temp dir next to `out_dir` to write an artifact into; on success add the marker
-    (`{"kind": kind, "spechead_version": ..., **marker}`), fsync, and swap it in for `out_dir`
+    (`{"kind": kind, "spechead_version": ..., **marker}`) and then the checksum manifest of every file
+    (`artifacts.integrity.write_manifest`), fsync, and swap it in for `out_dir`
     (`core.files.atomic_dir`: one `renameat2(RENAME_EXCHANGE)` where the kernel has it).
 
     Before writing, and again before the swap, an existing `out_dir` must be empty or an artifact of the
@@ -194,17 +200,51 @@ def atomic_artifact_dir(out_dir: str | Path, kind: str, marker: dict[str, Any] |
     def finish(tmp: Path) -> None:
         info = {"kind": kind, "spechead_version": _version(), **(marker or {})}
         (tmp / ARTIFACT_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True))
+        write_manifest(tmp)  # last: it covers every file, the marker included
 
     with atomic_dir(out_dir, check=lambda d: check_replaceable(d, kind), finish=finish) as tmp:
         yield tmp
 
 
+# ---- checksums -------------------------------------------------------------------------------------
+def artifact_problems(path: str | Path) -> list[str]:
+    """Each way the directory differs from its checksum manifest (`artifacts.integrity.manifest_problems`).
+    Without a manifest: [] — with one warning when the directory is a spechead artifact (a marker, or a
+    native checkpoint from before markers: saved before manifests existed), silently for anything else
+    (the peer trainer's checkpoints, an export not written by spechead: nothing recorded to compare with)."""
+    path = Path(path)
+    try:
+        problems = manifest_problems(path)
+    except IntegrityError as e:
+        return [str(e)]
+    if problems is not None:
+        return problems
+    if artifact_info(path) is not None:
+        log.warning("%s: has no %s (saved before spechead recorded checksums): its files cannot be checked "
+                    "against what was written; going on without that check. To add one, save it again (load it "
+                    "and save_native, or export it again), or record its files as they are now: python -m "
+                    "artifacts.integrity --write %s", path, MANIFEST, path)
+    else:
+        log.debug("%s: not written by spechead (no artifact marker, no %s): no checksums to check", path, MANIFEST)
+    return []
+
+
+def verify_artifact(path: str | Path) -> None:
+    """Refuse (IntegrityError) a head or export directory whose files differ from its checksum manifest,
+    naming each file with the expected and found sha256 and what to do; run by every reader before it
+    reads a tensor. A directory without a manifest loads (`artifact_problems`: a warning for our own)."""
+    problems = artifact_problems(path)
+    if problems:
+        raise integrity_error(Path(path), problems)
+
+
 def copy_target_files(target_dir: Path, out: Path, skip_weights: bool) -> None:
     """The target's tokenizer, generation config, ... (and its weight files unless skipped) into an export;
-    never config.json nor an artifact marker."""
+    never config.json, an artifact marker nor a checksum manifest."""
     for f in target_dir.iterdir():
         weights = f.suffix == ".safetensors" or f.name == INDEX_FILE
-        if f.is_file() and f.name not in ("config.json", ARTIFACT_MARKER) and not (skip_weights and weights):
+        own = f.name in ("config.json", ARTIFACT_MARKER, MANIFEST)
+        if f.is_file() and not own and not (skip_weights and weights):
             shutil.copy2(f, out / f.name)
 
 
@@ -218,4 +258,5 @@ def _version() -> str:
 
 __all__ = ["save_native", "load_native", "read_config", "ARTIFACT_MARKER", "NATIVE_KIND", "ArtifactError",
            "TargetMismatchError", "atomic_artifact_dir", "artifact_info", "check_replaceable",
-           "check_target_fingerprint", "export_kind", "recover_interrupted_save"]
+           "check_target_fingerprint", "export_kind", "recover_interrupted_save", "artifact_problems",
+           "verify_artifact", "IntegrityError"]

@@ -2,8 +2,9 @@
 
 Engines are poor validators: SGLang skips unknown names, vLLM silently drops an EAGLE-1 `fc.bias` and
 leaves missing tensors at random init (§10, §14). So every export directory is checked here, without
-running an engine, against the key set, shapes, dtypes and config rules of its format: each format's
-`validate` (artifacts/formats/, one module per format; the registry names them all).
+running an engine, against its checksum manifest (every file as the save wrote it:
+`artifacts.checkpoint.artifact_problems`) and the key set, shapes, dtypes and config rules of its format:
+each format's `validate` (artifacts/formats/, one module per format; the registry names them all).
 
 Every violation is collected, then one error lists them all. The target, when given, is read from its
 `config.json` and safetensors directly (artifacts/ imports nothing from data/ or train/).
@@ -17,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from artifacts.checkpoint import artifact_problems
+from artifacts.integrity import REMEDY
 from artifacts.formats import FORMATS, get_format
 from artifacts.formats.base import read_json
 from core.safetensors_io import scan_tensors
@@ -35,10 +38,13 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
     """Every violation of format `fmt` found in the export directory `path` (empty list: valid)."""
     path = Path(path)
     checker = get_format(fmt)
+    problems = [f"{p}; {REMEDY}" for p in artifact_problems(path)]  # a file changed since the save, named first
     if not (path / "config.json").exists():
-        return [f"no config.json in {path}"]
-    problems: list[str] = []
-    cfg = read_json(path / "config.json")
+        return [*problems, f"no config.json in {path}"]
+    try:
+        cfg = read_json(path / "config.json")
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        return [*problems, f"config.json is not valid JSON ({e})"]
     infos = scan_tensors(path, problems)
     target = Path(target_dir) if target_dir is not None else None
     tcfg = read_json(target / "config.json") if target is not None else None

@@ -4,6 +4,8 @@
 a reader sees the old file or the new one, never a prefix. `atomic_dir(out_dir)`: build a directory in a
 temp dir beside it and swap it in with one `renameat2(RENAME_EXCHANGE)` where the kernel has it (elsewhere
 the old one is parked at `.<name>.old` for an instant, which the next save moves back after a kill).
+What they write gets the modes a plain write under the process's umask gives (files 0o666 & ~umask,
+directories 0o777 & ~umask): a head, an export or a store is readable by the user who serves it.
 These primitives import nothing of spechead.
 """
 
@@ -35,6 +37,39 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status); elsewhere
+    set and restored at once, under a lock."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(root: Path) -> None:
+    """Give `root` and everything under it the modes a plain write under the umask gives: directories
+    0o777 & ~umask, files 0o666 & ~umask (mkdtemp makes its dir 0700; copy2 copies its source's mode)."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
+        for name in files:
+            if not os.path.islink(os.path.join(dirpath, name)):
+                os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
     directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
@@ -42,6 +77,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # whatever made the temp file (mkstemp: 0600)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -178,9 +214,10 @@ def remove_tree(p: Path) -> None:
 def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
                finish: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Yield a temp dir next to `out_dir` to build a directory in; on success call `finish(tmp)` (e.g. a
-    marker file), fsync the tree and swap it in for `out_dir` (`swap_in_dir`). Leftovers of an interrupted
-    save are recovered first (`recover_interrupted_save`); `check(out_dir)`, when given, runs before the
-    write and again just before the swap (a directory may not be replaced: it raises)."""
+    marker file), give the tree the umask's modes (`apply_umask_modes`), fsync it and swap it in for
+    `out_dir` (`swap_in_dir`). Leftovers of an interrupted save are recovered first
+    (`recover_interrupted_save`); `check(out_dir)`, when given, runs before the write and again just before
+    the swap (a directory may not be replaced: it raises)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(out_dir)
@@ -191,6 +228,7 @@ def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
         yield tmp
         if finish is not None:
             finish(tmp)
+        apply_umask_modes(tmp)
         fsync_tree(tmp)
         if check is not None:
             check(out_dir)  # in case something appeared there while we wrote

@@ -28,6 +28,7 @@ from pathlib import Path
 from artifacts.formats import (
     dflash, draft_hf, eagle1, eagle3, medusa, mtp_deepseek, mtp_vllm, native, speculators, speculators_dflash,
 )
+from artifacts.checkpoint import verify_artifact
 from artifacts.formats.base import ExportFormat, read_json
 
 FORMATS: dict[str, ExportFormat] = {}
@@ -55,15 +56,23 @@ def get_format(name: str) -> ExportFormat:
 
 
 def detect_format(path: str | Path) -> str:
-    """The format of a head directory, from its config.json (and, for draft-hf, its artifact marker)."""
+    """The format of a head directory, from its config.json (and, for draft-hf, its artifact marker). When it
+    cannot tell, the checksum manifest is checked first: a config.json damaged or renamed after the save is
+    named as such (`artifacts.checkpoint.verify_artifact`), not reported as an unknown format."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
+        verify_artifact(path)
         raise FileNotFoundError(f"{path}: no config.json — not a head checkpoint or export")
-    cfg = read_json(cfg_file)
+    try:
+        cfg = read_json(cfg_file)
+    except ValueError:  # not JSON: damaged after the save, if the manifest says so
+        verify_artifact(path)
+        raise
     for fmt in FORMATS.values():
         if fmt.detect(path, cfg):
             return fmt.name
+    verify_artifact(path)
     raise ValueError(f"{path}: cannot tell which head format this is (architectures {cfg.get('architectures') or []}); "
                      "pass a native spechead checkpoint or an export made by artifacts/export.py")
 

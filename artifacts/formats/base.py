@@ -3,8 +3,9 @@ torchtune's checkpointer classes do for theirs) and the pieces several formats s
 config and frozen tensors, the head's state as written, and why no engine format can hold a head.
 
 A format's write goes into a fresh directory; `save` wraps it in `artifacts.checkpoint.atomic_artifact_dir`
-(marker kind `export:<name>`, with the head's target fingerprint), and `load` checks that fingerprint before
-`read`. The checks a validator runs are in artifacts/formats/checks.py.
+(marker kind `export:<name>`, with the head's target fingerprint, then the checksum manifest), and `load`
+checks the manifest and that fingerprint before `read`. The checks a validator runs are in
+artifacts/formats/checks.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from artifacts.checkpoint import artifact_info, atomic_artifact_dir, check_target_fingerprint, export_kind
+from artifacts.checkpoint import (artifact_info, atomic_artifact_dir, check_target_fingerprint, export_kind,
+                                  verify_artifact)
 from core.safetensors_io import TensorInfo, load_tensor, scan_tensors
 from heads.base import DraftHead, TiedTarget
 from heads.layers import LLAMA_FAMILY, LlamaArgs, TiedConventions
@@ -70,8 +72,11 @@ class ExportFormat:
 
     def load(self, path: Path, tied: TiedTarget, args: LlamaArgs,
              expected_fingerprint: dict[str, Any] | None = None) -> DraftHead:
-        """`read`, after checking the fingerprint the artifact marker records against `expected_fingerprint`
-        (`artifacts.checkpoint.check_target_fingerprint`; none recorded: a warning; None: no check)."""
+        """`read`, after checking the files against the checksum manifest (`artifacts.checkpoint.verify_artifact`:
+        a changed, missing or added file is an IntegrityError) and the fingerprint the artifact marker records
+        against `expected_fingerprint` (`artifacts.checkpoint.check_target_fingerprint`; none recorded: a
+        warning; None: no check)."""
+        verify_artifact(path)
         if expected_fingerprint is not None:
             stored = (artifact_info(path) or {}).get("target_fingerprint") or {}
             check_target_fingerprint(stored, expected_fingerprint, path)
