@@ -3,18 +3,21 @@
 Every record that does not become a conversation is counted under one reason, never silently
 dropped or included, with where it is (`<file>:<line>`) and its id when it has one: `not_utf8` and
 `not_json` (a JSONL line / JSON-array record that is not valid UTF-8 / JSON), `truncated` (the file
-ends inside a record), `malformed` (not an object, missing fields, wrong types, a bad id),
-`lone_surrogate`, `nul_char`, `unknown_role`, `empty`, `no_assistant_turn` (data/conversations.py's
-policy) and `duplicate_id` (a later record with an id already taken: the store keys samples and
-resume by id; ShareGPT repeats 123 ids, never between two usable records). The first rejections of
-each reason are kept as examples `{reason, where, id, detail}` (`Conversations.examples`, bounded).
+ends inside a record), `too_large` / `too_deep` (a record over `data.max_record_bytes` bytes, or whose
+containers nest deeper than `data.max_nesting`: core/jsonio.py `RecordBounds`), `malformed` (not an
+object, missing fields, wrong types, a bad id), `lone_surrogate`, `nul_char`, `unknown_role`, `empty`,
+`no_assistant_turn` (data/conversations.py's policy) and `duplicate_id` (a later record with an id
+already taken: the store keys samples and resume by id; ShareGPT repeats 123 ids, never between two
+usable records). The first rejections of each reason are kept as examples `{reason, where, id, detail}`
+(`Conversations.examples`, bounded).
 
 `data.source=text` (base models) reads a JSONL file of plain texts, `{"text": ..., "id"?: ...}` per line,
 through the same machinery: its items are the texts themselves (loss on every token, data/conversations.py
 `tokenize_text`), and a record without a string `text` is `malformed`, a blank one `empty`.
 
 Only a file that cannot be read as a whole stops the caller, with a :class:`SourceError` naming it:
-missing, a directory, unreadable, empty or without a single record, UTF-16/32 or gzip, a JSON array
+missing, a directory or another file that is not a regular one (a FIFO, a device: refused from os.stat,
+never opened), unreadable, empty or without a single record, UTF-16/32 or gzip, a JSON array
 given as JSONL or the reverse, a JSONL file none of whose lines is JSON, a JSON array with a syntax
 error before its end (the records after it cannot be located) or with data after its closing `]`.
 """
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.jsonio import UTF8_BOM, Rejected, json_array_records, jsonl_records
+from core.jsonio import (MAX_NESTING, MAX_RECORD_BYTES, UTF8_BOM, RecordBounds, Rejected, json_array_records,
+                         jsonl_records, not_a_file)
 from data.assets import TARGET_SOURCES
 from data.conversations import Drop, check_text, explain_record, json_type
 from inference_eval.targets import TargetConfig
@@ -106,12 +110,34 @@ _OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-
                     (b"\xfe\xff", "UTF-16"))
 
 
+def record_bounds(data_cfg: Any) -> RecordBounds:
+    """`data.max_record_bytes` and `data.max_nesting` (their defaults where the section lacks them), each a
+    positive whole number: anything else is refused naming the setting."""
+    values = {}
+    for key, default, unit in (("max_record_bytes", MAX_RECORD_BYTES, "bytes"),
+                               ("max_nesting", MAX_NESTING, "levels")):
+        value = data_cfg.get(key) if key in data_cfg else default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SourceError(f"data.{key}={value!r}: expected a positive whole number of {unit} per record "
+                              f"(default {default})")
+        values[key] = value
+    return RecordBounds(**values, settings="data")
+
+
 def _check_file(path: Path, source: str) -> None:
-    """Refuse, naming it, a file that cannot hold records at all."""
-    if not path.exists():
-        raise SourceError(f"data.path={path}: no such file (data.source={source})")
-    if path.is_dir():
+    """Refuse, naming it, a file that cannot hold records at all. What the path is comes from os.stat first: a
+    FIFO is never opened (that waits for a writer), a device never read (/dev/zero never ends)."""
+    try:
+        kind = not_a_file(path)
+    except FileNotFoundError:
+        raise SourceError(f"data.path={path}: no such file (data.source={source})") from None
+    except OSError as e:
+        raise SourceError(f"data.path={path}: cannot be read ({e})") from e
+    if kind == "a directory":
         raise SourceError(f"data.path={path}: a directory; data.source={source} reads one file")
+    if kind:
+        raise SourceError(f"data.path={path}: {kind}, not a regular file; data.source={source} reads one file "
+                          "(write the data to a file first)")
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -129,9 +155,11 @@ def _check_file(path: Path, source: str) -> None:
 
 def check_source(data_cfg: Any) -> None:
     """What can be refused from the config and a file's first bytes, before any record is read: an
-    unknown `data.source`, a missing or unreadable file, and a source/path mismatch (a JSON array given
-    as JSONL or the reverse), each with the setting that fixes it."""
+    unknown `data.source`, a bound on records that is not a positive number, a missing or unreadable file or
+    one that is not a regular file, and a source/path mismatch (a JSON array given as JSONL or the reverse),
+    each with the setting that fixes it."""
     source = data_cfg.get("source", "sharegpt")
+    record_bounds(data_cfg)
     if source not in ("sharegpt", "json", "jsonl", "text"):
         raise SourceError(f"data.source={source!r}: expected sharegpt (the packaged dump, or a file in its "
                           "format), json (a file holding one JSON array of records), jsonl (one record per line) "
@@ -161,18 +189,18 @@ def check_source(data_cfg: Any) -> None:
 
 
 def _records(data_cfg: Any):
-    source = data_cfg.get("source", "sharegpt")
+    source, bounds = data_cfg.get("source", "sharegpt"), record_bounds(data_cfg)
     if source == "sharegpt" and not data_cfg.get("path"):
         from data.assets import sharegpt_path
         _check_file(sharegpt_path(), "json")
-        yield from json_array_records(sharegpt_path(), SourceError)
+        yield from json_array_records(sharegpt_path(), SourceError, bounds)
     elif source in ("sharegpt", "json", "jsonl", "text"):
         if not data_cfg.get("path"):
             raise SourceError(f"data.source={source} needs data.path")
         path = Path(data_cfg["path"]).expanduser()
         _check_file(path, "jsonl" if source in ("jsonl", "text") else "json")
-        yield from (jsonl_records(path, SourceError) if source in ("jsonl", "text")
-                    else json_array_records(path, SourceError))
+        yield from (jsonl_records(path, SourceError, bounds=bounds) if source in ("jsonl", "text")
+                    else json_array_records(path, SourceError, bounds))
     else:
         raise ValueError(f"data.source={source!r}: expected sharegpt, json, jsonl or text")
 

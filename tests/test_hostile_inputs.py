@@ -14,6 +14,9 @@ import copy
 import gzip
 import hashlib
 import json
+import os
+import threading
+import tracemalloc
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +25,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from core.jsonio import json_array_records, jsonl_records, read_jsonl
 from data.precompute import run_precompute, tokenize_all
-from data.sources import MAX_EXAMPLES, SourceError, load_conversations, record_rejection
+from data.sources import MAX_EXAMPLES, SourceError, check_source, load_conversations, record_rejection
 from data.store import FeatureStore
 from tests.conftest import compose_config, make_hf_model
 from tests.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
@@ -62,6 +66,9 @@ def raw(text: str) -> bytes:
 
 
 TURN_OK = {"from": "gpt", "value": "fine"}
+# A record whose turns nest 10,000 arrays deep (the parser itself gives up near 1,000), after a string holding
+# brackets and an escaped quote: what finds the record's end without a parse must skip strings.
+DEEP = raw('{"id": "x", "note": "] } \\" [ {", "conversations": ' + "[" * 10000 + '"]"' + "]" * 10000 + "}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,12 @@ CASES = [
          "special_token", "message 1 (assistant) holds the special token '<|im_end|>' verbatim at character 1", "x"),
     Case("huge_first_turn", [line(sharegpt("x", ("human", "why? " * 20000), ("gpt", "because")))], "too_long",
          "no assistant token within the first 512 tokens", "x"),
+    # bounds on one record (data.max_nesting, data.max_record_bytes: test_record_over_max_record_bytes below)
+    Case("nested_10000_levels", [DEEP], "too_deep", "containers nested deeper than the JSON parser follows"),
+    Case("nested_65_levels", [raw('{"id": "x", "conversations": ' + "[" * 64 + "]" * 64 + "}")], "too_deep",
+         "containers nested more than 64 deep (data.max_nesting)"),
+    Case("number_of_5000_digits", [raw('{"id": "x", "n": ' + "7" * 5000 + ', "conversations": []}')], "not_json",
+         "the parser refused it: Exceeds the limit (4300 digits) for integer string conversion"),
 ]
 
 
@@ -260,9 +273,9 @@ def test_bad_record_is_counted_and_the_good_ones_stored_unchanged(case, base_cfg
 def test_cases_cover_every_reason_of_the_source_and_the_template():
     kinds = {c.name for c in CASES} | {c.name for c in JSON_CASES} | set(WHOLE_FILE)
     assert len(kinds) >= 30
-    assert {c.reason for c in CASES + JSON_CASES} == {
+    assert {c.reason for c in CASES + JSON_CASES} | {"too_large"} == {  # too_large: its own test, a bound set low
         "malformed", "lone_surrogate", "nul_char", "not_json", "not_utf8", "truncated", "unknown_role", "empty",
-        "no_assistant_turn", "duplicate_id", "template_error", "special_token", "too_long"}
+        "no_assistant_turn", "duplicate_id", "template_error", "special_token", "too_long", "too_deep", "too_large"}
 
 
 def test_file_cut_mid_record(base_cfg, reference, tmp_path):
@@ -334,6 +347,14 @@ JSON_CASES = [
              "the file ends without the closing ']' after 4 records"),
     JsonCase("duplicate_id", json_array([*GOOD_LINES, line(sharegpt("g1", ("human", "q"), ("gpt", "a")))]),
              "duplicate_id", 6, "id 'g1' is taken by the record at {path}:3", "g1"),
+    JsonCase("element_nested_10000_levels", json_array([*GOOD_LINES[:2], DEEP, *GOOD_LINES[2:]]), "too_deep", 4,
+             "containers nested deeper than the JSON parser follows"),
+    JsonCase("element_nested_65_levels", json_array([*GOOD_LINES[:2], b"[" * 65 + b"]" * 65, *GOOD_LINES[2:]]),
+             "too_deep", 4, "containers nested more than 64 deep (data.max_nesting)"),
+    JsonCase("element_of_5000_digits", json_array([*GOOD_LINES[:2], b"7" * 5000, *GOOD_LINES[2:]]), "not_json", 4,
+             "the parser refused it: Exceeds the limit (4300 digits)"),
+    JsonCase("cut_inside_a_deep_element", json_array(GOOD_LINES)[:-3] + b",\n" + b"[" * 10000, "too_deep", 6,
+             "the file ends inside this record after 4 complete records"),
 ]
 
 
@@ -411,6 +432,112 @@ def test_precompute_stops_on_an_unreadable_file_before_any_store(base_cfg, tmp_p
 def test_source_without_path_is_refused():
     with pytest.raises(SourceError, match="data.source=jsonl needs data.path"):
         load_conversations(OmegaConf.create({"source": "jsonl", "path": None}))
+
+
+# ------------------------------------------------------------------------- bounds on one record
+
+
+@pytest.mark.parametrize("source", ["jsonl", "json"])
+def test_record_over_max_record_bytes(source, base_cfg, reference, tmp_path):
+    big = line(sharegpt("big", ("human", "q" * 3000), ("gpt", "a")))
+    records = [*GOOD_LINES[:2], big, *GOOD_LINES[2:]]
+    path = tmp_path / f"big.{source}"
+    path.write_bytes(json_array(records) if source == "json" else b"\n".join(records) + b"\n")
+    store_dir, stats = precompute_file(base_cfg, path, source, **{"data.max_record_bytes": 2000})
+    assert_rejected(store_dir, stats, "too_large", 1, [
+        {"reason": "too_large", "where": f"{path}:{4 if source == 'json' else 3}", "id": None,
+         "detail": f"{len(big):,} bytes, over the limit of 2,000 bytes per record (data.max_record_bytes)"}])
+    assert_good_records_identical(store_dir, reference)
+
+
+def test_a_line_over_the_bound_is_never_held_whole(tmp_path):
+    """A JSONL line of 20 MB under a bound of 1 MiB is counted in pieces: the reader's peak stays far below the
+    line (Python's allocations, traced)."""
+    path = tmp_path / "huge.jsonl"
+    with path.open("wb") as f:
+        f.write(GOOD_LINES[0] + b"\n" + line(sharegpt("big", ("human", "q"), ("gpt", "x" * 20_000_000))) + b"\n")
+        f.write(GOOD_LINES[1] + b"\n")
+    tracemalloc.start()
+    try:
+        convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path),
+                                                     "max_record_bytes": 1 << 20}))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert convs.rejected == {"too_large": 1} and [sid for sid, _ in convs.items] == ["g0", "g1"]
+    assert convs.examples[0]["where"] == f"{path}:2" and convs.examples[0]["detail"].startswith("20,000,")
+    assert peak < 4 << 20, f"peak {peak:,} bytes while reading a line of 20 MB"
+
+
+def test_strict_reader_names_a_record_over_the_bounds(tmp_path):
+    """Prompt files go through the strict reader: the first record over a bound stops it, naming its line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"prompt": "hi"}\n' + DEEP + b"\n")
+    with pytest.raises(ValueError, match=f"{path}:2: nested too deep"):
+        list(read_jsonl(path))
+
+
+@pytest.mark.parametrize(("key", "value"), [("max_record_bytes", 0), ("max_record_bytes", -1),
+                                            ("max_record_bytes", "8MB"), ("max_nesting", 0), ("max_nesting", None),
+                                            ("max_nesting", True)])
+def test_bounds_that_are_not_positive_numbers_are_refused(key, value, tmp_path):
+    path = tmp_path / "good.jsonl"
+    path.write_bytes(b"\n".join(GOOD_LINES) + b"\n")
+    cfg = OmegaConf.create({"source": "jsonl", "path": str(path), key: value})
+    for call in (check_source, load_conversations):  # the checks before work, and the reader itself
+        with pytest.raises(SourceError, match=f"data.{key}={value!r}: expected a positive whole number"):
+            call(cfg)
+
+
+def _returns_at_once(call, fifo: Path | None = None):
+    """`call()` run in a thread, which must end within 10 s: its exception (None if it returned). A reader that
+    opens a FIFO waits for a writer forever; after 10 s a writer that closes at once releases it, and the test
+    fails."""
+    outcome = {}
+
+    def run():
+        try:
+            call()
+            outcome["error"] = None
+        except Exception as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive() and fifo is not None:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader blocked in open() sees an empty file
+        thread.join(10)
+    assert "error" in outcome, f"{call} still running after 10 s"
+    return outcome["error"]
+
+
+NON_FILE_READERS = {
+    "check_source": lambda p: check_source(OmegaConf.create({"source": "jsonl", "path": str(p)})),
+    "load_conversations": lambda p: load_conversations(OmegaConf.create({"source": "jsonl", "path": str(p)})),
+    "load_conversations_json": lambda p: load_conversations(OmegaConf.create({"source": "json", "path": str(p)})),
+    "jsonl_records": lambda p: list(jsonl_records(p)),
+    "json_array_records": lambda p: list(json_array_records(p)),
+    "read_jsonl": lambda p: list(read_jsonl(p)),
+}
+
+
+@pytest.mark.parametrize("reader", NON_FILE_READERS)
+def test_a_fifo_is_refused_without_being_opened(reader, tmp_path):
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    err = _returns_at_once(lambda: NON_FILE_READERS[reader](fifo), fifo)
+    named = f"data.path={fifo}" if reader in ("check_source", "load_conversations", "load_conversations_json") else fifo
+    assert isinstance(err, ValueError) and f"{named}: a FIFO (named pipe), not a regular file" in str(err), err
+
+
+def test_a_device_is_refused_before_it_is_read():
+    """/dev/zero never ends: a reader that opened it would read zeros until memory runs out. The checks before
+    work refuse it first (so the reader is never reached if they do not), then the reader itself."""
+    for reader in ("check_source", "load_conversations", "load_conversations_json"):
+        err = _returns_at_once(lambda: NON_FILE_READERS[reader](Path("/dev/zero")))
+        assert isinstance(err, SourceError) and "data.path=/dev/zero: a character device, not a regular file" in str(
+            err), (reader, err)
 
 
 # ----------------------------------------------------------------------- counting, resume, ranks

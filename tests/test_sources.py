@@ -3,11 +3,13 @@ silently dropped, and a bad line does not stop the file."""
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from data.sources import load_conversations
+from core.jsonio import MAX_NESTING, MAX_RECORD_BYTES, RecordBounds
+from data.sources import load_conversations, record_bounds
 
 
 def sharegpt(sid, *turns):
@@ -115,3 +117,12 @@ def test_json_array_reader_matches_the_packaged_sharegpt():
     cut = [e for e in convs.examples if e["reason"] == "truncated"]
     assert len(cut) == 1 and cut[0]["where"].startswith(f"{sharegpt_path()}:")
     assert "after 17671 complete records" in cut[0]["detail"]
+
+
+@pytest.mark.unit
+def test_record_bounds_default_to_the_configs():
+    """conf/data/sharegpt.yaml sets the readers' own defaults, which a data section without the keys gets."""
+    conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "sharegpt.yaml")
+    want = RecordBounds(MAX_RECORD_BYTES, MAX_NESTING, settings="data")
+    assert record_bounds(conf) == record_bounds(OmegaConf.create({"source": "sharegpt"})) == want
+    assert record_bounds(OmegaConf.create({"max_record_bytes": 10, "max_nesting": 2})) == RecordBounds(10, 2, "data")
