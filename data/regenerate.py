@@ -286,12 +286,21 @@ def writing(out: Path):
     waits, then finds what the first one wrote and skips it, instead of appending it a second time."""
     import fcntl
 
-    with open(out.with_name(f".{out.name}.lock"), "a") as lock:
+    from core.lock import process_identity
+
+    with open(out.with_name(f".{out.name}.lock"), "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("%s: another regeneration is writing it; waiting for it to finish", out)
+            lock.seek(0)
+            holder = lock.read(4096).strip()  # who holds it, as that writer recorded below
+            log.info("%s: another regeneration is writing it%s; waiting for it to finish", out,
+                     f" ({holder})" if holder else "")
             fcntl.flock(lock, fcntl.LOCK_EX)
+        me = process_identity()
+        lock.truncate(0)  # "a+": every write appends, so the file holds this holder's line alone
+        lock.write(f"pid {me['pid']} on {me['host']} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        lock.flush()
         yield  # closing the file releases the lock
 
 

@@ -65,6 +65,7 @@ from safetensors.torch import save_file
 
 from core.files import atomic_write, atomic_write_bytes, sha256_file
 from core.fingerprint import LEGACY_UNCOMPARABLE, compare_fingerprints, same_target_but_method
+from core.lock import live_holder
 from core.safetensors_io import SAFETENSORS_DTYPE, read_safetensors_header
 
 log = logging.getLogger(__name__)
@@ -594,15 +595,21 @@ def _complete_rank_manifests(root: Path) -> tuple[dict[int, dict[str, Any]], int
     if missing:
         raise IncompleteRanksError("not every rank is complete: " + ", ".join(
             f"{rank_dir(root, r)} ({'no manifest yet' if r not in manifests else 'incomplete'})" for r in missing))
+    # A complete rank whose writer still holds its lock (core/lock.py; a rerun that may be rewriting it, or the
+    # rank itself between its last write and its own merge) is not merged from: its writer merges after it.
+    writing = {r: h for r in range(world_size) if (h := live_holder(rank_dir(root, r))) is not None}
+    if writing:
+        raise IncompleteRanksError("a rank is still being written: " + ", ".join(
+            f"{rank_dir(root, r)} (pid {h.get('pid')} on {h.get('host')})" for r, h in writing.items()))
     return manifests, world_size
 
 
 def merge_rank_manifests(root: str | Path) -> dict[str, Any]:
     """Write `<root>/manifest.json` over the rank stores in `<root>/ranks/` and return it.
 
-    Every rank 0..world_size-1 must be complete (else IncompleteRanksError naming the rank
-    directories that are not) and all must share one schema, target fingerprint, hidden size, storage
-    dtype, captured layers and source (else StoreError naming the rank directory that differs from
+    Every rank 0..world_size-1 must be complete and no longer held by its writer (core/lock.py; else
+    IncompleteRanksError naming the rank directories that are not) and all must share one schema, target
+    fingerprint, hidden size, storage dtype, captured layers and source (else StoreError naming the rank directory that differs from
     rank 0); a sample id in two ranks or a listed shard file missing is a StoreError too. The merged
     manifest lists the ranks' shards in rank order with paths relative to the root, their counts and
     sha256, under a `ranks` entry (world size, directories) and `complete: true`. Concurrent merges

@@ -1,13 +1,14 @@
 """`spechead <stage> [hydra overrides]`: one command over the entry points in scripts/,
 plus `spechead verify <store_dir>` (recomputes every shard's sha256) and
 `spechead precompute-merge <store_dir>` (writes the merged manifest of a store precomputed by several
-ranks; the last rank to finish does it by itself)."""
+ranks; the last rank to finish does it by itself) and `spechead status <run_dir>` (each stage's state from
+`<run_dir>/status.json`, a `running` one whose process is gone shown as stale)."""
 
 import runpy
 import sys
 
 STAGES = ("precompute", "regenerate", "train", "evaluate", "export", "pipeline")
-TOOLS = ("verify", "precompute-merge")
+TOOLS = ("verify", "precompute-merge", "status")
 
 
 def main() -> None:
@@ -16,7 +17,15 @@ def main() -> None:
         raise SystemExit(2)
     stage = sys.argv[1]
     if stage in TOOLS and len(sys.argv) != 3:
-        raise SystemExit(f"usage: spechead {stage} <store_dir>")
+        raise SystemExit(f"usage: spechead {stage} <{'run_dir' if stage == 'status' else 'store_dir'}>")
+    if stage == "status":
+        from scripts.runtime import status_lines
+
+        try:
+            print("\n".join(status_lines(sys.argv[2])))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"status: {sys.argv[2]}: no readable status.json ({e})") from None
+        raise SystemExit(0)
     if stage == "verify":
         from data.store import FeatureStore, StoreError
 

@@ -17,6 +17,7 @@ def run_export(cfg: DictConfig) -> dict[str, Path]:
     """Returns {format: directory}; "native" is always among them."""
     from data.sources import target_config
     from artifacts.checkpoint import load_native, read_config
+    from core.lock import writer_locks
     from artifacts.export import default_formats, export_head
     from inference_eval.model import tied_target
 
@@ -33,8 +34,9 @@ def run_export(cfg: DictConfig) -> dict[str, Path]:
     formats = list(cfg.export.get("formats") or default_formats(head))
     dirs = {fmt: Path(cfg.export.dir) if fmt == "native" else Path(cfg.export.root) / fmt
             for fmt in dict.fromkeys(["native", *formats])}
-    return export_head(head, dirs, target_dir, read_config(cfg.export.source).get("target_fingerprint"),
-                       expected_fingerprint=expected, source=cfg.export.source)
+    with writer_locks(dirs.values(), "export"):  # one writer per directory: a second export there is refused
+        return export_head(head, dirs, target_dir, read_config(cfg.export.source).get("target_fingerprint"),
+                           expected_fingerprint=expected, source=cfg.export.source)
 
 
 @stage_main

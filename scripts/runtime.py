@@ -2,9 +2,10 @@
 settings each stage shares — the CPU thread policy (`threads`), the checks before work
 (scripts/checks.py: what the config can tell is refused before anything loads) — the `pid` resolver that keeps the run
 directories of invocations started in the same second apart (`hydra.run.dir`), and the run's status
-file `<run_dir>/status.json`: each stage records `running`, then `done` or `failed` (with the error, and
-which partial artifacts it left and how to resume them), so a failed run is never mistaken for a
-finished one.
+file `<run_dir>/status.json`: each stage records `running` (with its pid, host and start time), then `done`,
+`interrupted` (Ctrl-C) or `failed` (with the error, and which partial artifacts it left and how to resume
+them), so a failed run is never mistaken for a finished one; a reader (`read_status`, `spechead status`) shows a
+`running` entry whose process is gone as `stale`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from core.launch import local_ranks
+from core.launch import env_rank_zero, local_ranks
+from core.lock import LockHeld, process_gone, process_identity
 from core.paths import CONF
 
 log = logging.getLogger(__name__)
@@ -99,10 +101,20 @@ def _select(cfg, key: str):
 
 
 def record_status(cfg, stage: str, state: str, error: BaseException | None = None) -> Path | None:
-    """Update `<run_dir>/status.json` (atomically): {stage: {state, time, pid, error?, partial?, resume?}}.
+    """Update `<run_dir>/status.json` (atomically): {stage: {state, time, pid, host, started, error?, partial?,
+    resume?}} (and the process's start ticks, boot id and pid namespace, which tell a reader whether it lives).
     Returns the file (None without a run_dir)."""
+    def edit(status: dict) -> None:
+        status[stage] = status_entry(cfg, stage, state, error, status.get(stage))
+
+    return edit_status(cfg, edit)
+
+
+def edit_status(cfg, edit) -> Path | None:
+    """Apply `edit(status)` to `<run_dir>/status.json`'s dict and write it back (atomically, one process at a
+    time); rank 0 alone writes it. Returns the file (None without a run_dir)."""
     run_dir = _select(cfg, "run_dir")
-    if not run_dir or os.environ.get("RANK", "0") not in ("", "0"):  # one writer: global rank 0
+    if not run_dir or not env_rank_zero():  # one writer: global rank 0
         return None
     import fcntl
 
@@ -116,15 +128,42 @@ def record_status(cfg, stage: str, state: str, error: BaseException | None = Non
             status = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, json.JSONDecodeError):
             status = {}
-        status[stage] = status_entry(cfg, stage, state, error)
+        edit(status)
         atomic_write_bytes(path, json.dumps(status, indent=2).encode())
     return path
 
 
-def status_entry(cfg, stage: str, state: str, error: BaseException | None) -> dict:
-    entry = {"state": state, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid()}
+def start_status(cfg, stage: str) -> dict | None:
+    """Record `stage` as running; returns the entry it replaced (`refused_status` may put it back)."""
+    before: dict = {}
+
+    def edit(status: dict) -> None:
+        before["entry"] = status.get(stage)
+        status[stage] = status_entry(cfg, stage, "running", None, status.get(stage))
+
+    edit_status(cfg, edit)
+    return before.get("entry")
+
+
+def refused_status(cfg, stage: str, before: dict | None) -> None:
+    """A stage refused because another process writes its directories (core/lock.py `LockHeld`) puts back the
+    entry it found — most likely that other process's — where its own `running` one still stands."""
+    def edit(status: dict) -> None:
+        if (status.get(stage) or {}).get("pid") == os.getpid():
+            if before is None:
+                status.pop(stage, None)
+            else:
+                status[stage] = before
+
+    edit_status(cfg, edit)
+
+
+def status_entry(cfg, stage: str, state: str, error: BaseException | None, previous: dict | None = None) -> dict:
+    now, me = time.strftime("%Y-%m-%dT%H:%M:%S%z"), process_identity()
+    same = isinstance(previous, dict) and all(previous.get(k) == me[k] for k in ("pid", "host", "proc_start"))
+    entry = {"state": state, "time": now, **me, "started": previous.get("started", now) if same else now}
     if error is not None:
-        entry["error"] = f"{type(error).__name__}: {error}"[:2000]
+        entry["error"] = ("interrupted (Ctrl-C)" if state == "interrupted" else f"{type(error).__name__}: {error}")[:2000]
         entry["where"] = "".join(traceback.format_tb(error.__traceback__)[-1:]).strip()[:1000]
         if stage in PARTIAL:
             key, how = PARTIAL[stage]
@@ -141,6 +180,43 @@ def status_entry(cfg, stage: str, state: str, error: BaseException | None) -> di
     return entry
 
 
+def interrupted(err: BaseException) -> bool:
+    """Ctrl-C: a KeyboardInterrupt, or what something raised while handling one (Lightning turns it into
+    `SystemExit(1)` after its graceful shutdown)."""
+    seen = 0
+    while err is not None and seen < 16:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def read_status(run_dir: str | Path) -> dict:
+    """`<run_dir>/status.json` as a reader should take it: a `running` entry whose process is known to be gone
+    (core/lock.py `process_gone`: a dead pid of this host, or a pid reused since) becomes `stale`, with
+    `detail` "stale (process <pid> on <host> is gone)". A process of another host is not checked."""
+    status = json.loads((Path(run_dir) / "status.json").read_text())
+    for entry in status.values():
+        if isinstance(entry, dict) and entry.get("state") == "running" and process_gone(entry):
+            entry["state"] = "stale"
+            entry["detail"] = f"stale (process {entry.get('pid')} on {entry.get('host')} is gone)"
+    return status
+
+
+def status_lines(run_dir: str | Path) -> list[str]:
+    """`spechead status <run_dir>`: one line per stage — its state (`read_status`), process, times, error, resume."""
+    lines = []
+    for stage, e in read_status(run_dir).items():
+        line = (f"{stage}: {e.get('detail') or e.get('state')} (pid {e.get('pid')} on {e.get('host', '?')}, "
+                f"started {e.get('started', '?')}, updated {e.get('time')})")
+        if e.get("error") and e.get("state") != "interrupted":
+            line += "; " + e["error"].splitlines()[0]
+        if e.get("partial"):
+            line += f"; partial {e['partial']} ({e['resume']})"
+        lines.append(line)
+    return lines
+
+
 def run_checked(stage: str, fn, cfg):
     """`stage`'s checks before work (`CHECKS`, scripts/checks.py), then `fn(cfg)`: what `python -m
     scripts.<stage>` runs inside hydra, callable without it."""
@@ -153,7 +229,8 @@ def run_checked(stage: str, fn, cfg):
 
 def stage_main(fn):
     """hydra's main for a stage function `fn(cfg)`: the thread policy applied first, the stage's state
-    recorded in `<run_dir>/status.json` (running → done, or failed with the error and what is partial)."""
+    recorded in `<run_dir>/status.json` (running → done, interrupted, or failed with the error and what is
+    partial)."""
     import hydra
 
     stage = Path(fn.__code__.co_filename).stem  # scripts/<stage>.py (its __module__ is __main__ under -m)
@@ -163,13 +240,19 @@ def stage_main(fn):
     @functools.wraps(fn)
     def main(cfg):
         apply_threads(cfg.get("threads"))
-        record_status(cfg, stage, "running")
+        before = start_status(cfg, stage)
         try:
             out = run_checked(stage, fn, cfg)
+        except LockHeld as err:  # another process writes there: the status stays that process's
+            refused_status(cfg, stage, before)
+            log.error("%s refused: %s", stage, err)
+            raise SystemExit(f"{stage} refused: {err}") from None  # one line, no traceback: nothing went wrong here
         except BaseException as err:
-            path = record_status(cfg, stage, "failed", err)
+            state = "interrupted" if interrupted(err) else "failed"
+            path = record_status(cfg, stage, state, err)
             entry = json.loads(path.read_text())[stage] if path is not None else {}
-            log.error("%s failed: %s: %s%s", stage, type(err).__name__, err,
+            log.error("%s %s%s", stage, "interrupted (Ctrl-C)" if state == "interrupted" else
+                      f"failed: {type(err).__name__}: {err}",
                       f"; partial artifacts at {entry['partial']} ({entry['resume']})" if entry.get("partial") else "")
             raise
         record_status(cfg, stage, "done")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -18,6 +19,8 @@ from omegaconf import OmegaConf
 
 from artifacts.checkpoint import save_native
 from core.files import atomic_write_bytes
+from core.launch import env_rank_zero
+from core.lock import check_free, same_launch, writer_locks
 from core.progress import log_interval
 from data.precompute import open_store_writer, tokenize_source
 from data.sources import target_config
@@ -233,11 +236,14 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     (trainer.max_steps / max_epochs), so a resumed run reproduces an uninterrupted one only when
     both have the same schedule horizon.
 
-    Only global rank 0 writes files. With `ddp` (and DeepSpeed) every rank runs this function; with
+    Only global rank 0 writes files, holding the locks of the checkpoint, head and untrained directories while
+    it does (core/lock.py: a second training into one of them is refused). With `ddp` (and DeepSpeed) every rank
+    runs this function; with
     `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
     into the parent's module after fit — so `head` below is the trained head in every case."""
     L.seed_everything(int(cfg.seed), workers=True)
     settings = ModuleSettings.from_config(cfg.train.module)  # checked before the data and the target load
+    check_training_dirs_free(cfg)  # another training writing here: refused before anything loads
     tc = target_config(cfg.target)
     target_dir, fingerprint = tc.dir, tc.fingerprint
     dm, target = data_module(cfg, tc)
@@ -262,6 +268,30 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
                                      use_distributed_sampler=False,
                                      precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")))
     place_tied(head, trainer, shared_with_target=target is not None)
+    # rank 0 alone writes files, so it alone holds the locks (the ranks Lightning starts itself come later)
+    with writer_locks(training_dirs(cfg), "train") if trainer.is_global_zero else contextlib.nullcontext():
+        return fit_and_save(cfg, trainer, module, dm, head, engine_val, fingerprint)
+
+
+def training_dirs(cfg: Any) -> list[Path]:
+    """What a training writes and locks (core/lock.py): Lightning's checkpoints, the head, the untrained baseline."""
+    return [Path(str(d)) for d in (cfg.train.checkpoint_dir, cfg.head_dir, cfg.train.get("untrained_dir")) if d]
+
+
+def check_training_dirs_free(cfg: Any) -> None:
+    """Refuse at once (`LockHeld`, naming the holder) when another training writes one of this one's directories.
+    Every rank checks, rank 0 by the launcher's variables strictly, the others passing a holder of their own launch
+    (`same_launch`): a second multi-process training then stops on every rank, not on rank 0 alone while the others
+    wait for it in the process group's rendezvous. Rank 0 takes the locks once its trainer exists (`run_training`)."""
+    same_writer = (lambda holder: False) if env_rank_zero() else same_launch
+    for d in training_dirs(cfg):
+        check_free(d, same_writer)
+
+
+def fit_and_save(cfg: Any, trainer: L.Trainer, module: DraftHeadModule, dm, head: DraftHead,
+                 engine_val: EngineValidation | None, fingerprint: dict) -> tuple[Path, dict[str, float]]:
+    """The training's writes, rank 0's locks held: the held-out split, the untrained baseline, Lightning's
+    checkpoints (fit), the trained head. Returns the head's directory and the final metrics."""
     if trainer.is_global_zero:
         write_split(dm, Path(cfg.run_dir) / "heldout.json")
     if trainer.is_global_zero and cfg.train.get("untrained_dir"):
