@@ -246,3 +246,104 @@ def test_the_pointer_check_catches_a_stale_pointer(tmp_path, monkeypatch):
     test.write_text('"""Checks core/gone.py."""\n\nX = "core/missing.py"  # data; but core/old.py here is prose\n\n\n'
                     'def test_x():\n    """core/real.py"""\n    f("core/none.py")\n')
     assert false_pointers(test) == ["tests/test_x.py:1: core/gone.py", "tests/test_x.py:3: core/old.py"]
+
+
+# Library functions that still take the hydra config (or a section of it) instead of a typed stage config — the
+# stages not yet converted. The list only shrinks: a new function that takes the config fails the test below, and a
+# converted one must leave the list. Typed so far: the target (inference_eval/targets.py TargetConfig), the training
+# module's settings (train/settings.py ModuleSettings), a training's paths (train/run.py TrainingPaths).
+TAKES_THE_CONFIG = {
+    ("core/progress.py", "log_interval"),
+    ("data/conversations.py", "chat_template_sha256"),
+    ("data/conversations.py", "load_tokenizer"),
+    ("data/precompute.py", "open_store_writer"),
+    ("data/precompute.py", "precompute_share"),
+    ("data/precompute.py", "resolve_rank"),
+    ("data/precompute.py", "run_precompute"),
+    ("data/precompute.py", "store_source"),
+    ("data/precompute.py", "tokenize_source"),
+    ("data/precompute.py", "vllm_target"),
+    ("data/prompts.py", "load_prompts"),
+    ("data/prompts.py", "sharegpt_prompts"),
+    ("data/regenerate.py", "plan_regeneration"),
+    ("data/regenerate.py", "regenerate"),
+    ("data/regenerate.py", "regenerated_path"),
+    ("data/regenerate.py", "settings_from_config"),
+    ("data/regenerate.py", "use_regenerated"),
+    ("data/sources.py", "_records"),
+    ("data/sources.py", "check_source"),
+    ("data/sources.py", "load_conversations"),
+    ("data/sources.py", "record_bounds"),
+    ("data/sources.py", "resolve_target_dir"),
+    ("evaluation/evaluate.py", "add_speed"),
+    ("evaluation/evaluate.py", "check_evaluation_config"),
+    ("evaluation/evaluate.py", "draft_vocab_options"),
+    ("evaluation/evaluate.py", "evaluate_plans"),
+    ("evaluation/evaluate.py", "evaluation_settings"),
+    ("evaluation/evaluate.py", "load_evaluation_target"),
+    ("evaluation/evaluate.py", "load_proposers"),
+    ("evaluation/evaluate.py", "plan_proposers"),
+    ("evaluation/evaluate.py", "probe_setting"),
+    ("evaluation/evaluate.py", "report_to_wandb"),
+    ("evaluation/evaluate.py", "result_entry"),
+    ("evaluation/evaluate.py", "run_evaluation"),
+    ("evaluation/vllm_eval.py", "check_vllm_evaluation"),
+    ("evaluation/vllm_eval.py", "run_vllm_evaluation"),
+    ("heads/registry.py", "head_aux_layers"),
+    ("heads/registry.py", "resolve_aux_layers"),
+    ("inference_eval/vllm_backend.py", "data_parallel_size"),
+    ("inference_eval/vllm_backend.py", "from_config"),
+    ("inference_eval/vllm_backend.py", "from_config"),
+    ("inference_eval/vllm_backend.py", "worker_env"),
+    ("inference_eval/vllm_spec.py", "__init__"),
+    ("train/memory.py", "meta_head"),
+    ("train/memory.py", "rank_memory"),
+    ("train/run.py", "data_module"),
+    ("train/run.py", "from_config"),
+    ("train/run.py", "init_head"),
+    ("train/run.py", "run_training"),
+    ("train/validation.py", "from_run_config"),
+    ("train/validation.py", "vllm_settings"),
+}
+CONFIG_OK = ("scripts", "experiments", "bench", "tests", "conf")  # entry points build the typed configs here
+
+
+def config_takers() -> set[tuple[str, str]]:
+    """(file, function) of every product function outside the entry points with a parameter that is the hydra config
+    or a section of it: named cfg / *_cfg (pcfg, rcfg, vcfg) and untyped (no annotation, Any, dict, Mapping), or
+    annotated DictConfig."""
+    found = set()
+    for pkg in PACKAGES:
+        if pkg in CONFIG_OK:
+            continue
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    ann = ast.unparse(a.annotation) if a.annotation is not None else ""
+                    untyped = ann in ("", "Any", "typing.Any", "dict", "Mapping", "Any | None") or "DictConfig" in ann
+                    named = a.arg == "cfg" or a.arg.endswith("_cfg") or a.arg in ("pcfg", "rcfg", "vcfg")
+                    if (named and untyped) or "DictConfig" in ann:
+                        found.add((str(f.relative_to(ROOT)), node.name))
+                        break
+    return found
+
+
+def test_no_new_library_function_takes_the_hydra_config():
+    found = config_takers()
+    new = sorted(found - TAKES_THE_CONFIG)
+    assert not new, (f"{new}: a library function takes the hydra config; give it a typed config built at the entry "
+                     "point (scripts/), as TargetConfig and ModuleSettings are")
+    gone = sorted(TAKES_THE_CONFIG - found)
+    assert not gone, f"{gone}: no longer take the config — remove them from TAKES_THE_CONFIG"
+
+
+def test_the_config_check_catches_a_config_parameter(tmp_path, monkeypatch):
+    pkg = tmp_path / "data"
+    pkg.mkdir()
+    (pkg / "x.py").write_text("def f(cfg):\n    pass\n\ndef g(target: 'TargetConfig'):\n    pass\n\n"
+                              "def h(section: 'DictConfig | None'):\n    pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("data",))
+    assert config_takers() == {("data/x.py", "f"), ("data/x.py", "h")}

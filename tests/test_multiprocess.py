@@ -175,14 +175,18 @@ def _ranks(record: Path) -> list[dict]:
     return [json.loads((record / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+# a small block drafter: one draft layer, blocks of 4, 8 anchors per row
+DFLASH = ["head=dflash", "head.num_layers=1", "head.block_size=4", "train.module.block.anchors=8"]
+
+
 @pytest.mark.parametrize("preset, head", [("ddp", ["head=mtp3", "train.module.deep_from_step=3"]), ("8xh100_fsdp", []),
                                           ("8xh100_fsdp", ["head=eagle3", "head.draft_vocab_size=64",
                                                            "train.module.depth=2"]),
                                           ("8xh100_fsdp", ["head.num_modules=2", "train.module.depth=2",
                                                            "train.module.deep_from_step=3"]),
-                                          ("ddp", ["head=dflash", "head.num_layers=1", "head.block_size=4",
-                                                   "train.module.block.anchors=8"])],
-                         ids=["ddp-mtp3", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3", "ddp-dflash"])
+                                          ("ddp", DFLASH), ("8xh100_fsdp", DFLASH)],
+                         ids=["ddp-mtp3", "fsdp", "fsdp-eagle3-depth2", "fsdp-deep-from-step-3", "ddp-dflash",
+                              "fsdp-dflash"])
 def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """10 optimizer steps on 2 processes: every rank's loss at every step and the saved head equal one
     process computing the same global batches; engine validation at step 5 (rank 0 scores a whole copy
@@ -348,6 +352,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ["RANK"])
     cfg = compose_config(overrides)
+    L.seed_everything(int(cfg.seed))  # as run_training seeds each rank (a block head's anchors read the seed)
     preset = instantiate(cfg.trainer.strategy).config
     tied, args, _ = tied_target(cfg.target.path)
     head = load_native(cfg.train.untrained_dir, tied, args)
@@ -355,6 +360,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
 
     class _Trainer:
         estimated_stepping_batches = steps
+        global_step = 0  # set at each step: the block drafters draw their anchors from it, as under Lightning
         strategy = DeepSpeedStrategy()
 
     module.trainer = _Trainer()
@@ -388,6 +394,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     for step, b in zip(range(steps), batches()):
         if step < first:  # the batches before the checkpoint: drawn, not trained (the sampler's order)
             continue
+        module.trainer.global_step = step
         loss = engine(b)
         engine.backward(loss)
         engine.step()
@@ -426,8 +433,9 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
 
 @pytest.mark.parametrize("preset, head", [("8xh100", ["head=mtp3"]), ("8xh100_zero3", []),
                                           ("8xh100_zero3", ["head=eagle3", "head.draft_vocab_size=64",
-                                                            "train.module.depth=2"])],
-                         ids=["zero2-mtp3", "zero3-mtp", "zero3-eagle3-depth2"])
+                                                            "train.module.depth=2"]),
+                                          ("8xh100", DFLASH), ("8xh100_zero3", DFLASH)],
+                         ids=["zero2-mtp3", "zero3-mtp", "zero3-eagle3-depth2", "zero2-dflash", "zero3-dflash"])
 def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_overrides, tmp_path):
     """ZeRO-2 and ZeRO-3 on 2 processes (the preset's DeepSpeed config through deepspeed.initialize, as
     Lightning's strategy would build it; Lightning itself refuses a CPU accelerator): under ZeRO-3 every
@@ -437,7 +445,8 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     step 5 finishes on the gathered head (a deadlock fails on the barrier's 120 s timeout) and agrees with the
     training forward (strict, float32); a job resumed from DeepSpeed's own checkpoint of step 4 continues the
     same curve to the same head. ZeRO-2 trains the default head (`mtp3`), whose `auto` settings are DeepSpeed's:
-    AdamW, every depth from the first step, the whole gradient clipped (DeepSpeed's own clipping)."""
+    AdamW, every depth from the first step, the whole gradient clipped (DeepSpeed's own clipping); both stages also
+    train a `dflash` block head (its context projection and norms called as modules, so ZeRO-3 gathers them)."""
     out = tmp_path / "deepspeed"
     out.mkdir()
     overrides = [*_overrides([*tiny_overrides, *head], preset, out, STEPS), "trainer.accelerator=cpu",

@@ -7,6 +7,7 @@ import json
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,8 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     into the parent's module after fit — so `head` below is the trained head in every case."""
     L.seed_everything(int(cfg.seed), workers=True)
     settings = ModuleSettings.from_config(cfg.train.module)  # checked before the data and the target load
-    check_training_dirs_free(cfg)  # another training writing here: refused before anything loads
+    paths = TrainingPaths.from_config(cfg)
+    check_training_dirs_free(paths)  # another training writing here: refused before anything loads
     tc = target_config(cfg.target)
     target_dir, fingerprint = tc.dir, tc.fingerprint
     dm, target = data_module(cfg, tc)
@@ -269,38 +271,58 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
                                      precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")))
     place_tied(head, trainer, shared_with_target=target is not None)
     # rank 0 alone writes files, so it alone holds the locks (the ranks Lightning starts itself come later)
-    with writer_locks(training_dirs(cfg), "train") if trainer.is_global_zero else contextlib.nullcontext():
-        return fit_and_save(cfg, trainer, module, dm, head, engine_val, fingerprint)
+    with writer_locks(paths.written, "train") if trainer.is_global_zero else contextlib.nullcontext():
+        return fit_and_save(paths, trainer, module, dm, head, engine_val, fingerprint)
 
 
-def training_dirs(cfg: Any) -> list[Path]:
-    """What a training writes and locks (core/lock.py): Lightning's checkpoints, the head, the untrained baseline."""
-    return [Path(str(d)) for d in (cfg.train.checkpoint_dir, cfg.head_dir, cfg.train.get("untrained_dir")) if d]
+@dataclass(frozen=True)
+class TrainingPaths:
+    """Where a training reads and writes: the run directory (the held-out split), Lightning's checkpoints, the head,
+    the untrained baseline (None: not saved), and the checkpoint it resumes from (None: a fresh run)."""
+
+    run_dir: Path
+    checkpoint_dir: Path
+    head_dir: Path
+    untrained_dir: Path | None = None
+    resume: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TrainingPaths:
+        """From a run config's `run_dir`, `head_dir` and `train.checkpoint_dir` / `untrained_dir` / `resume`."""
+        untrained = cfg.train.get("untrained_dir")
+        return cls(Path(str(cfg.run_dir)), Path(str(cfg.train.checkpoint_dir)), Path(str(cfg.head_dir)),
+                   Path(str(untrained)) if untrained else None, cfg.train.get("resume"))
+
+    @property
+    def written(self) -> list[Path]:
+        """What a training writes and locks (core/lock.py): Lightning's checkpoints, the head, the untrained
+        baseline."""
+        return [d for d in (self.checkpoint_dir, self.head_dir, self.untrained_dir) if d is not None]
 
 
-def check_training_dirs_free(cfg: Any) -> None:
+def check_training_dirs_free(paths: TrainingPaths) -> None:
     """Refuse at once (`LockHeld`, naming the holder) when another training writes one of this one's directories.
     Every rank checks, rank 0 by the launcher's variables strictly, the others passing a holder of their own launch
     (`same_launch`): a second multi-process training then stops on every rank, not on rank 0 alone while the others
     wait for it in the process group's rendezvous. Rank 0 takes the locks once its trainer exists (`run_training`)."""
     same_writer = (lambda holder: False) if env_rank_zero() else same_launch
-    for d in training_dirs(cfg):
+    for d in paths.written:
         check_free(d, same_writer)
 
 
-def fit_and_save(cfg: Any, trainer: L.Trainer, module: DraftHeadModule, dm, head: DraftHead,
+def fit_and_save(paths: TrainingPaths, trainer: L.Trainer, module: DraftHeadModule, dm, head: DraftHead,
                  engine_val: EngineValidation | None, fingerprint: dict) -> tuple[Path, dict[str, float]]:
     """The training's writes, rank 0's locks held: the held-out split, the untrained baseline, Lightning's
     checkpoints (fit), the trained head. Returns the head's directory and the final metrics."""
     if trainer.is_global_zero:
-        write_split(dm, Path(cfg.run_dir) / "heldout.json")
-    if trainer.is_global_zero and cfg.train.get("untrained_dir"):
-        save_native(head, cfg.train.untrained_dir, fingerprint)  # the baseline the demo compares against
-    trainer.fit(module, dm, ckpt_path=cfg.train.get("resume"))
+        write_split(dm, paths.run_dir / "heldout.json")
+    if trainer.is_global_zero and paths.untrained_dir is not None:
+        save_native(head, paths.untrained_dir, fingerprint)  # the baseline the demo compares against
+    trainer.fit(module, dm, ckpt_path=paths.resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if engine_val is not None and engine_val.results:
         metrics |= {k: float(v) for k, v in engine_val.results[-1].items() if k != "step"}
-    out = Path(cfg.head_dir)
+    out = paths.head_dir
     state = whole_head_state(trainer, head)  # collective under sharding: every rank takes part
     if trainer.is_global_zero:
         save_native(head, out, fingerprint, state)
