@@ -2,7 +2,8 @@
 
 Each entry point runs `check_before_work(cfg, stage)` before its stage (scripts/runtime.py `stage_main`;
 `run_pipeline` for the demo): what the config and a few bytes on disk can
-tell is refused at once — an unknown data source, a missing file, a source/path mismatch, a target
+tell is refused at once — a numeric or path setting of the wrong type or out of its range (`RULES`, one row per
+setting), an unknown data source, a missing file, a source/path mismatch, a target
 directory without config.json, a target family the engine cannot run (training, validation, evaluation
 and export all run the target or its embedding and lm_head through spechead's engine, so a store
 precomputed for such a target could never be used), a conversation source with a target that has no
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ class ConfigError(ValueError):
 def check_before_work(cfg: Any, stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"check_before_work: unknown stage {stage!r}")
+    check_settings(cfg, stage)  # every numeric and path setting's type and range first: nothing below reads a bad one
     needs = STAGES[stage]
     if trains_online(cfg, stage):  # training tokenizes the conversations itself, as precompute does: its checks too
         needs = (*needs, "template", "data")
@@ -241,9 +247,358 @@ def check_context(cfg: Any, target_dir: Path) -> None:
 
 
 def check_head(head_cfg: Any) -> None:
+    """A known head type, and its settings as its config class takes them (heads/registry.py `build_head`): an
+    unknown key or a value the class refuses, before the target loads."""
     from heads.registry import HEAD_TYPES
+    from train.settings import plain_mapping
 
     kind = head_cfg.get("type", "mtp")
     if kind not in HEAD_TYPES:
         raise ConfigError(f"head.type={kind!r}: unknown head type; known: {', '.join(sorted(HEAD_TYPES))} "
                           "(head=<name> picks conf/head/<name>.yaml)")
+    settings = {k: v for k, v in plain_mapping(head_cfg, "head").items() if k not in ("type", "_target_")}
+    try:
+        HEAD_TYPES[kind][0](**settings)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"head (head.type={kind}): {e}") from e
+
+
+# ---- the type and range of every numeric and path setting -------------------------------------------------------
+# One row per setting a stage reads (`RULES`), applied by `check_settings` for the stages that read it: a value the
+# code would take silently — a negative data.max_length slices the last tokens off every sample,
+# evaluate.num_prompts=0 runs every prompt, a run_name with `../` writes outside runs/ — or fail on after the model
+# loaded (precompute.batch_tokens=0) is refused at once, naming the setting and what it accepts. A new setting is a
+# new row.
+# Settings that a typed config checks are built there instead of repeated here: train.module.* (train/settings.py
+# ModuleSettings, `check_training_strategy`), target.dtype and target.fingerprint (inference_eval/targets.py
+# TargetConfig, `check_target_settings`), data.max_record_bytes and data.max_nesting (data/sources.py
+# `record_bounds`, through `check_source`); so are evaluate.k (evaluation/evaluate.py `check_evaluation_config`) and
+# the files that must exist (data.path, target.path, evaluate.prompts_path, the heads).
+
+PRECOMPUTE, REGENERATE, TRAIN, EVALUATE, EXPORT = "precompute", "regenerate", "train", "evaluate", "export"
+ONLINE = "online"  # training with train.data.source=online: it reads data.* and writes a store as precompute does
+PIPELINE = "pipeline"  # the demo: every stage, and its own settings
+EVERY = (PRECOMPUTE, REGENERATE, TRAIN, EVALUATE, EXPORT)
+DATA = (PRECOMPUTE, REGENERATE, ONLINE)
+SEED_MAX = 2**32 - 1  # Lightning's seed_everything (and numpy) take seeds in [0, 2**32 - 1]
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class Accept:
+    """What a setting accepts: `ok(value)` (the value resolved, lists as lists), and the same in words for the
+    refusal."""
+
+    ok: Callable[[Any], bool]
+    text: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One setting of `RULES`: what it accepts, checked for the stages that read it."""
+
+    key: str  # the dotted setting
+    stages: tuple[str, ...]  # the stages that read it (ONLINE: training with train.data.source=online)
+    accept: Accept
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def either(accept: Accept, null: str | None = None, words: tuple[Any, ...] = ()) -> Accept:
+    """`accept`, or null where `null` says what null means, or one of the `words` (values such as `auto` or -1)."""
+    def ok(v: Any) -> bool:
+        return ((null is not None and v is None) or any(type(v) is type(w) and v == w for w in words)
+                or accept.ok(v))
+
+    parts = ([f"null ({null})"] if null is not None else []) + [str(w) for w in words] + [accept.text]
+    return Accept(ok, parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1])
+
+
+def whole(at_least: int | None = None, of: str = "", at_most: int | None = None, null: str | None = None,
+          words: tuple[Any, ...] = (), note: str = "") -> Accept:
+    """A whole number (`of`: its unit) ≥ at_least (and ≤ at_most); `note` says what a special value means."""
+    def ok(v: Any) -> bool:
+        return _whole(v) and (at_least is None or v >= at_least) and (at_most is None or v <= at_most)
+
+    text = "a whole number" + (f" of {of}" if of else "")
+    if at_least is not None:
+        text += f" in [{at_least}, {at_most}]" if at_most is not None else f" ≥ {at_least}"
+    return either(Accept(ok, text + (f" ({note})" if note else "")), null, words)
+
+
+def number(low: float, high: float | None = None, what: str = "a number", above: bool = False, below: bool = False,
+           null: str | None = None, words: tuple[Any, ...] = (), note: str = "") -> Accept:
+    """A finite number ≥ low (> low: `above`), ≤ high (< high: `below`); `note` as for `whole`."""
+    def ok(v: Any) -> bool:
+        return (_number(v) and (v > low if above else v >= low)
+                and (high is None or (v < high if below else v <= high)))
+
+    if high is None:
+        text = f"{what} {'>' if above else '≥'} {low}"
+    else:
+        text = f"{what} in {'(' if above else '['}{low}, {high}{')' if below else ']'}"
+    return either(Accept(ok, text + (f" ({note})" if note else "")), null, words)
+
+
+def one_of(*choices: str) -> Accept:
+    return Accept(lambda v: isinstance(v, str) and v in choices, "one of " + ", ".join(choices))
+
+
+def path(kind: str, null: str | None = None, words: tuple[str, ...] = ()) -> Accept:
+    """Where a stage writes a `kind` ("directory" or "file"): a non-empty path that is not the other kind."""
+    other = "file" if kind == "directory" else "directory"
+
+    def ok(v: Any) -> bool:
+        if not isinstance(v, str) or not v.strip() or "\x00" in v:
+            return False
+        p = Path(v).expanduser()
+        return not (p.is_file() if kind == "directory" else p.is_dir())
+
+    return either(Accept(ok, f"a {kind} path (not empty, not an existing {other})"), null, words)
+
+
+def list_of(item: Accept, what: str, null: str | None = None, words: tuple[str, ...] = ()) -> Accept:
+    """A non-empty list of `item`s, each once."""
+    def ok(v: Any) -> bool:
+        return (isinstance(v, list) and bool(v) and all(item.ok(x) for x in v)
+                and len({repr(x) for x in v}) == len(v))
+
+    return either(Accept(ok, f"a non-empty list of {what}, each once, each {item.text}"), null, words)
+
+
+def _device(v: Any) -> bool:
+    import torch
+
+    try:
+        return isinstance(v, str) and (v == "auto" or torch.device(v) is not None)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _devices(v: Any) -> bool:
+    """Lightning's `devices`: auto, -1 (all), a count, a list of indices, or indices as "0,1"."""
+    if v in ("auto", -1) or (_whole(v) and v >= 1):
+        return True
+    if isinstance(v, str):
+        v = [p.strip() for p in v.split(",") if p.strip()]
+        return bool(v) and all(p.isdigit() for p in v)
+    return isinstance(v, list) and bool(v) and all(_whole(i) and i >= 0 for i in v)
+
+
+def _plain_name(v: Any) -> bool:
+    return (isinstance(v, str) or _whole(v)) and PLAIN_NAME.fullmatch(str(v)) is not None
+
+
+def _threads(v: Any) -> bool:
+    """A count as scripts/runtime.py `resolve_threads` takes it: a whole number, or its digits."""
+    return v is None or v == "auto" or (_whole(v) and v >= 1) or (isinstance(v, str) and v.isdigit() and int(v) >= 1)
+
+
+def _storage_dtype(v: Any) -> bool:
+    from data.store import STORAGE_ALIASES, STORAGE_DTYPES
+
+    return isinstance(v, str) and STORAGE_ALIASES.get(v, v) in STORAGE_DTYPES
+
+
+def _checkpoint_file(v: Any) -> bool:
+    return isinstance(v, str) and "\x00" not in v and Path(v).expanduser().is_file()
+
+
+SEED = whole(0, at_most=SEED_MAX)
+FLAG = Accept(lambda v: isinstance(v, bool), "true or false")  # a string such as `no` would read as true
+TOKENS = whole(1, "tokens")
+VLLM = {"tensor_parallel_size": whole(1, "devices"), "data_parallel_size": whole(1, "replicas"),
+        "gpu_memory_utilization": number(0, 1, "a fraction of each GPU", above=True),
+        "cpu_kvcache_space_gb": whole(1, "GB"), "startup_timeout_s": number(0, what="seconds", above=True)}
+VLLM_AUTO = {**VLLM, "gpu_memory_utilization": either(VLLM["gpu_memory_utilization"], words=("auto",))}
+SAMPLING = {"temperature": number(0, what="a temperature", note="0: greedy"),
+            "top_p": number(0, 1, above=True, note="1: off"), "top_k": whole(0, "tokens", note="0: off")}
+RULES: tuple[Rule, ...] = (
+    # the run and its directories
+    Rule("run_name", EVERY, Accept(_plain_name, "a plain name of letters, digits, '.', '_' and '-' that starts with a "
+                                                "letter or digit (no '/', no '..': the run's directory is "
+                                                "runs/<run_name>)")),
+    Rule("run_dir", EVERY, path("directory")),
+    Rule("store_dir", (PRECOMPUTE, TRAIN), path("directory")),
+    Rule("head_dir", (TRAIN, EVALUATE, EXPORT), path("directory")),
+    Rule("seed", (REGENERATE, TRAIN, EVALUATE), SEED),
+    Rule("progress_log_s", EVERY, number(0, what="seconds", null="no progress lines")),
+    Rule("threads", EVERY, Accept(_threads, "null (every core), auto (the cores other work leaves free) or a positive "
+                                            "number of threads")),
+    Rule("progress", EVERY, FLAG),
+    Rule("target.device", EVERY, Accept(_device, "auto or a torch device (cpu, cuda, cuda:N)")),
+    Rule("pipeline.regenerate", (PIPELINE,), FLAG),
+    # the head's shapes (the head's config class checks its choices: check_head); the rows of keys a head type does
+    # not have are skipped
+    Rule("head.num_modules", (PRECOMPUTE, TRAIN), whole(1, "modules")),
+    Rule("head.num_layers", (PRECOMPUTE, TRAIN), whole(1, "layers")),
+    Rule("head.num_heads", (PRECOMPUTE, TRAIN), whole(1, "heads")),
+    Rule("head.init_std", (PRECOMPUTE, TRAIN), number(0, what="a standard deviation")),
+    Rule("head.draft_vocab_size", (PRECOMPUTE, TRAIN), whole(1, "tokens", null="the whole vocabulary")),
+    Rule("head.mask_token_id", (PRECOMPUTE, TRAIN), whole(0, null="the target's last token id")),
+    # the conversations
+    Rule("data.max_length", DATA, TOKENS),
+    Rule("data.skip", (*DATA, EVALUATE), whole(0, "conversations")),
+    Rule("data.max_samples", (*DATA, EVALUATE), whole(1, "conversations", null="the whole source")),
+    # precompute
+    Rule("precompute.batch_tokens", (PRECOMPUTE,), TOKENS),
+    Rule("precompute.shard_tokens", (PRECOMPUTE, ONLINE), TOKENS),
+    Rule("precompute.workers", (PRECOMPUTE,), whole(1, "batches in flight", null="1 on an accelerator, one per CPU "
+                                                                              "thread on CPU")),
+    Rule("precompute.rank", (PRECOMPUTE,), whole(0, null="$RANK, else 0")),
+    Rule("precompute.world_size", (PRECOMPUTE,), whole(1, "ranks", null="$WORLD_SIZE, else 1")),
+    Rule("precompute.store_dtype", (PRECOMPUTE, ONLINE),
+         Accept(_storage_dtype, "bfloat16, float16, float32 or fp8 (or bf16, fp16, fp32, fp8_e4m3, float8_e4m3fn)")),
+    Rule("precompute.aux_layers", (PRECOMPUTE,), list_of(whole(0), "target layer ids", words=("auto", "none"),
+                                                         null="none")),
+    Rule("precompute.vllm.in_flight", (PRECOMPUTE,), whole(1, "batches")),
+    Rule("precompute.vllm.keep_worker", (PRECOMPUTE,), FLAG),
+    *(Rule(f"precompute.vllm.{k}", (PRECOMPUTE,), a) for k, a in VLLM_AUTO.items() if k != "data_parallel_size"),
+    # regeneration
+    Rule("regenerate.out", (REGENERATE,), path("file", words=("auto",))),
+    Rule("regenerate.batch_size", (REGENERATE,), whole(1, "conversations")),
+    Rule("regenerate.max_new_tokens", (REGENERATE,), TOKENS),
+    Rule("regenerate.max_prompt_tokens", (REGENERATE,), TOKENS),
+    Rule("regenerate.seed", (REGENERATE,), SEED),
+    *(Rule(f"regenerate.{k}", (REGENERATE,), a) for k, a in SAMPLING.items()),
+    *(Rule(f"regenerate.vllm.{k}", (REGENERATE,), a) for k, a in VLLM_AUTO.items()),
+    # training
+    Rule("train.resume", (TRAIN,), either(Accept(_checkpoint_file, "an existing checkpoint file"), "a fresh run",
+                                          ("last",))),
+    Rule("train.checkpoint_dir", (TRAIN,), path("directory")),
+    Rule("train.untrained_dir", (TRAIN,), path("directory", null="not saved")),
+    Rule("train.checkpoint_every_n_steps", (TRAIN,), whole(1, "optimizer steps", null="at epoch ends")),
+    Rule("train.data.source", (TRAIN,), one_of("store", "online")),
+    Rule("train.data.online.write_store", (TRAIN,), path("directory", null="no store")),
+    Rule("train.data.batch_tokens", (TRAIN,), TOKENS),
+    Rule("train.data.val_fraction", (TRAIN,), number(0, 1, "a fraction", below=True)),
+    Rule("train.data.split_seed", (TRAIN,), whole()),
+    Rule("train.data.train_samples", (TRAIN,), whole(1, "conversations", null="the whole training split")),
+    Rule("train.data.seed", (TRAIN,), whole()),
+    Rule("train.data.num_workers", (TRAIN,), whole(0, "workers", words=("auto",))),
+    Rule("train.data.verify_store", (TRAIN,), one_of("full", "header")),
+    Rule("train.data.packing", (TRAIN,), FLAG),
+    Rule("train.data.online.prefetch", (TRAIN,), either(FLAG, words=("auto",))),
+    Rule("train.engine_validation.enabled", (TRAIN,), FLAG),
+    Rule("train.engine_validation.strict", (TRAIN,), either(FLAG, "true for a float32 target")),
+    Rule("train.engine_validation.every_n_steps", (TRAIN,), whole(1, "optimizer steps", null="when training ends")),
+    Rule("train.engine_validation.conversations", (TRAIN,), whole(1, "conversations")),
+    Rule("train.engine_validation.max_rows", (TRAIN,), whole(1, "rows", null="every row")),
+    Rule("train.engine_validation.depth", (TRAIN,), whole(1, "draft depths")),
+    Rule("train.engine_validation.prompts", (TRAIN,), whole(0, "prompts", note="0: none decoded")),
+    Rule("train.engine_validation.k", (TRAIN,), whole(1, "draft tokens")),
+    Rule("train.engine_validation.max_new_tokens", (TRAIN,), TOKENS),
+    Rule("train.engine_validation.tolerance", (TRAIN,), number(0, 1, "a top-1 gap")),
+    Rule("train.engine_validation.wait_timeout_s", (TRAIN,), number(0, what="seconds", above=True)),
+    *(Rule(f"train.engine_validation.{k}", (TRAIN,), a) for k, a in SAMPLING.items()),
+    Rule("trainer.max_epochs", (TRAIN,), whole(1, "epochs", null="Lightning's default", words=(-1,),
+                                               note="-1: no limit")),
+    Rule("trainer.max_steps", (TRAIN,), whole(1, "optimizer steps", words=(-1,), note="-1: no limit")),
+    Rule("trainer.gradient_clip_val", (TRAIN,), number(0, what="a gradient norm", null="no clipping")),
+    Rule("trainer.log_every_n_steps", (TRAIN,), whole(1, "steps")),
+    Rule("trainer.num_nodes", (TRAIN,), whole(1, "nodes")),
+    Rule("trainer.num_sanity_val_steps", (TRAIN,), whole(-1, "batches", note="-1: all")),
+    Rule("trainer.devices", (TRAIN,), Accept(_devices, "auto, -1 (every device), a whole number of devices ≥ 1, or "
+                                                       "a list of device indices (or \"0,1\")")),
+    # evaluation
+    Rule("evaluate.num_prompts", (EVALUATE,), whole(1, "prompts", null="every prompt")),
+    Rule("evaluate.max_new_tokens", (EVALUATE,), TOKENS),
+    *(Rule(f"evaluate.{k}", (EVALUATE,), a) for k, a in SAMPLING.items()),
+    Rule("evaluate.batch_size", (EVALUATE,), whole(1, "sequences")),
+    Rule("evaluate.turns", (EVALUATE,), list_of(Accept(lambda t: _whole(t) and t in (1, 2), "1 or 2"),
+                                                "MT-Bench turns")),
+    Rule("evaluate.auto_max_k", (EVALUATE,), whole(1, "draft tokens")),
+    Rule("evaluate.auto_prompts", (EVALUATE,), whole(1, "prompts")),
+    Rule("evaluate.auto_pairs", (EVALUATE,), whole(1, "pairs")),
+    Rule("evaluate.auto_draft_vocab", (EVALUATE,),
+         list_of(whole(1, "tokens", null="the whole vocabulary"), "draft vocabulary sizes",
+                 null="the whole vocabulary")),
+    Rule("evaluate.tree.depth", (EVALUATE,), whole(1, "levels")),
+    Rule("evaluate.tree.topk", (EVALUATE,), whole(1, "children")),
+    Rule("evaluate.tree.total", (EVALUATE,), whole(1, "nodes")),
+    Rule("evaluate.head_dtype", (EVALUATE,), either(one_of("bfloat16", "float16", "float32"), "the target's dtype")),
+    Rule("evaluate.speed_pairs", (EVALUATE,), whole(1, "groups")),
+    Rule("evaluate.predict_prompts", (EVALUATE,), whole(0, "prompts", note="0: no prediction")),
+    Rule("evaluate.warmup", (EVALUATE,), whole(0, "prompts")),
+    Rule("evaluate.repeats", (EVALUATE,), whole(1, "passes")),
+    Rule("evaluate.report", (EVALUATE,), path("file")),
+    Rule("evaluate.simulated_tau", (EVALUATE,), FLAG),
+    Rule("evaluate.plain_baseline", (EVALUATE,), FLAG),
+    # in-loop validation through vLLM reads evaluate.vllm too
+    *(Rule(f"evaluate.vllm.{k}", (EVALUATE, TRAIN), a) for k, a in VLLM.items()),
+    # export
+    Rule("export.source", (EXPORT,), path("directory")),
+    Rule("export.root", (EXPORT,), path("directory")),
+    Rule("export.dir", (EXPORT,), path("directory")),
+)
+RULES_BY_KEY = {rule.key: rule for rule in RULES}
+_ABSENT = object()
+
+
+def check_setting(key: str, value: Any) -> None:
+    """Refuse `value` for the setting `key` unless its rule accepts it (ConfigError naming both and the range)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    accept = RULES_BY_KEY[key].accept
+    if not accept.ok(value):
+        raise ConfigError(f"{key}={value!r}: expected {accept.text}")
+
+
+def setting(cfg: Any, key: str) -> Any:
+    """The resolved value of a dotted setting; `_ABSENT` where the config has no such key (the code's default)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.select(cfg, key, default=_ABSENT)
+    node = cfg
+    for part in key.split("."):
+        if not hasattr(node, "get") or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def check_settings(cfg: Any, stage: str) -> None:
+    """Every `RULES` row of a setting `stage` reads (the demo: every stage's), then what the typed configs check,
+    the precompute rank against its world size and the vLLM environment a `vllm` backend runs in."""
+    readers = {stage, *((ONLINE,) if trains_online(cfg, stage) else ())}
+    if stage == PIPELINE:
+        readers = {*EVERY, ONLINE, PIPELINE}
+    for rule in RULES:
+        if readers.intersection(rule.stages) and (value := setting(cfg, rule.key)) is not _ABSENT:
+            check_setting(rule.key, value)
+    check_target_settings(cfg.get("target") or {})
+    if PRECOMPUTE in readers:
+        from data.precompute import resolve_rank
+
+        try:
+            resolve_rank(cfg.get("precompute") or {})
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    for name in (PRECOMPUTE, REGENERATE):
+        section = cfg.get(name) or {}
+        runs = name in readers and (stage != PIPELINE or name == PRECOMPUTE or (cfg.get("pipeline") or {}).get(name))
+        if runs and section.get("backend") == "vllm":
+            from inference_eval.vllm_backend import vllm_python
+
+            vllm_python((section.get("vllm") or {}).get("python"), f"{name}.vllm.python", f"{name}.backend=vllm")
+
+
+def check_target_settings(target_cfg: Any) -> None:
+    """target.dtype and target.fingerprint as the stages' TargetConfig checks them (its directory is resolved later:
+    a packaged target is converted on first use)."""
+    from inference_eval.targets import TargetConfig
+
+    try:
+        TargetConfig(dir=Path(str(target_cfg.get("path") or ".")), name=str(target_cfg.get("name") or ""),
+                     dtype=str(target_cfg.get("dtype")), fingerprint_mode=str(target_cfg.get("fingerprint", "header")))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

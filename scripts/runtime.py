@@ -59,7 +59,11 @@ def resolve_threads(spec, cpus: int | None = None, load: float | None = None) ->
     processes on one machine then share the cores instead of each taking all of them. Under a launcher
     that starts several ranks per node (torchrun and srun set LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE),
     `auto` is the node's cores split evenly over its ranks: they start together, so a load snapshot
-    would not see each other yet."""
+    would not see each other yet. Anything else is refused as the checks before work refuse it (scripts/checks.py
+    `RULES`): every entry point applies the policy before those checks run."""
+    from scripts.checks import check_setting
+
+    check_setting("threads", spec)
     if spec is None:
         return None
     cpus = cpus or os.cpu_count() or 1
@@ -69,10 +73,7 @@ def resolve_threads(spec, cpus: int | None = None, load: float | None = None) ->
             return max(1, cpus // local)
         load = busy_elsewhere() if load is None else load
         return max(1, min(cpus, cpus - int(load + 0.5)))
-    n = int(spec)
-    if n < 1:
-        raise ValueError(f"threads={spec!r}: expected null, auto or a positive number of threads")
-    return n
+    return int(spec)
 
 
 def apply_threads(spec) -> int:

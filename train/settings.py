@@ -10,12 +10,13 @@ shared unroll's layers, `deep_lr_scale` on a head without per-depth modules) sta
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from train.block_loss import BlockLossConfig
-from train.optim import SETTINGS
+from train.optim import SCHEDULES, SETTINGS
 
 # whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
 # `module` = each of the head's per-depth modules (head.depth_modules(): mtp with num_modules > 1, medusa's blocks)
@@ -34,6 +35,27 @@ DEEP_FROM_AUTO = 0.5
 # depths ≥ 2 on every real token (with separate modules, `detach_depths` and `clip_scope: module`, module 1 then
 # trains as the default head while the deeper modules get the extra rows)
 LOSS_ON = ("assistant", "all", "deep_all")
+# the range of each numeric setting (name: accepted, the range in words), checked with its type: a negative or zero
+# lr, a warm-up of -5 steps or a momentum of 1 would train nonsense without an error
+RANGES = {
+    "lr": (lambda v: v > 0, "a learning rate > 0"),
+    "weight_decay": (lambda v: v >= 0, "a number ≥ 0 (0: off)"),
+    "muon_weight_decay": (lambda v: v >= 0, "a number ≥ 0 (0: off)"),
+    "muon_momentum": (lambda v: 0 <= v < 1, "a momentum in [0, 1)"),
+    "warmup_steps": (lambda v: v >= 0, "a whole number of optimizer steps ≥ 0 (0: no warm-up)"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "a fraction of lr in [0, 1]"),
+    "w_hidden": (lambda v: v >= 0, "a loss weight ≥ 0"),
+    "w_kl": (lambda v: v >= 0, "a loss weight ≥ 0"),
+    "kl_chunk_size": (lambda v: v >= 1, "a whole number of rows ≥ 1"),
+    "depth": (lambda v: v >= 1, "a whole number of draft steps ≥ 1"),
+    "depth_decay": (lambda v: v > 0, "a weight > 0 (1: every depth alike)"),
+    "kl_temperature": (lambda v: v > 0, "a positive number"),
+    "input_noise": (lambda v: v >= 0, "a number ≥ 0 (0: off)"),
+    "dropout": (lambda v: 0 <= v < 1, "a probability in [0, 1) (0: off)"),
+    "deep_lr_scale": (lambda v: v > 0, "a positive number (1: off)"),
+    "offpolicy_weight": (lambda v: 0 <= v <= 1, "a weight in [0, 1] (1: every row alike, the default; 0: only rows "
+                                                "the greedy target would produce)"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,31 +94,40 @@ class ModuleSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block", block_config(self.block))
-        object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "betas", tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,))
+        self._check_types()
         self._check_values()
         self._check_depth_schedule()
 
+    def _check_types(self) -> None:
+        """Each number a number (a whole one for an int setting) in its `RANGES` range, each flag true or false, the
+        betas a pair and the schedule a known one: a string from the command line would otherwise fail deep in
+        training, or a flag `"no"` pass as true."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"train.module.{f.name}={value!r}: expected true or false")
+            whole = f.type == "int"
+            ok, accepted = RANGES.get(f.name, (lambda v: True, "a whole number" if whole else "a number"))
+            if f.type in ("int", "float") and (isinstance(value, bool) or not isinstance(
+                    value, numbers.Integral if whole else numbers.Real) or not ok(value)):
+                raise ValueError(f"train.module.{f.name}={value!r}: expected {accepted}")
+        if len(self.betas) != 2 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1
+                                           for b in self.betas):
+            raise ValueError(f"train.module.betas={list(self.betas)!r}: expected two moment decays in [0, 1)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"train.module.schedule={self.schedule!r}: expected one of {SCHEDULES}")
+
     def _check_values(self) -> None:
-        if not 0.0 <= self.offpolicy_weight <= 1.0:
-            raise ValueError(f"train.module.offpolicy_weight={self.offpolicy_weight!r}: expected a weight in [0, 1] "
-                             "(1: every row alike, the default; 0: only rows the greedy target would produce)")
         if self.optimizer not in SETTINGS:
             raise ValueError(f"train.module.optimizer={self.optimizer!r}: expected one of {SETTINGS}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={self.loss_on!r}: expected one of {LOSS_ON}")
         if self.clip_scope not in CLIP_SCOPES:
             raise ValueError(f"train.module.clip_scope={self.clip_scope!r}: expected one of {CLIP_SCOPES}")
-        if not self.kl_temperature > 0:
-            raise ValueError(f"train.module.kl_temperature={self.kl_temperature!r}: expected a positive number")
-        if not self.input_noise >= 0:
-            raise ValueError(f"train.module.input_noise={self.input_noise!r}: expected a number ≥ 0 (0: off)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"train.module.dropout={self.dropout!r}: expected a probability in [0, 1) (0: off)")
         if self.dropout > 0 and self.gradient_checkpointing:
             raise ValueError(f"train.module.dropout={self.dropout} and train.module.gradient_checkpointing=true: the "
                              "recomputed steps would draw other dropout masks than the forward did; turn one off")
-        if not self.deep_lr_scale > 0:
-            raise ValueError(f"train.module.deep_lr_scale={self.deep_lr_scale!r}: expected a positive number (1: off)")
 
     def _check_depth_schedule(self) -> None:
         step = self.deep_from_step
