@@ -12,18 +12,13 @@ from typing import Any
 import torch
 
 from evaluation.evaluate import EvalResult
+from inference_eval.engine.base import target_state
 from inference_eval.speculative import (GREEDY, DraftModelProposer, Sampling, SpecStats, _finish, accept_greedy,
                                         accept_rejection, full_vocab_logits)
 
 
 # The head's draft path along one sequence over a contiguous cache: the reference the engine's paged proposer
 # (inference_eval/engine/head.py) must equal.
-def _target_state(head, out) -> torch.Tensor:
-    """What the head consumes from a target pass: H, or the captured aux layers (EAGLE-3)."""
-    aux = torch.cat(out.aux, dim=-1) if head.capture_layers else None
-    return head.target_input(out.hidden, aux)
-
-
 def refresh(head, states: torch.Tensor, tokens: torch.Tensor, start: int, cache, last_only: bool = True
             ) -> torch.Tensor:
     """Run the head over target states (H_j, t_{j+1}) at positions start.. and return its depth-1
@@ -100,7 +95,7 @@ class HeadProposer:
         head = self.head
         if head.chain:  # head prefill over (H_i, t_{i+1}), i = 0..m-1
             self.cache = head.new_cache(1, max_len)
-            self.state = refresh(head, _target_state(head, out), torch.tensor([prompt[1:] + [first]], device=out.hidden.device),
+            self.state = refresh(head, target_state(head, out.hidden, out.aux), torch.tensor([prompt[1:] + [first]], device=out.hidden.device),
                                  0, self.cache)
         else:  # a parallel head drafts from the target state of the last committed position
             self.state = out.hidden[:, -1:]
@@ -117,7 +112,7 @@ class HeadProposer:
     def update(self, vout, emitted: list[int], a: int, m: int) -> None:
         """After verification of positions m..m+k: a drafts accepted, `emitted` = t_{m+1}..t_{m+a+1}."""
         if self.head.chain:  # refresh the head with the target's states of the accepted positions m..m+a
-            vstate = _target_state(self.head, vout)[:, : a + 1]
+            vstate = target_state(self.head, vout.hidden, vout.aux)[:, : a + 1]
             self.state = refresh(self.head, vstate, torch.tensor([emitted], device=vstate.device), m, self.cache)
         else:
             self.state = vout.hidden[:, a: a + 1]
