@@ -48,7 +48,9 @@ def worker(quick: bool, steps: int) -> None:
         times.append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         print(f"step_s={sum(times[1:]) / steps:.4f}", flush=True)
-    dist.destroy_process_group()
+    from scripts.runtime import close_process_group
+
+    close_process_group()
 
 
 def run(ranks: int, quick: bool, steps: int) -> float:

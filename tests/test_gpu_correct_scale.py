@@ -198,7 +198,9 @@ def _muon_worker(out: str) -> None:
     _muon_steps(sharded, divide=True)
     result = {"plain": [p.detach() for p in plain], "sharded": [p.detach().full_tensor() for p in sharded]}
     torch.save(result, Path(out) / f"rank{dist.get_rank()}.pt")
-    dist.destroy_process_group()
+    from scripts.runtime import close_process_group
+
+    close_process_group()  # both ranks leave together: one tearing gloo down alone can abort the other at exit
 
 
 def test_gpu_correct_muon_divided_among_ranks_equals_one_process(tmp_path):
