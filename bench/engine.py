@@ -74,12 +74,10 @@ def assistant_counts(tokenizer, vocab_size: int, conversations: int = 300) -> to
     range, not MT-Bench)."""
     from collections import Counter
 
-    from omegaconf import OmegaConf
-
     from data.precompute import tokenize_all
-    from data.sources import load_conversations
+    from data.sources import DataConfig, load_conversations
 
-    convs = load_conversations(OmegaConf.create({"source": "sharegpt", "max_samples": conversations, "skip": 0}))
+    convs = load_conversations(DataConfig(max_samples=conversations))
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for _, ids, mask in tokenize_all(tokenizer, convs.items, 2048, Counter()):
         ids, mask = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)

@@ -73,7 +73,7 @@ class Bench:
         from data.precompute import tokenize_source
         from data.sources import target_config
         from data.store import StoreWriter
-        from heads.registry import resolve_aux_layers
+        from heads.registry import head_config, resolve_aux_layers
         from inference_eval.targets import load_target
         from train.online import OnlineSamples, TargetStates
 
@@ -92,7 +92,8 @@ class Bench:
         if not with_target:
             return
         self.target = load_target(target, "engine")
-        self.aux = resolve_aux_layers(cfg, self.target.args.num_hidden_layers)
+        self.aux = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"), head_config(cfg.get("head") or {})[1],
+                                      self.target.args.num_hidden_layers)
         self._writer = lambda root: StoreWriter(root, self.fingerprint, self.target.args.hidden_size, dtype="float32",
                                                 shard_tokens=int(cfg.precompute.shard_tokens),
                                                 captured={"hidden": "last_layer_pre_norm"})

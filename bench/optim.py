@@ -48,9 +48,8 @@ def worker(quick: bool, steps: int) -> None:
         times.append(time.perf_counter() - t0)
     if dist.get_rank() == 0:
         print(f"step_s={sum(times[1:]) / steps:.4f}", flush=True)
-    from scripts.runtime import close_process_group
-
-    close_process_group()
+    dist.barrier()  # both ranks leave together: one tearing gloo down alone can abort the other at exit
+    dist.destroy_process_group()
 
 
 def run(ranks: int, quick: bool, steps: int) -> float:

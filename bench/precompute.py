@@ -54,11 +54,9 @@ Samples = list[tuple[str, list[int], list[int]]]
 
 
 def load_samples(tokenizer, num: int, max_length: int) -> Samples:
-    from omegaconf import OmegaConf
+    from data.sources import DataConfig, load_conversations
 
-    from data.sources import load_conversations
-
-    convs = load_conversations(OmegaConf.create({"source": "sharegpt", "max_samples": num, "skip": 0}))
+    convs = load_conversations(DataConfig(max_samples=num))
     rejected = Counter(convs.rejected)
     samples = tokenize_all(tokenizer, convs.items, max_length, rejected)
     print(f"data: {len(samples)} ShareGPT samples, {sum(len(s[1]) for s in samples)} tokens "

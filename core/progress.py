@@ -4,7 +4,7 @@
 logs a line every `every_s` seconds whatever stdout and stderr are — done/total, the rate and the ETA,
 plus the step's own figures (loss, accepted tokens) — so a run whose output goes to a file (nohup,
 a scheduler's log, hydra's `<stage>.log`) shows steady progress too. `every_s` comes from the config's
-`progress_log_s` (`log_interval(cfg)`); null turns the lines off, 0 logs every update (tests).
+`progress_log_s` (`log_interval(cfg.progress_log_s)`); null turns the lines off, 0 logs every update (tests).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ log = logging.getLogger("spechead.progress")
 DEFAULT_EVERY_S = 30.0
 
 
-def log_interval(cfg: Any) -> float | None:
-    """`progress_log_s` of a config (a mapping or DictConfig): seconds between progress lines."""
-    value = cfg.get("progress_log_s", DEFAULT_EVERY_S) if cfg is not None else DEFAULT_EVERY_S
+def log_interval(value: float | int | str | None = DEFAULT_EVERY_S) -> float | None:
+    """The `progress_log_s` setting checked: seconds between progress lines (None: no lines)."""
     if value is None:
         return None
     value = float(value)
@@ -43,7 +42,7 @@ def amount(x: float) -> str:
 
 
 class Progress:
-    """`with Progress(total, "precompute", "tok", bar=cfg.progress, every_s=log_interval(cfg)) as p:
+    """`with Progress(total, "precompute", "tok", bar=cfg.progress, every_s=log_interval(cfg.progress_log_s)) as p:
     p.update(n, loss=0.5)`. `total` may be None (no percentage or ETA). The closing line gives the
     count, the time taken and the rate."""
 

@@ -282,21 +282,19 @@ def read_chat_template(path: str | Path) -> str:
     return text
 
 
-def chat_template_sha256(data_cfg) -> str | None:
+def chat_template_sha256(path: str | Path | None) -> str | None:
     """The sha256 of the `data.chat_template` file's text (None when unset): part of a store's `source`
     and of regenerated records' settings, so that nothing made with another template is resumed."""
-    path = (data_cfg or {}).get("chat_template")
     return hashlib.sha256(read_chat_template(path).encode()).hexdigest() if path else None
 
 
-def load_tokenizer(target_dir: str | Path, data_cfg=None):
+def load_tokenizer(target_dir: str | Path, chat_template: str | Path | None = None):
     """The target's tokenizer, with its chat template replaced by the `data.chat_template` file when set."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    path = (data_cfg or {}).get("chat_template")
-    if path:
-        tokenizer.chat_template = read_chat_template(path)
+    if chat_template:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
 
 

@@ -18,6 +18,15 @@ Resumable and deterministic: windows and batches are a function of the full samp
 in finished shards and recomputes a batch straddling the last finished shard whole (writing only its
 new samples), so every sample is computed in the same batch as in an uninterrupted run and, with the
 same settings and thread count, the shards come out byte-identical.
+
+Resume is keyed by content, not by id alone: each stored sample carries a hash of its tokenized input
+(data/store.py `sample_hash`). A stored sample whose id the data still has but whose input ids or
+loss mask differ (its record was edited), or whose id the data no longer yields (a record removed, or
+now rejected), is a changed record; `precompute.on_changed` decides: `recompute` (default) removes
+the changed samples from the store, keeping every other sample's bytes, and computes those still in
+the data again; `refuse` stops before writing anything, listing them. A shard that fails its size,
+header or sha256 check is recomputed (StoreWriter, warned naming the file). The data file's size and
+sha256 go into the manifest's `data_file` (information only: the per-sample hashes decide).
 """
 
 from __future__ import annotations
@@ -35,19 +44,23 @@ from typing import Any
 
 import torch
 
+from core.files import sha256_file
 from core.lock import check_free, writer_lock
-from core.progress import Progress, log_interval
+from core.progress import DEFAULT_EVERY_S, Progress, log_interval
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_sample
-from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, load_conversations, record_rejection, target_config
+from data.sources import (EXAMPLES_PER_REASON, MAX_EXAMPLES, DataConfig, load_conversations, record_rejection,
+                          target_config)
 from data.store import (
     IncompleteRanksError,
     Sample,
+    StoreError,
     StoreWriter,
     check_rank_layout,
     merge_rank_manifests,
     rank_dir,
+    sample_hash,
 )
-from heads.registry import resolve_aux_layers
+from heads.registry import head_config, resolve_aux_layers
 from inference_eval.paged import PackedRows
 from inference_eval.targets import TargetConfig, load_target, resolve_backend
 
@@ -240,11 +253,50 @@ class _WindowWriter:
             self.count, self.tokens, self.loss_tokens = self.count + 1, self.tokens + len(ids), self.loss_tokens + sum(mask)
 
 
+ON_CHANGED = ("recompute", "refuse")
+SHOWN_CHANGED = 10  # changed ids named in a message; the rest are counted
+
+
+def drop_changed(writer: StoreWriter, samples: list[tuple[str, list[int], list[int]]],
+                 on_changed: str = "recompute") -> None:
+    """Compare the stored samples with `samples` by content (`sample_hash` of the input ids and loss
+    mask). A stored sample whose content differs (an edited record) or whose id `samples` lacks (a
+    removed record, or one now rejected) is changed: `recompute` removes the changed ones from the
+    store (`StoreWriter.drop_samples`: the other samples' bytes are kept) so that the caller computes
+    those still in `samples` again; `refuse` raises a StoreError listing them and naming the setting,
+    writing nothing (what the writer repaired on opening, a damaged shard, stays repaired)."""
+    if on_changed not in ON_CHANGED:
+        raise ValueError(f"precompute.on_changed={on_changed!r}: expected one of {', '.join(ON_CHANGED)}")
+    stored = writer.stored_hashes()
+    if not stored:
+        return
+    edited = [sid for sid, ids, mask in samples if sid in stored and sample_hash(ids, mask) != stored[sid]]
+    present = {sid for sid, _, _ in samples}
+    removed = [sid for sid in stored if sid not in present]
+    if not edited and not removed:
+        return
+
+    def listed(ids: list[str]) -> str:
+        more = f" and {len(ids) - SHOWN_CHANGED} more" if len(ids) > SHOWN_CHANGED else ""
+        return ", ".join(map(repr, ids[:SHOWN_CHANGED])) + more
+
+    parts = ([f"{len(edited)} whose tokenized input changed ({listed(edited)})"] if edited else []) + (
+        [f"{len(removed)} no longer in the data, removed or now rejected ({listed(removed)})"] if removed else [])
+    what = f"{writer.root}: stored samples differ from the data: {'; '.join(parts)}"
+    if on_changed == "refuse":
+        raise StoreError(f"{what}; the store is left as it is (precompute.on_changed=refuse): rerun with "
+                         "precompute.on_changed=recompute to drop them from the store and compute the changed ones "
+                         "again, or choose another store_dir")
+    log.warning("%s; precompute.on_changed=recompute: they leave the store, the changed ones are computed again", what)
+    writer.drop_samples(set(edited) | set(removed))
+
+
 def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: StoreWriter,
                batch_tokens: int = 8192, workers: int | None = None, progress: bool = True,
-               progress_log_s: float | None = None) -> PrecomputeStats:
+               progress_log_s: float | None = None, on_changed: str = "recompute") -> PrecomputeStats:
     """Compute and store H_i (and the inputs of the writer's aux layers, for EAGLE-3) for every sample
-    not yet in a finished shard of `writer`'s store.
+    not yet in a finished shard of `writer`'s store, after removing the stored samples that differ
+    from `samples` (`drop_changed`, as `on_changed` says).
 
     On CPU, `workers` batches run concurrently on threads with num_threads // workers intra-op
     threads each, instead of one batch on all of them: the layers' small-matrix and elementwise
@@ -252,6 +304,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     instead of every op (the setting is restored on return). Each batch runs alone on its worker,
     so its numerics do not depend on what else is in flight.
     """
+    drop_changed(writer, samples, on_changed)
     done = writer.done_ids
     lengths = [len(ids) for _, ids, _ in samples]
     todo_tokens = sum(n for (sid, _, _), n in zip(samples, lengths) if sid not in done)
@@ -297,10 +350,9 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
                            seconds=time.perf_counter() - t0)
 
 
-def resolve_rank(pcfg: Any) -> tuple[int, int]:
+def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size) from `precompute.rank` / `precompute.world_size`; where those are null, from
     the RANK / WORLD_SIZE environment variables (torchrun sets them), else 0 / 1."""
-    rank, world_size = pcfg.get("rank"), pcfg.get("world_size")
     rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -321,10 +373,11 @@ def tokenize_source(cfg: Any, target_dir: str | Path) -> tuple[list[tuple[str, l
     when set): (id, input ids, loss mask) of each usable one, the rejection counts and the first examples.
     What precompute stores and online training trains on. A file unreadable as a whole is a SourceError
     naming it."""
-    tokenizer = load_tokenizer(target_dir, cfg.data)
-    convs = load_conversations(cfg.data)
+    data = DataConfig.of(cfg.data)
+    tokenizer = load_tokenizer(target_dir, data.chat_template)
+    convs = load_conversations(data)
     rejected, examples = Counter(convs.rejected), list(convs.examples)
-    tokenized = tokenize_all(tokenizer, convs.items, int(cfg.data.max_length), rejected, examples, convs.where)
+    tokenized = tokenize_all(tokenizer, convs.items, data.max_length, rejected, examples, convs.where)
     return tokenized, rejected, examples
 
 
@@ -339,7 +392,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     One writer per directory (core/lock.py): the store directory's lock, or under several ranks this rank
     directory's, is held while it is written; a second precompute into it is refused at once, naming the
     first. The merge runs after the release, so the rank that finishes last sees every rank released."""
-    rank, world_size = resolve_rank(cfg.precompute)
+    rank, world_size = resolve_rank(cfg.precompute.get("rank"), cfg.precompute.get("world_size"))
     check_rank_layout(cfg.store_dir, world_size)
     writes = rank_dir(cfg.store_dir, rank) if world_size > 1 else Path(cfg.store_dir)
     with writer_lock(writes, "precompute" if world_size == 1 else f"precompute rank {rank} of {world_size}"):
@@ -381,7 +434,8 @@ def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
     try:
         stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
                            workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True),
-                           progress_log_s=log_interval(cfg))
+                           progress_log_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)),
+                           on_changed=cfg.precompute.get("on_changed", "recompute"))
     finally:
         if hasattr(model, "release"):  # the vllm backend's worker process
             model.release()
@@ -410,7 +464,8 @@ def open_store_writer(cfg: Any, target: TargetConfig, backend: str, model, root:
     if world_size > 1:
         source |= {"rank": r, "world_size": world_size}
         out_dir = rank_dir(root, r)
-    aux_layers = resolve_aux_layers(cfg, model.args.num_hidden_layers)
+    aux_layers = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"), head_config(cfg.get("head") or {})[1],
+                                    model.args.num_hidden_layers)
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
     writer = StoreWriter(out_dir, target.fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
                          shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
@@ -418,15 +473,40 @@ def open_store_writer(cfg: Any, target: TargetConfig, backend: str, model, root:
     writer.manifest["rejected"] = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())),
                                    "examples": examples,
                                    "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
+    data_file = data_file_fingerprint(DataConfig.of(cfg.data))
+    before = (writer.previous_manifest or {}).get("data_file")
+    if before and data_file and before != data_file:
+        log.info("%s: the data file %s changed since the store was last written (%s bytes, sha256 %.12s… before); "
+                 "each stored sample's content hash decides what is recomputed", writer.root, data_file["name"],
+                 before.get("bytes"), before.get("sha256"))
+    writer.manifest["data_file"] = data_file
     return writer
+
+
+def data_file_fingerprint(data: DataConfig) -> dict[str, Any] | None:
+    """The manifest's `data_file`: the name, size and sha256 of the file the conversations come from (the
+    packaged ShareGPT for data.source=sharegpt without a path), None when there is none. For information: a
+    resumed run decides by each sample's content hash. Hashing costs about a second per GB (the packaged
+    ShareGPT: 125 MB), small next to tokenizing the file; the path itself is in `source`, and a mtime would
+    differ between the copies ranks on several nodes read."""
+    path = data.path
+    if path is None and data.source == "sharegpt":
+        from data.assets import sharegpt_path
+
+        path = sharegpt_path()
+    if path is None:
+        return None
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def store_source(cfg: Any, backend: str, model) -> dict[str, Any]:
     """The manifest's `source`: what a resumed writer must find equal (the data, the template, the backend)."""
-    source = {"source": cfg.data.source, "path": cfg.data.get("path"), "skip": cfg.data.get("skip", 0),
-              "max_samples": cfg.data.get("max_samples"), "max_length": cfg.data.max_length}
-    if cfg.data.get("chat_template"):  # another template, other samples: never resumed across templates
-        source["chat_template_sha256"] = chat_template_sha256(cfg.data)
+    data = DataConfig.of(cfg.data)
+    # the path as the user wrote it: a store written before resumes with the same setting
+    source = {"source": data.source, "path": cfg.data.get("path"), "skip": data.skip, "max_samples": data.max_samples,
+              "max_length": data.max_length}
+    if data.chat_template:  # another template, other samples: never resumed across templates
+        source["chat_template_sha256"] = chat_template_sha256(data.chat_template)
     if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends
         source["backend"] = {"name": "vllm", "vllm": model.info.get("vllm")}
     return source

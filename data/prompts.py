@@ -11,21 +11,14 @@ from typing import Any
 from core.jsonio import read_jsonl
 from data.assets import load_mtbench
 from data.conversations import normalize_record, tokenize_prompt
-from data.sources import load_conversations
+from data.sources import DataConfig, load_conversations
 
 
-def sharegpt_prompts(tokenizer, data_cfg: Any, num_prompts: int | None) -> list[dict[str, Any]]:
+def sharegpt_prompts(tokenizer, data: DataConfig, num_prompts: int | None) -> list[dict[str, Any]]:
     """Held-out ShareGPT prompts: the conversations right after the training data's range
     [skip, skip + max_samples), each up to its first assistant turn."""
-    if data_cfg.get("max_samples") is None:
-        raise ValueError("evaluate.dataset=sharegpt takes the conversations after the training range "
-                         "[data.skip, data.skip + data.max_samples); data.max_samples is null (the whole source "
-                         "was used for training), so nothing is held out")
-    held = dict(data_cfg)
-    held["skip"] = int(data_cfg.get("skip", 0)) + int(data_cfg.max_samples)
-    held["max_samples"] = num_prompts
     out = []
-    for sid, messages in load_conversations(held).items:
+    for sid, messages in load_conversations(data.held_out(num_prompts)).items:
         first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         out.append({"ids": tokenize_prompt(tokenizer, messages[:first]), "category": "sharegpt", "id": sid})
     return out
@@ -123,7 +116,7 @@ def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str,
         turns = [int(t) for t in ecfg.get("turns", [1])]
         return [p for t in turns for p in mtbench_prompts(tokenizer, n, t, target, int(ecfg.max_new_tokens), stops)]
     if ecfg.dataset == "sharegpt":
-        return sharegpt_prompts(tokenizer, cfg.data, n)
+        return sharegpt_prompts(tokenizer, DataConfig.of(cfg.data), n)
     if ecfg.dataset == "jsonl":
         if not ecfg.get("prompts_path"):
             raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path")

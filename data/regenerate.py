@@ -76,10 +76,10 @@ import torch
 from core.files import atomic_write_bytes
 from core.jsonio import read_jsonl
 from core.paths import cache_dir
-from core.progress import Progress, log_interval
+from core.progress import DEFAULT_EVERY_S, Progress, log_interval
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_prompt
 from data.prompts import stop_token_ids
-from data.sources import load_conversations, target_config
+from data.sources import DataConfig, load_conversations, target_config
 from inference_eval.engine import engine_generate
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.speculative import GREEDY, Sampling
@@ -411,9 +411,10 @@ def plan_regeneration(cfg: Any) -> Plan:
             "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
             "max_prompt_tokens": max_prompt_tokens,
             "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
-    if cfg.data.get("chat_template"):  # replies to prompts rendered otherwise: not resumed into one file
-        meta["chat_template_sha256"] = chat_template_sha256(cfg.data)
-    convs = load_conversations(cfg.data)
+    data = DataConfig.of(cfg.data)
+    if data.chat_template:  # replies to prompts rendered otherwise: not resumed into one file
+        meta["chat_template_sha256"] = chat_template_sha256(data.chat_template)
+    convs = load_conversations(data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
     meta["prompts_sha256"] = prompts_sha256(convs.items)
@@ -444,7 +445,7 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     rcfg = cfg.regenerate
     target = plan.target
     device = resolve_target_device(rcfg.get("device") or target.device)
-    tokenizer = load_tokenizer(target.dir, cfg.data)  # with data.chat_template's template when set
+    tokenizer = load_tokenizer(target.dir, DataConfig.of(cfg.data).chat_template)
     if meta["backend"] == "engine":
         model = LlamaForCausalLM.from_pretrained(target.dir, dtype=target.torch_dtype, device=device)
     elif meta["backend"] == "vllm":  # the target in a vLLM worker process (tensor parallel: regenerate.vllm)
@@ -459,10 +460,11 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(key_file(out), json.dumps({"key": settings_key(meta), "settings": meta}, indent=2,
                                                      sort_keys=True).encode() + b"\n")
+    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
     try:
         stats = regenerate_conversations(model, tokenizer, convs.items, out, plan.settings, plan.batch_size,
                                          plan.max_prompt_tokens, meta, progress=cfg.get("progress", True),
-                                         progress_log_s=log_interval(cfg))
+                                         progress_log_s=every_s)
     finally:
         if hasattr(model, "close"):  # the vllm backend's worker process
             model.close()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -110,18 +110,85 @@ _OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-
                     (b"\xfe\xff", "UTF-16"))
 
 
-def record_bounds(data_cfg: Any) -> RecordBounds:
-    """`data.max_record_bytes` and `data.max_nesting` (their defaults where the section lacks them), each a
-    positive whole number: anything else is refused naming the setting."""
-    values = {}
-    for key, default, unit in (("max_record_bytes", MAX_RECORD_BYTES, "bytes"),
-                               ("max_nesting", MAX_NESTING, "levels")):
-        value = data_cfg.get(key) if key in data_cfg else default
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SourceError(f"data.{key}={value!r}: expected a positive whole number of {unit} per record "
-                              f"(default {default})")
-        values[key] = value
-    return RecordBounds(**values, settings="data")
+SOURCES = ("sharegpt", "json", "jsonl", "text")
+_SOURCE_WORDS = ("sharegpt (the packaged dump, or a file in its format), json (a file holding one JSON array of "
+                 "records), jsonl (one record per line) or text (plain texts for a base model, one {\"text\": ...} "
+                 "per line)")
+
+
+def _whole(value: Any, at_least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= at_least
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The conversations a stage reads (`conf/data`): the source and its file, the range [skip, skip + max_samples)
+    of its usable records, the tokens kept per sample, the chat-template file used instead of the tokenizer's, and
+    the bounds on one record. Built once from the config's `data` section (`DataConfig.of`), each value checked
+    here, naming the setting; the file itself is checked by `check_source`."""
+
+    source: str = "sharegpt"
+    path: Path | None = None  # None with source=sharegpt: the packaged dump
+    skip: int = 0
+    max_samples: int | None = None  # None: every record after `skip`
+    max_length: int = 1024
+    chat_template: Path | None = None
+    max_record_bytes: int = MAX_RECORD_BYTES
+    max_nesting: int = MAX_NESTING
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise SourceError(f"data.source={self.source!r}: expected {_SOURCE_WORDS}")
+        for key, at_least, unit, null in (("skip", 0, "conversations", None),
+                                          ("max_samples", 1, "conversations", "the whole source"),
+                                          ("max_length", 1, "tokens", None)):
+            value = getattr(self, key)
+            if not (value is None and null) and not _whole(value, at_least):
+                words = f"null ({null}) or " if null else ""
+                raise SourceError(f"data.{key}={value!r}: expected {words}a whole number of {unit} ≥ {at_least}")
+        for key, default, unit in (("max_record_bytes", MAX_RECORD_BYTES, "bytes"),
+                                   ("max_nesting", MAX_NESTING, "levels")):
+            value = getattr(self, key)
+            if not _whole(value, 1):
+                raise SourceError(f"data.{key}={value!r}: expected a positive whole number of {unit} per record "
+                                  f"(default {default})")
+
+    @classmethod
+    def of(cls, section: Any) -> "DataConfig":
+        """The typed form of a `data` section (a DictConfig or a mapping; absent keys take the defaults above). A key
+        that is not a data setting is refused, naming it: a misspelt bound would otherwise be ignored."""
+        if section is None:
+            return cls()
+        if not isinstance(section, dict):
+            from omegaconf import OmegaConf
+
+            section = OmegaConf.to_container(section, resolve=True)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise SourceError(f"data.{unknown[0]}: not a data setting (expected {', '.join(sorted(known))})")
+        values = dict(section)
+        for key in ("path", "chat_template"):
+            if values.get(key):
+                values[key] = Path(str(values[key])).expanduser()
+            else:
+                values[key] = None
+        if values.get("source") is None:
+            values.pop("source", None)
+        return cls(**values)
+
+    @property
+    def bounds(self) -> RecordBounds:
+        return RecordBounds(self.max_record_bytes, self.max_nesting, settings="data")
+
+    def held_out(self, num: int | None) -> "DataConfig":
+        """The `num` usable records right after the training range [skip, skip + max_samples) (all after it: None):
+        held-out prompts never seen in training."""
+        if self.max_samples is None:
+            raise ValueError("evaluate.dataset=sharegpt takes the conversations after the training range "
+                             "[data.skip, data.skip + data.max_samples); data.max_samples is null (the whole source "
+                             "was used for training), so nothing is held out")
+        return replace(self, skip=self.skip + self.max_samples, max_samples=num)
 
 
 def _check_file(path: Path, source: str) -> None:
@@ -153,22 +220,16 @@ def _check_file(path: Path, source: str) -> None:
         raise SourceError(f"{path}: gzip-compressed; decompress it first")
 
 
-def check_source(data_cfg: Any) -> None:
-    """What can be refused from the config and a file's first bytes, before any record is read: an
-    unknown `data.source`, a bound on records that is not a positive number, a missing or unreadable file or
-    one that is not a regular file, and a source/path mismatch (a JSON array given as JSONL or the reverse),
-    each with the setting that fixes it."""
-    source = data_cfg.get("source", "sharegpt")
-    record_bounds(data_cfg)
-    if source not in ("sharegpt", "json", "jsonl", "text"):
-        raise SourceError(f"data.source={source!r}: expected sharegpt (the packaged dump, or a file in its "
-                          "format), json (a file holding one JSON array of records), jsonl (one record per line) "
-                          "or text (plain texts for a base model, one {\"text\": ...} per line)")
-    if not data_cfg.get("path"):
+def check_source(data: DataConfig) -> None:
+    """What can be refused from a file's first bytes, before any record is read: a missing or unreadable file or one
+    that is not a regular file, and a source/path mismatch (a JSON array given as JSONL or the reverse), each with
+    the setting that fixes it. The settings themselves were checked when `data` was built."""
+    source = data.source
+    if data.path is None:
         if source != "sharegpt":
             raise SourceError(f"data.source={source} needs data.path=<file>")
         return
-    path = Path(data_cfg["path"]).expanduser()
+    path = data.path
     _check_file(path, source)
     with open(path, "rb") as f:
         head = f.read(1 << 16)
@@ -188,21 +249,18 @@ def check_source(data_cfg: Any) -> None:
                           f"data.source={source} reads one top-level JSON array: set data.source=jsonl")
 
 
-def _records(data_cfg: Any):
-    source, bounds = data_cfg.get("source", "sharegpt"), record_bounds(data_cfg)
-    if source == "sharegpt" and not data_cfg.get("path"):
+def _records(data: DataConfig):
+    source, bounds = data.source, data.bounds
+    if source == "sharegpt" and data.path is None:
         from data.assets import sharegpt_path
         _check_file(sharegpt_path(), "json")
         yield from json_array_records(sharegpt_path(), SourceError, bounds)
-    elif source in ("sharegpt", "json", "jsonl", "text"):
-        if not data_cfg.get("path"):
-            raise SourceError(f"data.source={source} needs data.path")
-        path = Path(data_cfg["path"]).expanduser()
-        _check_file(path, "jsonl" if source in ("jsonl", "text") else "json")
-        yield from (jsonl_records(path, SourceError, bounds=bounds) if source in ("jsonl", "text")
-                    else json_array_records(path, SourceError, bounds))
-    else:
-        raise ValueError(f"data.source={source!r}: expected sharegpt, json, jsonl or text")
+        return
+    if data.path is None:
+        raise SourceError(f"data.source={source} needs data.path")
+    _check_file(data.path, "jsonl" if source in ("jsonl", "text") else "json")
+    yield from (jsonl_records(data.path, SourceError, bounds=bounds) if source in ("jsonl", "text")
+                else json_array_records(data.path, SourceError, bounds))
 
 
 def _sample_id(record: dict, index: int) -> tuple[str | None, Drop | None]:
@@ -234,16 +292,16 @@ def explain_text(record: object) -> tuple[str | None, Drop | None]:
     return (None, bad) if bad else (text, None)
 
 
-def load_conversations(data_cfg: Any) -> Conversations:
+def load_conversations(data: DataConfig) -> Conversations:
     """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by
     reason (see the module docstring); SourceError when the file cannot be read at all. For
     `data.source=text` the items are the texts."""
-    explain = explain_text if data_cfg.get("source") == "text" else explain_record
+    explain = explain_text if data.source == "text" else explain_record
     out = Conversations(items=[])
-    skip, limit = int(data_cfg.get("skip", 0)), data_cfg.get("max_samples")
+    skip, limit = data.skip, data.max_samples
     seen = 0
     first_at: dict[str, str] = {}  # sample id -> where its (accepted) record is
-    for n, item in enumerate(_records(data_cfg)):
+    for n, item in enumerate(_records(data)):
         if limit is not None and len(out.items) >= int(limit):
             break
         if isinstance(item, Rejected):

@@ -3,8 +3,10 @@
 A shard concatenates many samples: `input_ids` [T] int32, `loss_mask` [T] uint8, `hidden` [T, H]
 (H_i, the last decoder layer's output before the final norm) in the storage dtype, `offsets` [n+1]
 int64; sample ids are in the safetensors metadata. The manifest holds the schema version, the
-target fingerprint, the captured layers, the data source and, per shard, sample and token counts and
-the sha256.
+target fingerprint, the captured layers, the data source and, per shard, sample and token counts, the
+sha256, the sample ids and each sample's content hash (`sample_hashes`, `sample_hash`: the sha256 of
+its stored input ids and loss mask, 16 hex digits), what a resumed precompute compares with the
+tokenized data to find the records that changed since they were stored.
 
 Storage dtypes: bfloat16 (default), float16, float32, and fp8 (`float8_e4m3fn`, config alias `fp8`)
 with a per-token fp32 scale `hidden_scale` [T] = amax(|H_t|) / 448 (1 for an all-zero row), the
@@ -20,8 +22,8 @@ over the shard.
 Writes: every file is written to a dot-prefixed temp name, fsynced, renamed, and the directory is
 fsynced; the manifest is rewritten the same way after each shard. A kill at any point leaves the
 manifest listing only finished shards: a shard renamed into place but not yet in the manifest is
-rewritten (identically) by the resumed run, and leftover temp files are removed when a writer opens
-the directory.
+removed when a writer resumes and written again (identically) by the resumed run, and leftover temp
+files are removed when a writer opens the directory.
 
 Integrity: the manifest records each shard's size (`bytes`; manifests from before it lack it and
 skip only the size check) and sha256. Every open of a store for reading (`FeatureStore`) checks
@@ -34,8 +36,18 @@ verification by a hash of the manifest and each shard's (size, mtime_ns), so lat
 hashing until the manifest or a shard changes (a rewrite changes the mtime). A store on a read-only
 mount still opens: the stamp cannot be written, so every open hashes again (logged). A damaged
 shard is a StoreError naming the file. A resumed writer (`StoreWriter` over an existing manifest)
-checks the size and header of every finished shard; from the first damaged or missing one on, the
-shards are dropped from the manifest and recomputed by the resumed run (logged).
+checks the size, header and sha256 of every finished shard (the hashing skipped while the stamp
+vouches for the store as it is); from the first damaged or missing one on, the shards are dropped
+from the manifest and recomputed by the resumed run (a warning names the file). `spechead verify`
+removes the stamp when it finds a corrupt shard, so the next resume hashes again and repairs it.
+
+Changed records: `StoreWriter.stored_hashes` gives each stored sample's content hash (a shard
+written before `sample_hashes` existed gets them from its own input ids and loss masks, read from
+the file, and keeps them in the manifest from its next write on: older stores resume by content
+too). `StoreWriter.drop_samples` removes samples from the finished shards: each shard holding one
+is rewritten without it under a new name (the other samples' bytes copied unchanged), the manifest
+switches to the new files in one atomic write, then the old files are removed; shard files the
+manifest does not list are removed when a writer resumes.
 
 Target fingerprint (`core/fingerprint.py`, `inference_eval.model.target_fingerprint`): sha256 of the config (volatile keys dropped), of the
 tokenizer + chat template files, and `weights_sha256`: the sha256 of every weight file's name,
@@ -53,12 +65,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -76,10 +90,67 @@ FP8 = "float8_e4m3fn"
 STORAGE_DTYPES = {**DTYPES, FP8: torch.float8_e4m3fn}
 STORAGE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": FP8, "fp8_e4m3": FP8}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SHARD_FILE = re.compile(r"shards/shard-(\d+)\.safetensors")
+SAMPLE_HASH_HEX = 16  # 64 bits: a changed record goes unnoticed with probability 2^-64
 
 
 class StoreError(RuntimeError):
     pass
+
+
+def sample_hash(input_ids: Any, loss_mask: Any) -> str:
+    """A sample's content hash: the sha256 of its input ids as int32 and its loss mask as uint8 (the bytes
+    a shard stores; lists or CPU tensors), its first `SAMPLE_HASH_HEX` hex digits. The hidden states are
+    a function of these and of the target, which the fingerprint covers."""
+    h = hashlib.sha256(np.asarray(input_ids, dtype="<i4").tobytes())
+    h.update(np.asarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()[:SAMPLE_HASH_HEX]
+
+
+def _shard_sample_hashes(path: Path) -> list[str]:
+    """The content hashes of a shard's samples, from its stored input ids and loss masks (no hidden bytes read)."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            offs = f.get_tensor("offsets").tolist()
+            ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+    except Exception as e:
+        raise StoreError(f"{path}: cannot read the shard's input ids ({e})") from e
+    return [sample_hash(ids[a:b], mask[a:b]) for a, b in zip(offs, offs[1:])]
+
+
+def _sha256_shards(root: Path, shards: list[dict[str, Any]]) -> list[str]:
+    """The sha256 of each shard file, several at once: hashlib releases the GIL on large reads, so threads
+    use several cores and keep a fast disk busy (one thread: ≈ 37 min for 3.3 TB)."""
+    if not shards:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(shards)))) as pool:
+        return list(pool.map(lambda sh: sha256_file(root / sh["file"]), shards))
+
+
+def _stamp_key(manifest_bytes: bytes, stats: dict[str, tuple[int, int]]) -> str:
+    """What a verification stamp vouches for: the manifest's bytes and each shard's (size, mtime_ns)."""
+    h = hashlib.sha256(manifest_bytes)
+    h.update(json.dumps(sorted((f, *v) for f, v in stats.items())).encode())
+    return h.hexdigest()
+
+
+def _stamped(root: Path, key: str) -> bool:
+    try:
+        return json.loads((root / STAMP).read_text()).get("key") == key
+    except (OSError, ValueError, AttributeError):
+        return False  # no stamp, an unreadable one, or one from another format: verify
+
+
+def _write_stamp(root: Path, key: str, stats: dict[str, tuple[int, int]]) -> OSError | None:
+    """Record a passed sha256 verification of the store at `root` as it is (`_stamp_key`); the error where
+    the stamp cannot be written (a read-only store), else None."""
+    record = {"key": key, "method": "sha256", "shards": len(stats), "bytes": sum(size for size, _ in stats.values()),
+              "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:  # atomic_write's temp name carries the pid: ranks may stamp together
+        atomic_write_bytes(root / STAMP, json.dumps(record, indent=1).encode())
+    except OSError as e:
+        return e
+    return None
 
 
 def _expected_shard_tensors(shard: dict[str, Any], hidden_size: int, dtype: str,
@@ -166,8 +237,11 @@ class Sample:
 class StoreWriter:
     """Appends samples, cuts shards by token budget, keeps the manifest current.
 
-    Re-opening a directory whose manifest matches (same fingerprint and settings) resumes: the
-    samples already in finished shards are reported by `done_ids` and skipped by the caller.
+    Re-opening a directory whose manifest matches (same fingerprint and settings) resumes: damaged
+    shards are dropped (`_drop_damaged_shards`), the samples already in finished shards are reported
+    by `done_ids` and skipped by the caller, which compares their content hashes (`stored_hashes`)
+    with its own and removes the changed ones first (`drop_samples`). `previous_manifest` is the
+    manifest found on opening (None for a new store).
     """
 
     def __init__(self, root: str | Path, fingerprint: dict[str, Any], hidden_size: int,
@@ -193,10 +267,12 @@ class StoreWriter:
             self.manifest["hidden_scale"] = "float32 per token: amax(|H_t|) / 448"
             self.manifest["dequantized_dtype"] = dequantized_dtype_name(fingerprint)
         existing = self.root / "manifest.json"
+        self.previous_manifest: dict[str, Any] | None = None
         if existing.exists():
+            manifest_bytes = existing.read_bytes()
             try:
-                old = json.loads(existing.read_text())
-            except json.JSONDecodeError as e:
+                old = json.loads(manifest_bytes)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise StoreError(f"{existing}: unreadable manifest ({e}); not a store this writer made") from e
             if same_target_but_method(old.get("target_fingerprint"), fingerprint):
                 self.manifest["target_fingerprint"] = old["target_fingerprint"]  # header vs full: same target
@@ -208,33 +284,68 @@ class StoreWriter:
                 raise StoreError(f"{existing}: an existing store with other settings (differs in {', '.join(diffs)}"
                                  f"{'; ' + detail if detail else ''}); resuming would mix them in one store: "
                                  "choose a new directory or delete it")
+            self.previous_manifest = old
             self.manifest["shards"] = old["shards"]
             self.manifest["complete"] = old.get("complete", False)
-            self._drop_damaged_shards()
+            self._drop_damaged_shards(manifest_bytes)
+            self._remove_unlisted_shards()
         self._remove_stale_temps()
         self._pending: list[Sample] = []
         self._pending_tokens = 0
 
-    def _drop_damaged_shards(self) -> None:
+    def _drop_damaged_shards(self, manifest_bytes: bytes) -> None:
         """Resume trusts no finished shard blindly: each one's size and header are checked (no tensor
-        bytes read). From the first missing or damaged shard on, the shards leave the manifest (shard
-        names are positional) and their samples are recomputed by the resumed run; the damaged file is
-        removed and the later ones are rewritten identically."""
+        bytes read), then its sha256 against the manifest's — unless the store's verification stamp
+        (`FeatureStore`'s, which this check also writes when every shard passes) vouches for the manifest
+        and every shard's size and mtime as they are. The hashing reads the whole store once (threads,
+        like a full open); a complete store rerun unchanged costs it once, later reruns only the stamp.
+        From the first missing or damaged shard on, the shards leave the manifest and their samples are
+        recomputed by the resumed run, in the batches of an uninterrupted run (a store no `drop_samples`
+        has changed comes back byte for byte as an uninterrupted run writes it). The damaged file is
+        removed (a warning names it), the later ones too (`_remove_unlisted_shards`)."""
         shards = self.manifest["shards"]
+        bad, problem, stats = len(shards), "", {}
         for i, shard in enumerate(shards):
-            path = self.root / shard["file"]
             try:
-                check_shard(path, shard, self.manifest["hidden_size"], self.dtype, len(self.aux_layers))
+                st = check_shard(self.root / shard["file"], shard, self.manifest["hidden_size"], self.dtype,
+                                 len(self.aux_layers))
+                stats[shard["file"]] = (st.st_size, st.st_mtime_ns)
             except StoreError as e:
-                later = len(shards) - i - 1
-                log.warning("%s; resuming recomputes its %d samples%s", e, shard["num_samples"],
-                            f" and those of the {later} shard(s) after it" if later else "")
-                self.manifest["shards"] = shards[:i]
-                self.manifest["complete"] = False
-                self._write_manifest()  # no reader may take the damaged shard for a finished one
-                if path.is_file():
-                    path.unlink()
-                return
+                bad, problem = i, str(e)
+                break
+        key = _stamp_key(manifest_bytes, stats) if bad == len(shards) else None
+        if key is None or not _stamped(self.root, key):
+            t0 = time.perf_counter()
+            for i, (shard, digest) in enumerate(zip(shards, _sha256_shards(self.root, shards[:bad]))):
+                if digest != shard["sha256"]:
+                    bad, problem = i, (f"{self.root / shard['file']}: sha256 {digest[:16]}… does not match the "
+                                       f"manifest's {shard['sha256'][:16]}… (corrupt shard)")
+                    break
+            else:
+                if bad:
+                    log.info("%s: sha256 of %d finished shards checked in %.1fs", self.root, bad,
+                             time.perf_counter() - t0)
+                if key is not None:
+                    _write_stamp(self.root, key, stats)  # a read-only store is not written to anyway
+        if bad == len(shards):
+            return
+        later = len(shards) - bad - 1
+        log.warning("%s; resuming recomputes its %d samples%s", problem, shards[bad]["num_samples"],
+                    f" and those of the {later} shard(s) after it" if later else "")
+        self.manifest["shards"] = shards[:bad]
+        self.manifest["complete"] = False
+        self._write_manifest()  # no reader may take the damaged shard for a finished one
+        (self.root / shards[bad]["file"]).unlink(missing_ok=True)
+
+    def _remove_unlisted_shards(self) -> None:
+        """Shard files the manifest does not list: those after a damaged one, and those a kill left between
+        writing a rewritten shard and switching the manifest (`drop_samples`). Under the writer's lock
+        nothing else writes here; readers read only what the manifest lists."""
+        listed = {shard["file"] for shard in self.manifest["shards"]}
+        for path in sorted((self.root / "shards").glob("shard-*.safetensors")):
+            if f"shards/{path.name}" not in listed:
+                log.info("removing %s: not in the manifest", path)
+                path.unlink(missing_ok=True)
 
     def _remove_stale_temps(self) -> None:
         # A kill during a write leaves `.<name>.tmp`; it is never read, but remove it so the
@@ -246,6 +357,76 @@ class StoreWriter:
     @property
     def done_ids(self) -> set[str]:
         return {sid for s in self.manifest["shards"] for sid in s["sample_ids"]}
+
+    def stored_hashes(self) -> dict[str, str]:
+        """{sample id: content hash (`sample_hash`)} of the samples in finished shards. A shard written
+        before the manifest held `sample_hashes` gets them from its own input ids and loss masks (read
+        from the file, whose sha256 the resume has checked), kept in the manifest from its next write on."""
+        out: dict[str, str] = {}
+        for shard in self.manifest["shards"]:
+            if "sample_hashes" not in shard:
+                shard["sample_hashes"] = _shard_sample_hashes(self.root / shard["file"])
+            out.update(zip(shard["sample_ids"], shard["sample_hashes"]))
+        return out
+
+    def drop_samples(self, ids: set[str]) -> None:
+        """Remove the samples `ids` from the finished shards, keeping every other sample's bytes: each
+        shard holding one is rewritten without it under a new name (a shard left empty is dropped), then
+        the manifest switches to the new files in one atomic write and the old files are removed. A kill
+        before that write leaves the store as it was (the new files, unlisted, are removed by the next
+        writer); after it, the store without the samples. The store is incomplete until the caller has
+        added them again and closed it."""
+        shards, replaced, written = [], [], []
+        for shard in self.manifest["shards"]:
+            keep = [j for j, sid in enumerate(shard["sample_ids"]) if sid not in ids]
+            if len(keep) == shard["num_samples"]:
+                shards.append(shard)
+                continue
+            replaced.append(self.root / shard["file"])
+            if keep:
+                shards.append(self._rewrite_shard(shard, keep, written))
+                written.append(shards[-1]["file"])
+        if not replaced:
+            return
+        self.manifest["shards"] = shards
+        self.manifest["complete"] = False
+        self._write_manifest()
+        for path in replaced:
+            path.unlink(missing_ok=True)
+
+    def _rewrite_shard(self, shard: dict[str, Any], keep: list[int], taken: list[str]) -> dict[str, Any]:
+        """A new shard file (a name neither listed nor in `taken`) holding the samples at positions `keep`
+        of `shard`, their tensor bytes copied unchanged; its manifest entry."""
+        path = self.root / shard["file"]
+        with safe_open(path, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        offs = tensors.pop("offsets").tolist()
+        spans = [(offs[j], offs[j + 1]) for j in keep]
+        out = {k: torch.cat([v[a:b] for a, b in spans]) for k, v in tensors.items()}  # the others are per token
+        out["offsets"] = torch.zeros(len(keep) + 1, dtype=torch.int64)
+        out["offsets"][1:] = torch.tensor([b - a for a, b in spans]).cumsum(0)
+        hashes = shard.get("sample_hashes")
+        return self._save_shard(out, [shard["sample_ids"][j] for j in keep],
+                                [hashes[j] for j in keep] if hashes else None, taken)
+
+    def _save_shard(self, tensors: dict[str, torch.Tensor], ids: list[str], hashes: list[str] | None,
+                    taken: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+        """Write a shard (atomically) under the next free name and return its manifest entry. The name is
+        one past the highest index of the listed shards and `taken`: the number of shards while no shard
+        has been rewritten, so a resumed run names its shards as an uninterrupted one does."""
+        used = [int(m.group(1)) for f in [*(s["file"] for s in self.manifest["shards"]), *taken]
+                if (m := SHARD_FILE.fullmatch(f))]
+        name = f"shards/shard-{max(used, default=-1) + 1:05d}.safetensors"
+        path = self.root / name
+        offsets = tensors["offsets"]
+        if hashes is None:
+            hashes = [sample_hash(tensors["input_ids"][a:b], tensors["loss_mask"][a:b])
+                      for a, b in zip(offsets.tolist(), offsets[1:].tolist())]
+        # save_file streams the tensors to disk (no second in-memory copy of a multi-GB shard)
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)}))
+        return {"file": name, "num_samples": len(ids), "num_tokens": int(offsets[-1]),
+                "num_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": path.stat().st_size,
+                "sha256": sha256_file(path), "sample_ids": ids, "sample_hashes": hashes}
 
     @property
     def complete(self) -> bool:
@@ -260,8 +441,6 @@ class StoreWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        index = len(self.manifest["shards"])
-        name = f"shards/shard-{index:05d}.safetensors"
         lengths = [int(s.input_ids.numel()) for s in self._pending]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
@@ -287,14 +466,8 @@ class StoreWriter:
             else:
                 tensors["aux_hidden"] = aux.to(STORAGE_DTYPES[self.dtype])
         ids = [s.sample_id for s in self._pending]
-        path = self.root / name
-        # save_file streams the tensors to disk (no second in-memory copy of a multi-GB shard)
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)}))
-        self.manifest["shards"].append({
-            "file": name, "num_samples": len(ids), "num_tokens": int(offsets[-1]),
-            "num_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": path.stat().st_size,
-            "sha256": sha256_file(path), "sample_ids": ids,
-        })
+        hashes = [sample_hash(s.input_ids, s.loss_mask) for s in self._pending]
+        self.manifest["shards"].append(self._save_shard(tensors, ids, hashes))
         self._write_manifest()
         self._pending, self._pending_tokens = [], 0
 
@@ -365,10 +538,10 @@ class FeatureStore:
         if self.verify_mode == "full":
             self._verify_full(manifest_bytes, stats)
 
-    def _damaged(self, problems: list[str], checksums: bool = False) -> StoreError:
-        hint = (f"delete the store and precompute it again; `spechead verify {self.root}` lists every corrupt shard"
-                if checksums else "rerun precompute on the store (a resumed run recomputes shards whose size or "
-                "header is damaged) or delete it and precompute it again")
+    def _damaged(self, problems: list[str]) -> StoreError:
+        hint = ("rerun precompute on the store (a resumed run recomputes the samples of shards whose size, header "
+                f"or sha256 is damaged) or delete it and precompute it again; `spechead verify {self.root}` lists "
+                "every corrupt shard")
         if len(problems) == 1:
             return StoreError(f"{problems[0]}; {hint}")
         shown = "; ".join(problems[:8]) + (f"; ... and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -388,42 +561,25 @@ class FeatureStore:
             raise self._damaged(problems)
         return stats
 
-    @staticmethod
-    def _stamp_key(manifest_bytes: bytes, stats: dict[str, tuple[int, int]]) -> str:
-        h = hashlib.sha256(manifest_bytes)
-        h.update(json.dumps(sorted((f, *v) for f, v in stats.items())).encode())
-        return h.hexdigest()
-
     def _verify_full(self, manifest_bytes: bytes, stats: dict[str, tuple[int, int]]) -> None:
-        stamp, key = self.root / STAMP, self._stamp_key(manifest_bytes, stats)
-        try:
-            if json.loads(stamp.read_text()).get("key") == key:
-                log.debug("%s: sha256 verified before (%s, unchanged since)", self.root, stamp)
-                return
-        except (OSError, ValueError, AttributeError):
-            pass  # no stamp, an unreadable one, or one from another format: verify
+        key = _stamp_key(manifest_bytes, stats)
+        if _stamped(self.root, key):
+            log.debug("%s: sha256 verified before (%s, unchanged since)", self.root, self.root / STAMP)
+            return
         t0 = time.perf_counter()
         problems = []
         shards = self.manifest["shards"]
-        # several shards at once: hashlib releases the GIL on large reads, so threads use several cores
-        # and keep a fast disk busy (one thread: ≈ 37 min for 3.3 TB)
-        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(shards)))) as pool:
-            digests = list(pool.map(lambda sh: sha256_file(self.root / sh["file"]), shards))
-        for shard, digest in zip(shards, digests):
+        for shard, digest in zip(shards, _sha256_shards(self.root, shards)):
             path = self.root / shard["file"]
             if digest != shard["sha256"]:
                 problems.append(f"{path}: sha256 {digest[:16]}… does not match the manifest's "
                                 f"{shard['sha256'][:16]}… (corrupt shard)")
         if problems:
-            raise self._damaged(problems, checksums=True)
+            raise self._damaged(problems)
         total = sum(size for size, _ in stats.values())
         log.info("%s: sha256 of %d shards (%.2f GB) verified in %.1fs", self.root, len(stats), total / 1e9,
                  time.perf_counter() - t0)
-        record = {"key": key, "method": "sha256", "shards": len(stats), "bytes": total,
-                  "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        try:  # atomic_write's temp name carries the pid: ranks may stamp together
-            atomic_write_bytes(stamp, json.dumps(record, indent=1).encode())
-        except OSError as e:
+        if (e := _write_stamp(self.root, key, stats)) is not None:
             log.warning("%s: cannot write the verification stamp (%s); the store is verified, but the next "
                         "open with full verification hashes it again (train.data.verify_store=header skips that)",
                         self.root, e)
@@ -500,12 +656,21 @@ class FeatureStore:
         return out
 
     def verify(self) -> list[str]:
-        """Recompute every shard's sha256; return the files that do not match (empty: all good)."""
+        """Recompute every shard's sha256; return the files that do not match (empty: all good), removing the
+        verification stamps that vouched for them."""
         bad = []
         for shard in self.manifest["shards"]:
             path = self.root / shard["file"]
             if not path.exists() or sha256_file(path) != shard["sha256"]:
                 bad.append(str(path))
+        # A stamp that vouches for a corrupt shard (its bytes changed, its mtime did not) would let a full
+        # open or a resumed precompute skip the hashing that finds it: remove the stamps of the store and of
+        # the rank stores holding a corrupt shard, so a rerun of precompute repairs them.
+        for store_dir in {self.root, *(Path(p).parent.parent for p in bad)} if bad else ():
+            try:
+                (store_dir / STAMP).unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only store: it is never stamped
         return bad
 
     def __getstate__(self):  # DataLoader workers reopen shards lazily

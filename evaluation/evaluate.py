@@ -14,11 +14,11 @@ import torch
 
 from artifacts.export import load_any
 from core.files import atomic_write_bytes
-from core.progress import Progress, log_interval
+from core.progress import DEFAULT_EVERY_S, Progress, log_interval
 from core.timing import Paired, measure_pairs
 from data.conversations import load_tokenizer
 from data.prompts import DATASETS, load_prompts, stop_token_ids
-from data.sources import target_config
+from data.sources import DataConfig, target_config
 from data.store import DTYPES, FeatureStore
 from evaluation.tau_stats import tau_standard_error
 from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
@@ -303,7 +303,7 @@ def load_evaluation_target(cfg: Any) -> EvalTarget:
     tc = target_config(cfg.target)
     target_dir = tc.dir
     log.info("evaluate: loading the target %s (%s) from %s", tc.name, tc.dtype, target_dir)
-    tokenizer = load_tokenizer(target_dir, cfg.data)  # with data.chat_template's template when set
+    tokenizer = load_tokenizer(target_dir, DataConfig.of(cfg.data).chat_template)  # data.chat_template's, when set
     target = load_target(tc, "engine")
     device = target.device
     head_dtype = cfg.evaluate.get("head_dtype") or tc.dtype
@@ -569,8 +569,9 @@ def run_evaluation(cfg: Any) -> dict[str, Any]:
     if tree is not None:  # a tree's draft depth plays the part of k
         tree = {key: int(v) for key, v in tree.items()}
         k = tree.setdefault("depth", 4)
+    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
     rs = RunSettings(prompts, max_new, batch_size, sampling, int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1)),
-                     tree, bool(cfg.get("progress", True)), log_interval(cfg))
+                     tree, bool(cfg.get("progress", True)), every_s)
     report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": et.head_dtype,
                               "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
                               "prompts": len(prompts), "k": "auto" if auto_k else k, "max_new_tokens": max_new,

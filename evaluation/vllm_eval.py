@@ -30,9 +30,9 @@ from typing import Any
 from artifacts.export import VLLM_METHODS, check_servable, detect_format, load_any, vllm_export
 from data.conversations import load_tokenizer
 from data.prompts import load_prompts, stop_token_ids
-from data.sources import target_config
+from data.sources import DataConfig, target_config
 from inference_eval.model import tied_target
-from inference_eval.vllm_backend import vllm_python
+from inference_eval.vllm_backend import VllmSettings, vllm_python
 from inference_eval.vllm_spec import VLLMRunner, rate, spec_figures
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ def check_vllm_evaluation(cfg: Any) -> None:
                         "evaluate.turns=[1]")
     if problems:
         raise ValueError("evaluate.engine=vllm: " + "; ".join(problems))
-    vllm_python(ecfg.vllm.get("python"), "evaluate.vllm.python", "evaluate.engine=vllm")
+    vllm = VllmSettings.of(ecfg.get("vllm"), "evaluate.vllm")
+    vllm_python(vllm.python, "evaluate.vllm.python", "evaluate.engine=vllm")
 
 
 def result_entry(label: str, k: int, res: dict, plain: dict | None, head_kind: str, served: Path, method: str
@@ -108,7 +109,7 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
     ecfg = cfg.evaluate
     tc = target_config(cfg.target)
     target_dir = tc.dir
-    tokenizer = load_tokenizer(target_dir, cfg.data)
+    tokenizer = load_tokenizer(target_dir, DataConfig.of(cfg.data).chat_template)
     stops = stop_token_ids(tokenizer)
     prompts = load_prompts(cfg, tokenizer, None, stops)
     if not prompts:
@@ -123,7 +124,7 @@ def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
                               "tensor_parallel_size": int(ecfg.vllm.get("tensor_parallel_size", 1)), "results": {}}
     out_root = Path(cfg.run_dir) / "eval_vllm"
     with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
-        runner = VLLMRunner(ecfg.vllm, target_dir, tc.dtype, int(ecfg.max_new_tokens),
+        runner = VLLMRunner(VllmSettings.of(ecfg.vllm, "evaluate.vllm"), target_dir, tc.dtype, int(ecfg.max_new_tokens),
                             int(ecfg.get("batch_size", 1)), max(len(p["ids"]) for p in prompts), stops, Path(tmp))
         report["data_parallel_size"] = runner.replicas
         plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None

@@ -50,7 +50,7 @@ from data.sources import target_config
 from data.store import FeatureStore
 from experiments.cache import config_sections, digest
 from experiments.runner import apply_overrides, flatten, head_preset, run_point
-from heads.registry import head_aux_layers
+from heads.registry import head_aux_layers, head_config
 from inference_eval.model import target_args
 from train.data import FeatureDataModule
 
@@ -118,7 +118,7 @@ def store_for(cfg: DictConfig, head_cfg: DictConfig) -> Path:
     with open_dict(sc):
         sc.head = head_cfg
         num_layers = target_args(target_config(cfg.target).dir).num_hidden_layers
-        sc.precompute.aux_layers = list(head_aux_layers(head_cfg, num_layers))
+        sc.precompute.aux_layers = list(head_aux_layers(head_config(head_cfg)[1], num_layers))
         sc.store_dir = str(Path(cfg.run_dir) / "stores" / store_key(sc))
     store, _ = run_precompute(sc)
     return Path(store)
@@ -201,7 +201,7 @@ class Study:
         key = json.dumps([variant["data"], split_overrides(variant)[0]], sort_keys=True, default=str)
         if key not in self.data_cfgs:
             self.data_cfgs[key] = data_config(self.cfg, variant, f"study.variants.{name}")
-        aux = head_aux_layers(head_cfg, self.num_layers)
+        aux = head_aux_layers(head_config(head_cfg)[1], self.num_layers)
         if (key, aux) not in self.stores:
             self.stores[(key, aux)] = store_for(self.data_cfgs[key], head_cfg)
         return self.data_cfgs[key], self.stores[(key, aux)]

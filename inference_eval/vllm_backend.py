@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from core.safetensors_io import checkpoint_files, read_safetensors_header
-from heads.registry import resolve_aux_layers
+from heads.registry import head_config, resolve_aux_layers
 from inference_eval.vllm_worker import read_sample_states
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -132,35 +133,67 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def data_parallel_size(vcfg: Any, setting: str) -> int:
-    value = int(vcfg.get("data_parallel_size", 1) or 1)
-    if value < 1:
-        raise ValueError(f"{setting}={value}: expected a whole number ≥ 1 (vLLM replicas, each over "
-                         "tensor_parallel_size devices)")
-    return value
+@dataclass(frozen=True)
+class VllmSettings:
+    """A `*.vllm` section (`precompute.vllm`, `regenerate.vllm`, `evaluate.vllm`): how a vLLM worker is started —
+    its environment's python, the devices it shards the target over and the replicas beside it, its memory, the
+    startup wait, the batches queued in it (precompute), whether it outlives a call (tests), more `vllm.LLM`
+    arguments and environment variables. `setting` is the section's dotted name, for messages. Built once by
+    `VllmSettings.of`; the counts are checked here."""
+
+    setting: str
+    python: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    gpu_memory_utilization: float | str = "auto"  # auto: the target's weights per GPU + 4 GB (precompute, regenerate)
+    cpu_kvcache_space_gb: int = 1
+    startup_timeout_s: float = 900.0
+    in_flight: int = 2
+    keep_worker: bool = False
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, what in (("tensor_parallel_size", "devices the target is sharded over"),
+                          ("data_parallel_size", "vLLM replicas, each over tensor_parallel_size devices"),
+                          ("in_flight", "batches queued in the worker at once; 1: one at a time")):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.setting}.{key}={value!r}: expected a whole number ≥ 1 ({what})")
+        object.__setattr__(self, "env", {str(k): str(v) for k, v in self.env.items()})
+
+    @classmethod
+    def of(cls, section: Any, setting: str) -> "VllmSettings":
+        """The typed form of a `*.vllm` section (a DictConfig or a mapping; None: the defaults). A key that is not a
+        vLLM setting is refused, naming it."""
+        if section is None:
+            return cls(setting)
+        if not isinstance(section, dict):
+            from omegaconf import OmegaConf
+
+            section = OmegaConf.to_container(section, resolve=True)
+        known = {f.name for f in fields(cls)} - {"setting"}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(f"{setting}.{unknown[0]}: not a vLLM setting (expected {', '.join(sorted(known))})")
+        values = {k: v for k, v in section.items() if v is not None or k == "python"}
+        for key in ("llm_kwargs", "env"):
+            values[key] = dict(values.get(key) or {})
+        return cls(setting, **values)
 
 
-def worker_env(vcfg: Any, tensor_parallel_size: int) -> dict[str, str]:
+def worker_env(vllm: VllmSettings) -> dict[str, str]:
     """A vLLM worker's environment: this one, spechead importable, the CPU build's KV-cache space, this
-    replica's GPUs (`replica_devices`) and the config's `env`."""
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE": str(vcfg.get("cpu_kvcache_space_gb", 1)),
+    replica's GPUs (`replica_devices`) and the section's `env`."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kvcache_space_gb),
             "TOKENIZERS_PARALLELISM": "false",
-            **replica_devices(tensor_parallel_size, os.environ, torch.cuda.device_count()),
-            **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}}
+            **replica_devices(vllm.tensor_parallel_size, os.environ, torch.cuda.device_count()), **vllm.env}
 
 
 def checkpoint_parameters(target_dir: str | Path) -> int:
     """Elements of every tensor in a checkpoint directory's safetensors files (headers only)."""
     headers = [read_safetensors_header(f, validate=False)[0] for f in checkpoint_files(Path(target_dir))]
     return sum(math.prod(t["shape"]) for h in headers for name, t in h.items() if name != "__metadata__")
-
-
-def in_flight(setting: Any) -> int:
-    """`precompute.vllm.in_flight`: batches queued in the worker at once (≥ 1; 1 = one at a time)."""
-    value = int(setting)
-    if value < 1:
-        raise ValueError(f"precompute.vllm.in_flight={setting!r}: expected a whole number ≥ 1")
-    return value
 
 
 # what vLLM needs beside the weights shard, per GPU: CUDA context, activations of a prefill batch, a
@@ -268,37 +301,38 @@ class VLLMBackend:
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
         """The backend for `cfg` (precompute.vllm.*, target.*, data.max_length, the store's aux layers
         from `precompute.aux_layers`), reusing a worker kept by an earlier call with the same settings."""
-        vcfg = cfg.precompute.get("vllm") or {}
-        python = vllm_python(vcfg.get("python"))
+        vllm = VllmSettings.of(cfg.precompute.get("vllm"), "precompute.vllm")
+        python = vllm_python(vllm.python)
         hf = _hf_config(target_dir)
         args = {"num_hidden_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
                 "max_position_embeddings": int(hf.get("max_position_embeddings") or 1 << 30)}
-        aux_layers = resolve_aux_layers(cfg, args["num_hidden_layers"])
+        aux_layers = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"),
+                                        head_config(cfg.get("head") or {})[1], args["num_hidden_layers"])
         max_len = cfg.get("data", {}).get("max_length")
         # a request is its prompt plus the one generated token vLLM insists on
         max_model_len = min(args["max_position_embeddings"], int(max_len) + 1 if max_len else 1 << 30)
         init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
                 "aux_layers": list(aux_layers), "num_hidden_layers": args["num_hidden_layers"], "args": args,
                 "max_model_len": max_model_len,
-                "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
+                "tensor_parallel_size": vllm.tensor_parallel_size,
                 "gpu_memory_utilization": gpu_memory_utilization(
-                    vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype,
-                    int(vcfg.get("tensor_parallel_size", 1)), _gpu_bytes()),
-                "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        env = worker_env(vcfg, init["tensor_parallel_size"])
-        keep = bool(vcfg.get("keep_worker", False))
+                    vllm.gpu_memory_utilization, checkpoint_parameters(target_dir), dtype, vllm.tensor_parallel_size,
+                    _gpu_bytes()),
+                "llm_kwargs": vllm.llm_kwargs}
+        env = worker_env(vllm)
+        keep = bool(vllm.keep_worker)
         key = json.dumps([str(python), init], sort_keys=True)
         with _LOCK:
             live = _LIVE.get(key)
             if live is not None and live.alive:
-                live.in_flight = in_flight(vcfg.get("in_flight", 2))
+                live.in_flight = vllm.in_flight
                 return live
             for other in list(_LIVE.values()):  # one kept worker at a time
                 other.close(force=True)
-            backend = cls(python, init, env, float(vcfg.get("startup_timeout_s", 900)), keep=keep)
+            backend = cls(python, init, env, float(vllm.startup_timeout_s), keep=keep)
             if keep:
                 _LIVE[key] = backend
-        backend.in_flight = in_flight(vcfg.get("in_flight", 2))
+        backend.in_flight = vllm.in_flight
         return backend
 
     @property
@@ -436,26 +470,24 @@ class VLLMGenerator(VLLMBackend):
     def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMGenerator":
         """The generator for `cfg` (`regenerate.vllm.*`: python, tensor_parallel_size, memory, env)."""
         rcfg = cfg.regenerate
-        vcfg = rcfg.get("vllm") or {}
-        python = vllm_python(vcfg.get("python"), "regenerate.vllm.python", cls.stage)
+        vllm = VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm")
+        python = vllm_python(vllm.python, "regenerate.vllm.python", cls.stage)
         hf = _hf_config(target_dir)
         longest = int(rcfg.max_prompt_tokens) + int(rcfg.max_new_tokens) + 2
-        tp = int(vcfg.get("tensor_parallel_size", 1))
+        tp = vllm.tensor_parallel_size
         init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
                 "max_model_len": min(int(hf.get("max_position_embeddings") or longest), longest),
                 "tensor_parallel_size": tp,
                 "gpu_memory_utilization": gpu_memory_utilization(
-                    vcfg.get("gpu_memory_utilization", "auto"), checkpoint_parameters(target_dir), dtype, tp,
-                    _gpu_bytes()),
-                "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        replicas = data_parallel_size(vcfg, "regenerate.vllm.data_parallel_size")
+                    vllm.gpu_memory_utilization, checkpoint_parameters(target_dir), dtype, tp, _gpu_bytes()),
+                "llm_kwargs": vllm.llm_kwargs}
+        replicas = vllm.data_parallel_size
         if replicas == 1:
-            return cls(python, init, worker_env(vcfg, tp), float(vcfg.get("startup_timeout_s", 900)))
+            return cls(python, init, worker_env(vllm), float(vllm.startup_timeout_s))
         gpus, cores = torch.cuda.device_count(), usable_cores()
-        envs = [{**worker_env(vcfg, tp), **replica_env(r, replicas, tp, gpus, cores, "regenerate.vllm.data_parallel_size"),
-                 **{str(k): str(v) for k, v in (vcfg.get("env") or {}).items()}} for r in range(replicas)]
-        return VLLMReplicas([cls(python, init, env, float(vcfg.get("startup_timeout_s", 900)), wait=False)
-                             for env in envs])
+        envs = [{**worker_env(vllm), **replica_env(r, replicas, tp, gpus, cores, "regenerate.vllm.data_parallel_size"),
+                 **vllm.env} for r in range(replicas)]
+        return VLLMReplicas([cls(python, init, env, float(vllm.startup_timeout_s), wait=False) for env in envs])
 
     def generate_ids(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from inference_eval.vllm_backend import (
+    VllmSettings,
     check_vllm_version,
-    data_parallel_size,
     replica_env,
     usable_cores,
     vllm_python,
@@ -31,32 +31,31 @@ log = logging.getLogger(__name__)
 
 class VLLMRunner:
     """One vLLM process per job (a worker run): the target, the decoding settings, the environment.
-    `vcfg`: an `evaluate.vllm`-shaped section (python, tensor_parallel_size, gpu_memory_utilization,
-    cpu_kvcache_space_gb, startup_timeout_s, env, llm_kwargs); `what`: the setting that asked for vLLM, named
+    `vllm`: an `evaluate.vllm`-shaped section, typed (python, tensor_parallel_size, gpu_memory_utilization — `auto`
+    is 0.9 of each GPU here —, cpu_kvcache_space_gb, startup_timeout_s, env, llm_kwargs); `what`: the setting that asked for vLLM, named
     in errors; `max_prompt_tokens`: the longest prompt a job will hold (vLLM's max_model_len follows).
     `data_parallel_size` > 1: that many vLLM processes at once, each on its own GPUs or cores
     (inference_eval/vllm_backend.py `replica_env`), each decoding every r-th prompt of each category; their
     tokens are put back in prompt order and their counters summed (`merge_replicas`)."""
 
-    def __init__(self, vcfg: Any, target_dir: Path, dtype: str, max_new_tokens: int, max_num_seqs: int,
-                 max_prompt_tokens: int, stops: set[int], work: Path, what: str = "evaluate.engine=vllm",
-                 setting: str = "evaluate.vllm") -> None:
+    def __init__(self, vllm: VllmSettings, target_dir: Path, dtype: str, max_new_tokens: int, max_num_seqs: int,
+                 max_prompt_tokens: int, stops: set[int], work: Path, what: str = "evaluate.engine=vllm") -> None:
         self.what = what
-        self.python = vllm_python(vcfg.get("python"), f"{setting}.python", what)
+        setting = vllm.setting
+        self.python = vllm_python(vllm.python, f"{setting}.python", what)
         self.work, self.target_dir = Path(work), Path(target_dir)
         self.max_new = int(max_new_tokens)
+        memory = 0.9 if vllm.gpu_memory_utilization == "auto" else float(vllm.gpu_memory_utilization)
         self.base = {"target": str(target_dir), "dtype": str(dtype), "max_tokens": self.max_new,
                      "stop_token_ids": sorted(stops), "max_num_seqs": int(max_num_seqs),
-                     "tensor_parallel_size": int(vcfg.get("tensor_parallel_size", 1)),
-                     "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.9)),
-                     "max_model_len": int(max_prompt_tokens) + self.max_new + 8,
-                     "llm_kwargs": dict(vcfg.get("llm_kwargs") or {})}
-        self.replicas = data_parallel_size(vcfg, f"{setting}.data_parallel_size")
+                     "tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": memory,
+                     "max_model_len": int(max_prompt_tokens) + self.max_new + 8, "llm_kwargs": vllm.llm_kwargs}
+        self.replicas = vllm.data_parallel_size
         gpus, cores, tp = torch.cuda.device_count(), usable_cores(), self.base["tensor_parallel_size"]
-        self.envs = [{**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vcfg.get("cpu_kvcache_space_gb", 1)),
-                      **replica_env(r, self.replicas, tp, gpus, cores, f"{setting}.data_parallel_size"),
-                      **{k: str(v) for k, v in (vcfg.get("env") or {}).items()}} for r in range(self.replicas)]
-        self.startup_timeout = float(vcfg.get("startup_timeout_s", 900))
+        self.envs = [{**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(vllm.cpu_kvcache_space_gb),
+                      **replica_env(r, self.replicas, tp, gpus, cores, f"{setting}.data_parallel_size"), **vllm.env}
+                     for r in range(self.replicas)]
+        self.startup_timeout = float(vllm.startup_timeout_s)
         self.runs = 0
         self.version = vllm_version(self.python)
         check_vllm_version(self.version, what)

@@ -63,9 +63,9 @@ def check_before_work(cfg: Any, stage: str) -> None:
         check_plain_text_use(cfg, stage)
         check_chat_template(target_dir, stage, cfg)
     if "data" in needs:
-        from data.sources import check_source
+        from data.sources import DataConfig, check_source
 
-        check_source(cfg.data)
+        check_source(DataConfig.of(cfg.data))
         if target_dir is not None:
             check_context(cfg, target_dir)
     if "head" in needs and cfg.get("head") is not None:
@@ -135,6 +135,7 @@ def check_target(target_cfg: Any) -> Path | None:
                               "and *.safetensors)")
         if not (path / "config.json").is_file():
             raise ConfigError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
+        warn_remote_code(path, bool(target_cfg.get("trust_remote_code", False)))
         return path
     from data.assets import TARGET_SOURCES
 
@@ -142,6 +143,25 @@ def check_target(target_cfg: Any) -> Path | None:
         return None
     raise ConfigError("target: set target.path=<HF checkpoint directory> or target.source="
                       + " | ".join(TARGET_SOURCES))
+
+
+def warn_remote_code(target_dir: Path, trust_remote_code: bool) -> bool:
+    """A checkpoint whose config.json names code of its own (`auto_map`) while target.trust_remote_code is off: that
+    code is not run — the target runs as its `model_type`'s implementation (the engine's or transformers') — and the
+    user is told so, with the setting that runs it. True when warned. A config.json that is not JSON is left to the
+    loader's own error."""
+    try:
+        auto_map = json.loads((target_dir / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not auto_map or trust_remote_code:
+        return False
+    names = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else str(auto_map)
+    log.warning("target.path=%s: config.json's auto_map names code of the checkpoint's own (%s), which is not run "
+                "while target.trust_remote_code=false: the target runs as its model_type's implementation. If it needs "
+                "its own code, set target.trust_remote_code=true (that runs the checkpoint's Python files)",
+                target_dir, names)
+    return True
 
 
 def check_engine_family(target_dir: Path, stage: str, warn_only: bool = False) -> None:
@@ -271,8 +291,8 @@ def check_head(head_cfg: Any) -> None:
 # new row.
 # Settings that a typed config checks are built there instead of repeated here: train.module.* (train/settings.py
 # ModuleSettings, `check_training_strategy`), target.dtype and target.fingerprint (inference_eval/targets.py
-# TargetConfig, `check_target_settings`), data.max_record_bytes and data.max_nesting (data/sources.py
-# `record_bounds`, through `check_source`); so are evaluate.k (evaluation/evaluate.py `check_evaluation_config`) and
+# TargetConfig, `check_target_settings`), data.* (data/sources.py DataConfig: the source, the range of records, the
+# tokens per sample, the bounds on a record); so are evaluate.k (evaluation/evaluate.py `check_evaluation_config`) and
 # the files that must exist (data.path, target.path, evaluate.prompts_path, the heads).
 
 PRECOMPUTE, REGENERATE, TRAIN, EVALUATE, EXPORT = "precompute", "regenerate", "train", "evaluate", "export"
@@ -442,10 +462,6 @@ RULES: tuple[Rule, ...] = (
     Rule("head.init_std", (PRECOMPUTE, TRAIN), number(0, what="a standard deviation")),
     Rule("head.draft_vocab_size", (PRECOMPUTE, TRAIN), whole(1, "tokens", null="the whole vocabulary")),
     Rule("head.mask_token_id", (PRECOMPUTE, TRAIN), whole(0, null="the target's last token id")),
-    # the conversations
-    Rule("data.max_length", DATA, TOKENS),
-    Rule("data.skip", (*DATA, EVALUATE), whole(0, "conversations")),
-    Rule("data.max_samples", (*DATA, EVALUATE), whole(1, "conversations", null="the whole source")),
     # precompute
     Rule("precompute.batch_tokens", (PRECOMPUTE,), TOKENS),
     Rule("precompute.shard_tokens", (PRECOMPUTE, ONLINE), TOKENS),
@@ -457,6 +473,7 @@ RULES: tuple[Rule, ...] = (
          Accept(_storage_dtype, "bfloat16, float16, float32 or fp8 (or bf16, fp16, fp32, fp8_e4m3, float8_e4m3fn)")),
     Rule("precompute.aux_layers", (PRECOMPUTE,), list_of(whole(0), "target layer ids", words=("auto", "none"),
                                                          null="none")),
+    Rule("precompute.on_changed", (PRECOMPUTE,), one_of("recompute", "refuse")),
     Rule("precompute.vllm.in_flight", (PRECOMPUTE,), whole(1, "batches")),
     Rule("precompute.vllm.keep_worker", (PRECOMPUTE,), FLAG),
     *(Rule(f"precompute.vllm.{k}", (PRECOMPUTE,), a) for k, a in VLLM_AUTO.items() if k != "data_parallel_size"),
@@ -572,6 +589,13 @@ def check_settings(cfg: Any, stage: str) -> None:
     readers = {stage, *((ONLINE,) if trains_online(cfg, stage) else ())}
     if stage == PIPELINE:
         readers = {*EVERY, ONLINE, PIPELINE}
+    if readers.intersection((*DATA, EVALUATE)):  # first: other settings interpolate data.* (max_prompt_tokens)
+        from data.sources import DataConfig
+
+        try:
+            DataConfig.of(cfg.get("data"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     for rule in RULES:
         if readers.intersection(rule.stages) and (value := setting(cfg, rule.key)) is not _ABSENT:
             check_setting(rule.key, value)
@@ -580,15 +604,20 @@ def check_settings(cfg: Any, stage: str) -> None:
         from data.precompute import resolve_rank
 
         try:
-            resolve_rank(cfg.get("precompute") or {})
+            section = cfg.get("precompute") or {}
+            resolve_rank(section.get("rank"), section.get("world_size"))
         except ValueError as e:
             raise ConfigError(str(e)) from e
     for name in (PRECOMPUTE, REGENERATE):
         section = cfg.get(name) or {}
         runs = name in readers and (stage != PIPELINE or name == PRECOMPUTE or (cfg.get("pipeline") or {}).get(name))
         if runs and section.get("backend") == "vllm":
-            from inference_eval.vllm_backend import vllm_python
+            from inference_eval.vllm_backend import VllmSettings, vllm_python
 
+            try:
+                VllmSettings.of(section.get("vllm"), f"{name}.vllm")
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
             vllm_python((section.get("vllm") or {}).get("python"), f"{name}.vllm.python", f"{name}.backend=vllm")
 
 

@@ -27,17 +27,9 @@ def main() -> None:
             raise SystemExit(f"status: {sys.argv[2]}: no readable status.json ({e})") from None
         raise SystemExit(0)
     if stage == "verify":
-        from data.store import FeatureStore, StoreError
-
-        try:  # opening already checks sizes and headers: a damaged shard is reported, not a traceback
-            bad = FeatureStore(sys.argv[2], require_complete=False).verify()
-        except StoreError as e:
-            print(f"CORRUPT {e}")
-            raise SystemExit(1) from None
-        for path in bad:
-            print(f"CORRUPT {path}")
-        print("ok" if not bad else f"{len(bad)} corrupt shard(s)")
-        raise SystemExit(1 if bad else 0)
+        lines, code = verify_store(sys.argv[2])
+        print("\n".join(lines))
+        raise SystemExit(code)
     if stage == "precompute-merge":
         from data.store import StoreError, merge_rank_manifests
 
@@ -53,6 +45,36 @@ def main() -> None:
     # ("conf", not importable) for an imported one.
     sys.argv = [sys.argv[0], *sys.argv[2:]]
     runpy.run_module(f"scripts.{stage}", run_name="__main__", alter_sys=True)
+
+
+def verify_store(root: str) -> tuple[list[str], int]:
+    """`spechead verify`: the lines it prints and its exit code — 0 `ok` (complete, every shard's sha256 as
+    recorded), 1 `CORRUPT <shard>` for each damaged shard (a rerun of precompute repairs them), 2 `incomplete` for a
+    store whose precompute has not finished (its finished shards checked; what resumes it is named)."""
+    from pathlib import Path
+
+    from data.store import FeatureStore, StoreError
+
+    path = Path(root)
+    if not (path / "manifest.json").exists() and (path / "ranks").is_dir():
+        return [f"incomplete: {path} holds ranks/ but no merged manifest.json: the precompute ranks have not all "
+                f"finished — run the missing ranks (the same precompute command), or `spechead precompute-merge "
+                f"{path}` once every rank is complete"], 2
+    try:  # opening already checks sizes and headers: a damaged shard is reported, not a traceback
+        store = FeatureStore(path, require_complete=False)
+        bad = store.verify()
+    except StoreError as e:
+        return [f"CORRUPT {e}"], 1
+    if bad:
+        return [*(f"CORRUPT {p}" for p in bad),
+                f"{len(bad)} corrupt shard(s): rerun the precompute that wrote the store (the same command) to "
+                "recompute their samples"], 1
+    if not store.manifest.get("complete"):
+        shards = store.manifest["shards"]
+        return [f"incomplete: {path} — the precompute writing it has not finished ({len(shards)} finished "
+                f"shard(s), {len(store)} samples, their sha256 as recorded); rerun the same precompute command to "
+                "resume it (nothing done is computed again)"], 2
+    return ["ok"], 0
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def test_raw_prompts_without_a_template_and_templated_ones_with_it(tiny_target, 
     assert jsonl_prompts(tokenizer, prompts, None)[0]["ids"] == tokenizer("Once upon a time")["input_ids"]
     template = tmp_path / "hash.jinja"
     template.write_text(HASH_TEMPLATE)
-    templated = load_tokenizer(base, {"chat_template": str(template)})
+    templated = load_tokenizer(base, template)
     assert templated.decode(jsonl_prompts(templated, prompts, None)[0]["ids"]) == \
         "### User:\nOnce upon a time<|im_end|>\n### Assistant:\n"
     chat = tmp_path / "chat.jsonl"

@@ -169,14 +169,14 @@ def test_sharegpt_prompts_are_held_out(tiny_overrides, tiny_target):
     from transformers import AutoTokenizer
 
     from data.conversations import tokenize_prompt
-    from data.sources import load_conversations
     from data.prompts import sharegpt_prompts
+    from data.sources import DataConfig, load_conversations
     from tests.conftest import CONVERSATIONS, compose_config
 
-    cfg = compose_config(tiny_overrides + ["data.max_samples=8"])
+    data = DataConfig.of(compose_config(tiny_overrides + ["data.max_samples=8"]).data)
     tok = AutoTokenizer.from_pretrained(tiny_target)
-    got = sharegpt_prompts(tok, cfg.data, 3)
-    trained = {sid for sid, _ in load_conversations(cfg.data).items}
+    got = sharegpt_prompts(tok, data, 3)
+    trained = {sid for sid, _ in load_conversations(data).items}
     assert [p["id"] for p in got] == ["c8", "c9", "c10"] and not trained & {p["id"] for p in got}
     first_user = [{"role": "user", "content": CONVERSATIONS[8]["conversations"][0]["value"]}]
     assert got[0]["ids"] == tokenize_prompt(tok, first_user)
@@ -188,11 +188,12 @@ def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_pat
 
     from data.conversations import tokenize_prompt
     from data.prompts import jsonl_prompts, sharegpt_prompts
+    from data.sources import DataConfig
     from tests.conftest import compose_config
 
     tok = AutoTokenizer.from_pretrained(tiny_target)
     with pytest.raises(ValueError, match="nothing is held out"):
-        sharegpt_prompts(tok, compose_config(tiny_overrides + ["data.max_samples=null"]).data, 3)
+        sharegpt_prompts(tok, DataConfig.of(compose_config(tiny_overrides + ["data.max_samples=null"]).data), 3)
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "human", "value": "there"}]})
                  + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")

@@ -63,9 +63,9 @@ def test_progress_lines_off_and_failed_close(caplog):
     assert [r.getMessage() for r in caplog.records] == ["export: 1 format 1 format/s elapsed 1s",
                                                         "export: stopped after 1s (1 format, 1 format/s)"]
     assert duration(3725) == "1h02m05s" and duration(59.6) == "1m00s"
-    assert log_interval({"progress_log_s": None}) is None and log_interval({}) == 30.0
+    assert log_interval(None) is None and log_interval() == 30.0 and log_interval(0) == 0.0
     with pytest.raises(ValueError, match="progress_log_s"):
-        log_interval({"progress_log_s": -1})
+        log_interval(-1)
 
 
 # ---- configuration errors before any work --------------------------------------------------------

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from core.jsonio import json_array_records, jsonl_records, read_jsonl
 from data.precompute import run_precompute, tokenize_all
-from data.sources import MAX_EXAMPLES, SourceError, check_source, load_conversations, record_rejection
+from data.sources import MAX_EXAMPLES, DataConfig, SourceError, check_source, load_conversations, record_rejection
 from data.store import FeatureStore
 from tests.conftest import compose_config, make_hf_model
 from tests.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
@@ -418,7 +418,7 @@ def test_unreadable_file_stops_with_its_name(name, tmp_path):
     if write:
         write(path)
     with pytest.raises(SourceError) as err:
-        load_conversations(OmegaConf.create({"source": source, "path": str(path)}))
+        load_conversations(DataConfig.of({"source": source, "path": str(path)}))
     assert str(path) in str(err.value) and message in str(err.value), str(err.value)
 
 
@@ -431,7 +431,7 @@ def test_precompute_stops_on_an_unreadable_file_before_any_store(base_cfg, tmp_p
 
 def test_source_without_path_is_refused():
     with pytest.raises(SourceError, match="data.source=jsonl needs data.path"):
-        load_conversations(OmegaConf.create({"source": "jsonl", "path": None}))
+        load_conversations(DataConfig.of({"source": "jsonl", "path": None}))
 
 
 # ------------------------------------------------------------------------- bounds on one record
@@ -459,7 +459,7 @@ def test_a_line_over_the_bound_is_never_held_whole(tmp_path):
         f.write(GOOD_LINES[1] + b"\n")
     tracemalloc.start()
     try:
-        convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path),
+        convs = load_conversations(DataConfig.of({"source": "jsonl", "path": str(path),
                                                      "max_record_bytes": 1 << 20}))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -483,10 +483,8 @@ def test_strict_reader_names_a_record_over_the_bounds(tmp_path):
 def test_bounds_that_are_not_positive_numbers_are_refused(key, value, tmp_path):
     path = tmp_path / "good.jsonl"
     path.write_bytes(b"\n".join(GOOD_LINES) + b"\n")
-    cfg = OmegaConf.create({"source": "jsonl", "path": str(path), key: value})
-    for call in (check_source, load_conversations):  # the checks before work, and the reader itself
-        with pytest.raises(SourceError, match=f"data.{key}={value!r}: expected a positive whole number"):
-            call(cfg)
+    with pytest.raises(SourceError, match=f"data.{key}={value!r}: expected a positive whole number"):
+        DataConfig.of({"source": "jsonl", "path": str(path), key: value})  # refused before any reader runs
 
 
 def _returns_at_once(call, fifo: Path | None = None):
@@ -513,9 +511,9 @@ def _returns_at_once(call, fifo: Path | None = None):
 
 
 NON_FILE_READERS = {
-    "check_source": lambda p: check_source(OmegaConf.create({"source": "jsonl", "path": str(p)})),
-    "load_conversations": lambda p: load_conversations(OmegaConf.create({"source": "jsonl", "path": str(p)})),
-    "load_conversations_json": lambda p: load_conversations(OmegaConf.create({"source": "json", "path": str(p)})),
+    "check_source": lambda p: check_source(DataConfig.of({"source": "jsonl", "path": str(p)})),
+    "load_conversations": lambda p: load_conversations(DataConfig.of({"source": "jsonl", "path": str(p)})),
+    "load_conversations_json": lambda p: load_conversations(DataConfig.of({"source": "json", "path": str(p)})),
     "jsonl_records": lambda p: list(jsonl_records(p)),
     "json_array_records": lambda p: list(json_array_records(p)),
     "read_jsonl": lambda p: list(read_jsonl(p)),

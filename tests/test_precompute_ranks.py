@@ -108,14 +108,13 @@ def test_two_ranks_write_one_store(tiny_overrides, tiny_target, tmp_path):
 @pytest.mark.unit
 def test_rank_settings_and_layout(tiny_overrides, tmp_path, monkeypatch):
     cfg = compose_config(tiny_overrides)
-    assert resolve_rank(cfg.precompute) == (0, 1)
+    assert resolve_rank(cfg.precompute.rank, cfg.precompute.world_size) == (0, 1)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert resolve_rank(cfg.precompute) == (3, 4)
-    assert resolve_rank(compose_config([*tiny_overrides, "precompute.rank=1", "precompute.world_size=2"]).precompute) \
-        == (1, 2)  # the config wins over the environment
+    assert resolve_rank(cfg.precompute.rank, cfg.precompute.world_size) == (3, 4)
+    assert resolve_rank(1, 2) == (1, 2)  # the config wins over the environment
     with pytest.raises(ValueError, match="rank 4 of world_size 4"):
-        resolve_rank(compose_config([*tiny_overrides, "precompute.rank=4"]).precompute)
+        resolve_rank(4, None)
     ids = [f"id{i}" for i in range(200)]
     for world_size in (2, 3):  # a partition: every id in exactly one rank, each rank with a fair share
         counts = [sum(rank_of(s, world_size) == r for s in ids) for r in range(world_size)]

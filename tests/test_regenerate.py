@@ -100,7 +100,7 @@ def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_targe
     from transformers import AutoTokenizer
 
     from data.conversations import normalize_record, tokenize_prompt
-    from data.sources import load_conversations
+    from data.sources import DataConfig, load_conversations
 
     tok = AutoTokenizer.from_pretrained(text_target)
     first_turn = max(len(tokenize_prompt(tok, normalize_record(c)[0][:1])) for c in CONVERSATIONS)
@@ -109,7 +109,7 @@ def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_targe
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert all(r["regenerated"]["stopped"] == "prompt_too_long" for r in records)
     assert [[t["from"] for t in r["conversations"]] for r in records] == [["human", "gpt", "human"]] * len(records)
-    convs = load_conversations(compose_config([*tiny_overrides, f"data.path={out}"]).data)
+    convs = load_conversations(DataConfig.of(compose_config([*tiny_overrides, f"data.path={out}"]).data))
     assert [len(m) for _, m in convs.items] == [2] * len(records)  # the unanswered user turn is dropped
 
     # tiny_target's greedy replies repeat ChatML's newline (see text_target): blank, each conversation ends there
@@ -118,21 +118,21 @@ def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_targe
     assert all(r["regenerated"]["stopped"] == "empty_reply" for r in records)
     assert [r["conversations"] for r in records] == [c["conversations"][:1] for c in CONVERSATIONS]
     assert stats.replies == 0 and stats.tokens > 0
-    convs = load_conversations(compose_config([*tiny_overrides, f"data.path={out}"]).data)
+    convs = load_conversations(DataConfig.of(compose_config([*tiny_overrides, f"data.path={out}"]).data))
     assert convs.items == [] and convs.rejected == {"no_assistant_turn": len(records)}
 
 
 @pytest.mark.unit
 def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_target, tmp_path):
     from data.precompute import run_precompute
-    from data.sources import load_conversations
+    from data.sources import DataConfig, load_conversations
     from data.store import FeatureStore
 
     out, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl"))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     cfg = compose_config([*tiny_overrides, f"target.path={text_target}", f"data.path={out}",
                           f"store_dir={tmp_path / 'store'}"])
-    convs = load_conversations(cfg.data)
+    convs = load_conversations(DataConfig.of(cfg.data))
     answered = [sid for sid, r in records.items() if any(t["from"] == "gpt" for t in r["conversations"])]
     assert [sid for sid, _ in convs.items] == answered and len(answered) >= len(CONVERSATIONS) - 2
     for sid, messages in convs.items:

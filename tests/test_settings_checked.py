@@ -58,9 +58,6 @@ BAD = {
     "head.init_std": ["-0.02", "abc"],
     "head.draft_vocab_size": ["0"],
     "head.mask_token_id": ["-1"],
-    "data.max_length": ["-5", "0", "1.5", "abc", "null"],
-    "data.skip": ["-1", "abc"],
-    "data.max_samples": ["0", "-10", "abc"],
     "precompute.batch_tokens": ["0", "-1", "abc", "null"],
     "precompute.shard_tokens": ["0", "abc"],
     "precompute.workers": ["0", "-1", "two"],
@@ -68,6 +65,7 @@ BAD = {
     "precompute.world_size": ["0", "abc"],
     "precompute.store_dtype": ["int8", "3"],
     "precompute.aux_layers": ["[-1]", "[1,1]", "[]", "all"],
+    "precompute.on_changed": ["ignore", "1", "null"],
     "precompute.vllm.in_flight": ["0"],
     "precompute.vllm.keep_worker": ["sometimes"],
     "precompute.vllm.tensor_parallel_size": ["0", "abc"],
@@ -168,6 +166,15 @@ DELEGATED = [
     ("precompute", "target.dtype=int8", "target.dtype='int8': expected one of bfloat16, float16, float32"),
     ("evaluate", "target.fingerprint=sha", "target.fingerprint='sha': expected one of header, full"),
     ("precompute", "data.max_record_bytes=0", "data.max_record_bytes=0: expected a positive whole number of bytes"),
+    *[(stage, f"data.max_length={bad}", f"data.max_length={shown}: expected a whole number of tokens ≥ 1")
+      for stage in ("precompute", "regenerate") for bad, shown in (("-5", "-5"), ("0", "0"), ("1.5", "1.5"),
+                                                                   ("abc", "'abc'"), ("null", "None"))],
+    *[(stage, f"data.skip={bad}", f"data.skip={shown}: expected a whole number of conversations ≥ 0")
+      for stage in ("precompute", "evaluate") for bad, shown in (("-1", "-1"), ("abc", "'abc'"))],
+    *[(stage, f"data.max_samples={bad}",
+       f"data.max_samples={shown}: expected null (the whole source) or a whole number of conversations ≥ 1")
+      for stage in ("regenerate", "evaluate") for bad, shown in (("0", "0"), ("-10", "-10"), ("abc", "'abc'"))],
+    ("precompute", "+data.max_sample=10", "data.max_sample: not a data setting"),
     ("train", "+head.num_moduls=2", "head (head.type=mtp): MTPConfig.__init__() got an unexpected keyword argument"),
 ]
 
@@ -256,7 +263,7 @@ def test_every_rule_has_bad_values_and_every_stage_reads_a_rule():
     assert all(rule.stages for rule in RULES)
     assert {s for rule in RULES for s in rule.stages} == {*EVERY, ONLINE, "pipeline"}
     for _, _, key, _ in HOLES:
-        assert key in RULES_BY_KEY or key.startswith("train.module."), key
+        assert key in RULES_BY_KEY or key.startswith(("train.module.", "data.")), key
 
 
 @pytest.mark.parametrize("stage,override,words", DELEGATED, ids=[d[1] for d in DELEGATED])
@@ -266,11 +273,22 @@ def test_settings_of_the_typed_configs_are_refused_by_the_same_checks(stage, ove
         assert words in refused_fast(compose_config([*tiny_overrides, override]), each)
 
 
+def test_a_misspelt_data_or_vllm_setting_is_refused_not_ignored(tiny_overrides, no_work):
+    """The typed sections take no key they do not know: a misspelt bound or vLLM setting would otherwise be dropped
+    without a word and the default used."""
+    cfg = compose_config([*tiny_overrides, "precompute.backend=vllm", "+precompute.vllm.in_fligt=2"])
+    assert "precompute.vllm.in_fligt: not a vLLM setting (expected " in refused_fast(cfg, "precompute")
+    cfg = compose_config([*tiny_overrides, "+data.max_nesting_depth=3"])
+    for stage in ("precompute", "regenerate", "evaluate", "pipeline"):
+        assert "data.max_nesting_depth: not a data setting" in refused_fast(cfg, stage)
+
+
 def test_every_numeric_setting_of_the_config_has_a_rule():
     """A number (or a null that stands for one) in conf/config.yaml, conf/data/, conf/trainer/ or conf/head/ is a
     `RULES` row, a ModuleSettings field, or checked by a typed config named here: adding a setting means adding its
     row."""
-    typed = {"data.max_record_bytes", "data.max_nesting",  # data/sources.py record_bounds
+    typed = {"data.max_record_bytes", "data.max_nesting", "data.max_length", "data.skip",  # data/sources.py DataConfig
+             "data.max_samples",
              "head.block_size", "head.markov_rank"}  # heads/dflash.py DFlashConfig / DSparkConfig, through check_head
     not_numbers = {"regenerate.device", "target.path", "target.device_map", "data.path", "data.chat_template",
                    "evaluate.prompts_path", "export.formats", "head.aux_layers", "head.target_layers",

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from core.jsonio import MAX_NESTING, MAX_RECORD_BYTES, RecordBounds
-from data.sources import load_conversations, record_bounds
+from data.sources import DataConfig, load_conversations
 
 
 def sharegpt(sid, *turns):
@@ -59,7 +59,7 @@ def test_jsonl_rejects_counted_per_reason(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
 
-    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path)}))
+    convs = load_conversations(DataConfig.of({"source": "jsonl", "path": str(path)}))
 
     expected = Counter({reason: len(raw) for reason, raw in BAD.items()})
     expected["not_utf8"] = len(NOT_UTF8)
@@ -78,7 +78,7 @@ def test_skip_and_max_samples_count_only_usable_records(tmp_path):
     good = [sharegpt(f"s{i}", ("human", f"q{i}"), ("gpt", f"a{i}")) for i in range(6)]
     lines = [json.dumps(good[0]).encode(), NOT_UTF8[0], *(json.dumps(r).encode() for r in good[1:])]
     path.write_bytes(b"\n".join(lines))
-    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path), "skip": 2, "max_samples": 3}))
+    convs = load_conversations(DataConfig.of({"source": "jsonl", "path": str(path), "skip": 2, "max_samples": 3}))
     assert [sid for sid, _ in convs.items] == ["s2", "s3", "s4"]
     assert convs.rejected == {"not_utf8": 1}
 
@@ -89,7 +89,7 @@ def test_rejections_say_where_and_which_id(tmp_path):
              BAD["duplicate_id"][0].encode(), b'{"id": "cu']
     path = tmp_path / "w.jsonl"
     path.write_bytes(b"\n".join(lines))  # no newline at the end: the last line is cut
-    convs = load_conversations(OmegaConf.create({"source": "jsonl", "path": str(path)}))
+    convs = load_conversations(DataConfig.of({"source": "jsonl", "path": str(path)}))
     assert convs.rejected == {"malformed": 1, "not_utf8": 1, "duplicate_id": 1, "truncated": 1}
     assert [(e["reason"], e["where"], e["id"]) for e in convs.examples] == [
         ("malformed", f"{path}:3", "m4"), ("not_utf8", f"{path}:4", None), ("duplicate_id", f"{path}:5", "g1"),
@@ -106,7 +106,7 @@ def test_json_array_reader_matches_the_packaged_sharegpt():
     from data.assets import load_sharegpt, sharegpt_path
     from data.conversations import normalize_record
 
-    convs = load_conversations(OmegaConf.create({"source": "sharegpt", "max_samples": None}))
+    convs = load_conversations(DataConfig.of({"source": "sharegpt", "max_samples": None}))
     expected, ids = [], set()
     for n, record in enumerate(load_sharegpt()):
         if normalize_record(record)[0] is not None and str(record["id"]) not in ids:
@@ -124,5 +124,5 @@ def test_record_bounds_default_to_the_configs():
     """conf/data/sharegpt.yaml sets the readers' own defaults, which a data section without the keys gets."""
     conf = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "sharegpt.yaml")
     want = RecordBounds(MAX_RECORD_BYTES, MAX_NESTING, settings="data")
-    assert record_bounds(conf) == record_bounds(OmegaConf.create({"source": "sharegpt"})) == want
-    assert record_bounds(OmegaConf.create({"max_record_bytes": 10, "max_nesting": 2})) == RecordBounds(10, 2, "data")
+    assert DataConfig.of(conf).bounds == DataConfig.of(OmegaConf.create({"source": "sharegpt"})).bounds == want
+    assert DataConfig.of({"max_record_bytes": 10, "max_nesting": 2}).bounds == RecordBounds(10, 2, "data")

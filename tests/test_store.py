@@ -242,6 +242,27 @@ def test_cli_verify_exits_1_and_names_the_shard(tmp_path):
     assert f"CORRUPT {shard}" in proc.stdout and "1 corrupt shard" in proc.stdout
 
 
+@pytest.mark.unit
+def test_verify_says_incomplete_and_what_resumes_it(tmp_path):
+    """An interrupted store is not `ok`: its finished shards are checked and the report says it is incomplete, with
+    the command that resumes it (exit 2); complete, it is `ok` (0); a rank layout not yet merged says which to run."""
+    from scripts.cli import verify_store
+
+    w = StoreWriter(tmp_path / "s", FP, hidden_size=8, dtype="float32", shard_tokens=20)
+    for s in _samples():
+        w.add(s)
+    w._flush()  # a finished shard, the store not closed: what a killed precompute leaves
+    lines, code = verify_store(str(tmp_path / "s"))
+    assert code == 2 and lines[0].startswith(f"incomplete: {tmp_path / 's'}") and "rerun the same precompute" in lines[0]
+    shards = w.manifest["shards"]
+    assert f"({len(shards)} finished shard(s), {sum(sh['num_samples'] for sh in shards)} samples" in lines[0]
+    w.close()
+    assert verify_store(str(tmp_path / "s")) == (["ok"], 0)
+    (tmp_path / "r" / "ranks" / "rank-0").mkdir(parents=True)
+    lines, code = verify_store(str(tmp_path / "r"))
+    assert code == 2 and "precompute-merge" in lines[0] and "ranks/" in lines[0]
+
+
 def test_cli_verify_reports_a_truncated_shard(tmp_path):
     import subprocess
     import sys

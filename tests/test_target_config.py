@@ -74,3 +74,28 @@ def test_the_product_reads_the_target_through_target_config_alone():
     fingerprints = [c for c in _calls("target_fingerprint") if not c.startswith("inference_eval/targets.py:")]
     # bench/precompute.py fingerprints a store it writes outside the pipeline, for a fixed target and dtype
     assert fingerprints == [c for c in fingerprints if c.startswith("bench/precompute.py:")], fingerprints
+
+
+def test_a_checkpoints_own_code_left_off_is_said(tiny_target, tmp_path, caplog):
+    """config.json's `auto_map` with target.trust_remote_code off: the checks before work warn, naming the file's
+    classes and the setting that runs them; with it on, or without an auto_map, nothing is said."""
+    import json
+    import shutil
+
+    from scripts.checks import check_target
+
+    custom = tmp_path / "custom"
+    shutil.copytree(tiny_target, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (custom / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="scripts.checks"):
+        assert check_target({"path": str(custom)}) == custom
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "AutoConfig, AutoModelForCausalLM" in said[0]
+    assert "target.trust_remote_code=true" in said[0] and str(custom) in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="scripts.checks"):
+        check_target({"path": str(custom), "trust_remote_code": True})
+        check_target({"path": str(tiny_target)})
+    assert not caplog.records

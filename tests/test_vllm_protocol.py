@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inference_eval import vllm_backend
-from inference_eval.vllm_backend import VLLMBackend, VLLMWorkerError, in_flight
+from inference_eval.vllm_backend import VLLMBackend, VllmSettings, VLLMWorkerError
 
 
 pytestmark = pytest.mark.unit
@@ -58,10 +58,20 @@ def test_a_dead_worker_fails_every_pending_request(backend):
         backend.submit({"n": 3}, "a late one")
 
 
-def test_in_flight_setting():
-    assert in_flight(2) == 2 and in_flight("1") == 1
-    with pytest.raises(ValueError, match=r"precompute.vllm.in_flight=0: expected a whole number ≥ 1"):
-        in_flight(0)
+def test_vllm_settings_are_checked_and_typed():
+    """A `*.vllm` section's counts are whole numbers ≥ 1 (refused naming the setting), an unknown key is refused, the
+    absent ones take the defaults, `env` values become strings."""
+    from omegaconf import OmegaConf
+
+    got = VllmSettings.of(OmegaConf.create({"in_flight": 1, "env": {"X": 1}, "python": None}), "precompute.vllm")
+    assert (got.in_flight, got.env, got.tensor_parallel_size, got.python) == (1, {"X": "1"}, 1, None)
+    assert VllmSettings.of(None, "evaluate.vllm") == VllmSettings("evaluate.vllm")
+    for key, value in (("in_flight", 0), ("data_parallel_size", -1), ("tensor_parallel_size", "2"),
+                       ("in_flight", True)):
+        with pytest.raises(ValueError, match=rf"precompute.vllm.{key}={value!r}: expected a whole number ≥ 1"):
+            VllmSettings.of({key: value}, "precompute.vllm")
+    with pytest.raises(ValueError, match="regenerate.vllm.in_fligt: not a vLLM setting"):
+        VllmSettings.of({"in_fligt": 2}, "regenerate.vllm")
 
 
 def test_replicas_get_their_own_devices_or_cores():

@@ -11,6 +11,7 @@ the allocator's fragmentation, CUDA context (~0.5 GB), communication buckets, an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,8 +56,9 @@ def tied_dtype(precision: str | None, device: torch.device | str) -> torch.dtype
     return torch.float32
 
 
-def meta_head(shape: TargetShape, head_cfg: dict) -> torch.nn.Module:
-    """The head `head_cfg` builds for a target of `shape`, on the meta device (shapes, no memory)."""
+def meta_head(shape: TargetShape, head_spec: dict[str, Any]) -> torch.nn.Module:
+    """The head a head spec (`{"type": "mtp", "num_modules": 3}`, what `build_head` takes) builds for a target of
+    `shape`, on the meta device (shapes, no memory)."""
     from heads.base import TiedTarget
     from heads.layers import LlamaArgs
     from heads.registry import build_head
@@ -65,7 +67,7 @@ def meta_head(shape: TargetShape, head_cfg: dict) -> torch.nn.Module:
     with torch.device("meta"):
         tied = TiedTarget(torch.empty(shape.vocab, shape.hidden), torch.empty(shape.vocab, shape.hidden),
                           torch.empty(shape.hidden), 1e-5)
-        return build_head(dict(head_cfg), args, tied)
+        return build_head(dict(head_spec), args, tied)
 
 
 def activation_bytes_per_token(shape: TargetShape) -> int:
@@ -76,18 +78,18 @@ def activation_bytes_per_token(shape: TargetShape) -> int:
     return 2 * (9 * shape.hidden + 2 * kv + 4 * shape.intermediate)
 
 
-def rank_memory(shape: TargetShape, head_cfg: dict, preset: str, world: int, tokens: int, depth: int,
+def rank_memory(shape: TargetShape, head_spec: dict[str, Any], preset: str, world: int, tokens: int, depth: int,
                 optimizer: str = "auto", kl_chunk: int = 512, precision: str = "bf16-mixed") -> dict[str, float]:
-    """GB per rank of training `head_cfg` on a target of `shape` with trainer `preset` over `world` ranks, `tokens`
+    """GB per rank of training the head of `head_spec` on a target of `shape` with trainer `preset` over `world` ranks, `tokens`
     per rank per step, the unroll to `depth`. `optimizer: auto`: Muon for mtp outside DeepSpeed, else AdamW
     (train/optim.py `resolve_optimizer`); Muon keeps one fp32 momentum per matrix, AdamW two moments per tensor."""
     from train.optim import parameter_groups, resolve_optimizer
 
     kind = STRATEGIES[preset]
-    head = meta_head(shape, head_cfg)
+    head = meta_head(shape, head_spec)
     params = [p for p in head.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
-    opt = resolve_optimizer(optimizer, head_cfg["type"], kind in ("zero2", "zero3"))
+    opt = resolve_optimizer(optimizer, head_spec["type"], kind in ("zero2", "zero3"))
     groups = parameter_groups(head, opt, 0.0)
     muon = sum(p.numel() for g in groups if g.get("muon") for p in g["params"])
     state = 4 * muon + 8 * (n - muon)  # fp32 moments
@@ -126,9 +128,9 @@ TABLE = [("8xh100", LLAMA_70B, {"type": "mtp"}, 8, 16384, 1),
 def table_rows() -> list[str]:
     """docs/scale.md's memory rows, one markdown line each."""
     rows = []
-    for preset, shape, head_cfg, world, tokens, depth in TABLE:
-        m = rank_memory(shape, head_cfg, preset, world, tokens, depth)
-        head = head_cfg["type"] + (f"×{head_cfg['num_modules']}" if head_cfg.get("num_modules", 1) > 1 else "")
+    for preset, shape, spec, world, tokens, depth in TABLE:
+        m = rank_memory(shape, spec, preset, world, tokens, depth)
+        head = spec["type"] + (f"×{spec['num_modules']}" if spec.get("num_modules", 1) > 1 else "")
         rows.append(f"| `{preset}` | {shape.name} | {head} ({m['params_b']:.2f} B), D = {depth} | {world} | "
                     f"{tokens:,} | {m['weights']:.1f} | {m['grads']:.1f} | {m['optimizer']:.1f} | {m['gathered']:.1f} | "
                     f"{m['tied']:.1f} | {m['activations']:.1f} | {m['kl']:.1f} | **{m['total']:.1f}** |")

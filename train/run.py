@@ -22,11 +22,11 @@ from artifacts.checkpoint import save_native
 from core.files import atomic_write_bytes
 from core.launch import env_rank_zero
 from core.lock import check_free, same_launch, writer_locks
-from core.progress import log_interval
+from core.progress import DEFAULT_EVERY_S, log_interval
 from data.precompute import open_store_writer, tokenize_source
 from data.sources import target_config
 from heads.base import DraftHead
-from heads.registry import build_head, resolve_aux_layers
+from heads.registry import build_head, head_config, resolve_aux_layers
 from inference_eval.model import cpu_has_fast_bf16, first_input_norm, tied_from_model, tied_target
 from inference_eval.targets import TargetConfig, load_target
 from train.data import FeatureDataModule, heldout_ids_digest
@@ -213,7 +213,8 @@ def data_module(cfg: Any, target: TargetConfig) -> tuple[FeatureDataModule, Any]
         log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
                     ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
     model = load_target(target, "engine")
-    aux = resolve_aux_layers(cfg, model.args.num_hidden_layers)
+    aux = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"), head_config(cfg.get("head") or {})[1],
+                             model.args.num_hidden_layers)
     log.info("train: online — %d conversations tokenized, the target (%s, %s) computes each batch's states%s",
              len(samples), target.dtype, model.device, f", aux layers {list(aux)}" if aux else "")
     dm = OnlineDataModule(OnlineSamples(samples, aux), TargetStates(model, aux), prefetch=online.get("prefetch", "auto"),
@@ -255,14 +256,15 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
+    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
     callbacks = [SharedRunDir(cfg.run_dir), *(instantiate(cfg.trainer.get("callbacks")) or []),
-                 *(extra_callbacks or []), checkpoints, ProgressLog(log_interval(cfg))]
+                 *(extra_callbacks or []), checkpoints, ProgressLog(every_s)]
     if getattr(dm, "write_through", None) is not None:
         callbacks.append(dm.write_through)
     ev = cfg.train.get("engine_validation")
     engine_val = None
     if ev is not None and ev.get("enabled"):
-        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, log_interval(cfg)),
+        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, every_s),
                                       target)  # online: the target already loaded, not a second copy
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there

@@ -69,6 +69,7 @@ from heads.unroll import unroll
 from inference_eval.engine import engine_generate
 from inference_eval.scoring import block_states, scored_rows, select_rows, simulated_tau, teacher_forced_states
 from inference_eval.speculative import GREEDY, Sampling
+from inference_eval.vllm_backend import VllmSettings
 from train.block_loss import row_terms
 from train.losses import depth_terms
 from train.strategies import whole_head
@@ -296,7 +297,7 @@ class EngineValidationSettings:
     wait_timeout_s: float = 86400.0
     progress_log_s: float | None = None  # seconds between progress lines (core/progress.py); None: none
     engine: str = "spechead"  # spechead | vllm: where step 2 decodes (module docstring)
-    vllm: dict | None = None  # engine=vllm: evaluate.vllm's settings (inference_eval/vllm_spec.py VLLMRunner)
+    vllm: VllmSettings | None = None  # engine=vllm: evaluate.vllm's (inference_eval/vllm_spec.py VLLMRunner)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_dir", Path(self.target_dir))
@@ -320,15 +321,8 @@ class EngineValidationSettings:
                    top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
                    device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
                    wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=progress_log_s,
-                   engine=str(ev.get("engine", "spechead")), vllm=vllm_settings(cfg))
-
-
-def vllm_settings(cfg: Any) -> dict | None:
-    """evaluate.vllm as a plain dict (resolved), for engine=vllm."""
-    from omegaconf import OmegaConf
-
-    section = (cfg.get("evaluate") or {}).get("vllm")
-    return None if section is None else OmegaConf.to_container(section, resolve=True)
+                   engine=str(ev.get("engine", "spechead")),
+                   vllm=VllmSettings.of((cfg.get("evaluate") or {}).get("vllm"), "evaluate.vllm"))
 
 
 def on_device(head: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -510,7 +504,7 @@ class EngineValidation(L.Callback):
         work = (self.s.plot_dir or Path(".")) / "vllm"
         work.mkdir(parents=True, exist_ok=True)
         if self._runner is None:
-            self._runner = VLLMRunner(self.s.vllm or {}, self.s.target_dir, self.s.target_dtype, self.s.max_new_tokens,
+            self._runner = VLLMRunner(self.s.vllm or VllmSettings("evaluate.vllm"), self.s.target_dir, self.s.target_dtype, self.s.max_new_tokens,
                                       len(prompts), max(len(p) for p in prompts), self._stop_ids(), work,
                                       what="train.engine_validation.engine=vllm")
         served, method = vllm_export(head, work / "head", self.s.target_dir, self._runner.version,
