@@ -105,6 +105,13 @@ class GenerationSettings:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @classmethod
+    def of(cls, section: Any) -> "GenerationSettings":
+        """The `regenerate` section's decoding settings (top_p / top_k null: off)."""
+        return cls(max_new_tokens=int(section.max_new_tokens), temperature=float(section.temperature),
+                   top_p=float(section.get("top_p") or 1.0), top_k=int(section.get("top_k") or 0),
+                   seed=int(section.seed))
+
     def as_meta(self) -> dict[str, Any]:
         """What decides the replies: greedy ignores top_p, top_k and the seed."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": 0.0} if self.greedy else asdict(self)
@@ -347,12 +354,6 @@ def regenerate_conversations(model, tokenizer, conversations: list[tuple[str, li
     return stats
 
 
-def settings_from_config(rcfg: Any) -> GenerationSettings:
-    return GenerationSettings(max_new_tokens=int(rcfg.max_new_tokens), temperature=float(rcfg.temperature),
-                              top_p=float(rcfg.get("top_p") or 1.0), top_k=int(rcfg.get("top_k") or 0),
-                              seed=int(rcfg.seed))
-
-
 def canonical_json(value: Any) -> bytes:
     """One byte string per value (sorted keys, no spaces, ASCII): what a hash of settings is taken over."""
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
@@ -398,7 +399,7 @@ class Plan:
 def plan_regeneration(cfg: Any) -> Plan:
     """The settings, the conversations (loading them is cheap) and the output file of a regeneration."""
     rcfg = cfg.regenerate
-    settings = settings_from_config(rcfg)
+    settings = GenerationSettings.of(rcfg)
     batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
     if batch_size < 1 or settings.max_new_tokens < 1:
         raise ValueError(f"regenerate.batch_size ({batch_size}) and max_new_tokens ({settings.max_new_tokens}) "

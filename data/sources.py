@@ -39,18 +39,18 @@ from inference_eval.targets import TargetConfig
 log = logging.getLogger(__name__)
 
 
-def resolve_target_dir(target_cfg: Any) -> Path:
-    """An HF checkpoint directory for the configured target: `path` if given, else the packaged GGUF
-    that `source` names (data/assets.py TARGET_SOURCES: smollm2_gguf, gemma3_270m_gguf) converted once
+def resolve_target_dir(path: str | Path | None, source: str | None) -> Path:
+    """An HF checkpoint directory for the configured target: `target.path` if given, else the packaged GGUF
+    that `target.source` names (data/assets.py TARGET_SOURCES: smollm2_gguf, gemma3_270m_gguf) converted once
     into the cache."""
-    if target_cfg.get("path"):
-        path = Path(target_cfg["path"]).expanduser()
+    if path:
+        path = Path(str(path)).expanduser()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
         return path
 
-    if target_cfg.get("source") in TARGET_SOURCES:
-        return TARGET_SOURCES[target_cfg["source"]]()
+    if source in TARGET_SOURCES:
+        return TARGET_SOURCES[source]()
     raise ValueError(f"target: set `path` to an HF checkpoint directory or `source` to one of "
                      f"{', '.join(TARGET_SOURCES)}")
 
@@ -58,8 +58,8 @@ def resolve_target_dir(target_cfg: Any) -> Path:
 def target_config(section: Any) -> TargetConfig:
     """The config's `target` section as the typed TargetConfig every stage takes: its directory resolved once
     (`resolve_target_dir`), the rest checked."""
-    return TargetConfig(dir=resolve_target_dir(section), name=str(section.get("name") or ""),
-                        dtype=str(section.get("dtype")), fingerprint_mode=str(section.get("fingerprint", "header")),
+    return TargetConfig(dir=resolve_target_dir(section.get("path"), section.get("source")),
+                        name=str(section.get("name") or ""), dtype=str(section.get("dtype")), fingerprint_mode=str(section.get("fingerprint", "header")),
                         device=str(section.get("device", "auto")), device_map=section.get("device_map"),
                         trust_remote_code=bool(section.get("trust_remote_code", False)))
 
