@@ -205,7 +205,7 @@ def peer_command(out: Path, info: dict[str, Any], save_path: str | None = None, 
 
 
 def block_peer_shape(head_cfg: dict[str, Any], vocab_size: int) -> dict[str, int]:
-    """{num_layers, block_size, mask_token_id} of one of our block heads' configs (conf/head/dflash.yaml), for the
+    """{num_layers, block_size, mask_token_id} of one of our block heads' configs (conf/head/dflash_net.yaml), for the
     peer's command: the same draft depth, block and mask token (ours defaults to the target's last id)."""
     mask = head_cfg.get("mask_token_id")
     return {"num_layers": int(head_cfg.get("num_layers", 3)), "block_size": int(head_cfg.get("block_size", 8)),

@@ -207,8 +207,8 @@ def test_torchrun_two_processes_train_like_one(preset, head, tiny_overrides, tmp
     proc = torchrun("scripts.train", _overrides(common, preset, full, STEPS), timeout=600)
     ranks = _ranks(full)
     assert [r["world_size"] for r in ranks] == [2, 2], proc.stdout[-2000:]
-    # optimizer=auto: Muon for mtp (under FSDP2: each matrix's update gathered whole), AdamW for eagle3 and dflash
-    adamw = "head=eagle3" in head or "head=dflash" in head
+    # optimizer=auto: Muon for mtp and dflash (under FSDP2: each matrix's update gathered whole), AdamW for eagle3
+    adamw = "head=eagle3" in head
     assert f"train.module.optimizer=auto: {'adamw' if adamw else 'muon'}" in proc.stdout + proc.stderr
     # the new store's sha256 checked once for both ranks (rank 0 hashed, rank 1 found its stamp)
     assert (proc.stdout + proc.stderr).count(" verified in ") == 1

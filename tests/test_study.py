@@ -147,7 +147,7 @@ def test_best_preset_is_the_study_winner_at_its_largest_budget():
     mtp3 = {k.removeprefix("train.module."): v for k, v in head_preset("mtp3")[1].items()}
     assert {k: v for k, v in as_container(default_.train.module).items() if k not in mtp3} == \
         {k: v for k, v in as_container(best_.train.module).items() if k not in mtp3}
-    assert {k: default_.train.module[k] for k in mtp3} == mtp3
+    assert {k: OmegaConf.select(default_.train.module, k) for k in mtp3} == mtp3
     # the variants the winner was measured against keep the recipe they ran with (batches of 2,048)
     assert parse_variant("default", study.study.variants.default)["overrides"]["train.data.batch_tokens"] == 2048
 
