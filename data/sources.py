@@ -59,7 +59,8 @@ def target_config(section: Any) -> TargetConfig:
     """The config's `target` section as the typed TargetConfig every stage takes: its directory resolved once
     (`resolve_target_dir`), the rest checked."""
     return TargetConfig(dir=resolve_target_dir(section.get("path"), section.get("source")),
-                        name=str(section.get("name") or ""), dtype=str(section.get("dtype")), fingerprint_mode=str(section.get("fingerprint", "header")),
+                        name=str(section.get("name") or ""), dtype=str(section.get("dtype")),
+                        fingerprint_mode=str(section.get("fingerprint", "header")),
                         device=str(section.get("device", "auto")), device_map=section.get("device_map"),
                         trust_remote_code=bool(section.get("trust_remote_code", False)))
 

@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 class VLLMRunner:
     """One vLLM process per job (a worker run): the target, the decoding settings, the environment.
     `vllm`: an `evaluate.vllm`-shaped section, typed (python, tensor_parallel_size, gpu_memory_utilization — `auto`
-    is 0.9 of each GPU here —, cpu_kvcache_space_gb, startup_timeout_s, env, llm_kwargs); `what`: the setting that asked for vLLM, named
-    in errors; `max_prompt_tokens`: the longest prompt a job will hold (vLLM's max_model_len follows).
-    `data_parallel_size` > 1: that many vLLM processes at once, each on its own GPUs or cores
+    is 0.9 of each GPU here —, cpu_kvcache_space_gb, startup_timeout_s, env, llm_kwargs); `what`: the setting that
+    asked for vLLM, named in errors; `max_prompt_tokens`: the longest prompt a job will hold (vLLM's max_model_len
+    follows). `data_parallel_size` > 1: that many vLLM processes at once, each on its own GPUs or cores
     (inference_eval/vllm_backend.py `replica_env`), each decoding every r-th prompt of each category; their
     tokens are put back in prompt order and their counters summed (`merge_replicas`)."""
 

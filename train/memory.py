@@ -80,9 +80,10 @@ def activation_bytes_per_token(shape: TargetShape) -> int:
 
 def rank_memory(shape: TargetShape, head_spec: dict[str, Any], preset: str, world: int, tokens: int, depth: int,
                 optimizer: str = "auto", kl_chunk: int = 512, precision: str = "bf16-mixed") -> dict[str, float]:
-    """GB per rank of training the head of `head_spec` on a target of `shape` with trainer `preset` over `world` ranks, `tokens`
-    per rank per step, the unroll to `depth`. `optimizer: auto`: Muon for mtp outside DeepSpeed, else AdamW
-    (train/optim.py `resolve_optimizer`); Muon keeps one fp32 momentum per matrix, AdamW two moments per tensor."""
+    """GB per rank of training the head of `head_spec` on a target of `shape` with trainer `preset` over `world`
+    ranks, `tokens` per rank per step, the unroll to `depth`. `optimizer: auto`: Muon for MUON_HEAD_TYPES outside
+    DeepSpeed, else AdamW (train/optim.py `resolve_optimizer`); Muon keeps one fp32 momentum per matrix, AdamW two
+    moments per tensor."""
     from train.optim import parameter_groups, resolve_optimizer
 
     kind = STRATEGIES[preset]

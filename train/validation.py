@@ -504,8 +504,9 @@ class EngineValidation(L.Callback):
         work = (self.s.plot_dir or Path(".")) / "vllm"
         work.mkdir(parents=True, exist_ok=True)
         if self._runner is None:
-            self._runner = VLLMRunner(self.s.vllm or VllmSettings("evaluate.vllm"), self.s.target_dir, self.s.target_dtype, self.s.max_new_tokens,
-                                      len(prompts), max(len(p) for p in prompts), self._stop_ids(), work,
+            self._runner = VLLMRunner(self.s.vllm or VllmSettings("evaluate.vllm"), self.s.target_dir,
+                                      self.s.target_dtype, self.s.max_new_tokens, len(prompts),
+                                      max(len(p) for p in prompts), self._stop_ids(), work,
                                       what="train.engine_validation.engine=vllm")
         served, method = vllm_export(head, work / "head", self.s.target_dir, self._runner.version,
                                      "train.engine_validation.engine=vllm")
