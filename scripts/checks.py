@@ -126,6 +126,11 @@ def trains_online(cfg: Any, stage: str) -> bool:
     return stage == "train" and ((cfg.get("train") or {}).get("data") or {}).get("source") == "online"
 
 
+# what transformers' AutoTokenizer reads a tokenizer from: the fast tokenizer's file, SentencePiece's model, or a
+# BPE vocabulary (with merges.txt)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def check_target(target_cfg: Any) -> Path | None:
     """target.path's directory (None for a packaged source, converted on first use)."""
     if target_cfg.get("path"):
@@ -135,6 +140,9 @@ def check_target(target_cfg: Any) -> Path | None:
                               "and *.safetensors)")
         if not (path / "config.json").is_file():
             raise ConfigError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(f"target.path={path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy "
+                              "the model's tokenizer into the directory (AutoTokenizer.save_pretrained writes them)")
         warn_remote_code(path, bool(target_cfg.get("trust_remote_code", False)))
         return path
     from data.assets import TARGET_SOURCES

@@ -99,3 +99,18 @@ def test_a_checkpoints_own_code_left_off_is_said(tiny_target, tmp_path, caplog):
         check_target({"path": str(custom), "trust_remote_code": True})
         check_target({"path": str(tiny_target)})
     assert not caplog.records
+
+
+def test_a_target_without_tokenizer_files_is_refused_naming_the_directory(tiny_target, tmp_path):
+    """A checkpoint directory without any tokenizer file is refused before work, naming the directory and what to
+    copy there — not transformers' message from inside a stage, nor "no chat template"."""
+    import shutil
+
+    from scripts.checks import ConfigError, check_target
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_target, bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=rf"target.path={bare}: no tokenizer files \(none of tokenizer.json"):
+        check_target({"path": str(bare)})
+    assert check_target({"path": str(tiny_target)}) == tiny_target
