@@ -200,3 +200,25 @@ def patch_everywhere(monkeypatch, fn, replacement) -> int:
             patched += 1
     assert patched, f"{fn!r} is bound in no loaded module"
     return patched
+
+
+def forbid_work(monkeypatch) -> None:
+    """Every way a stage starts real work fails the test — loading a target, a tokenizer or the data — for tests of
+    what is refused before work. The stages' modules are loaded first (they bind names at import), so a check's
+    timing is its own."""
+    import transformers
+
+    import data.sources
+    import evaluation.evaluate  # noqa: F401
+    import inference_eval.model
+    import train.run  # noqa: F401
+    from inference_eval.model import LlamaForCausalLM
+    from scripts import export  # noqa: F401
+
+    def never(*a, **k):
+        raise AssertionError("work started before the configuration was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
+    patch_everywhere(monkeypatch, data.sources.load_conversations, never)
+    patch_everywhere(monkeypatch, inference_eval.model.tied_target, never)

@@ -16,7 +16,7 @@ from core.timing import Paired
 from scripts.checks import ConfigError, check_before_work
 from core.progress import Progress, duration, log_interval
 from tests.conftest import ROOT, compose_config
-from tests.helpers import patch_everywhere
+from tests.helpers import forbid_work, patch_everywhere
 
 
 # ---- progress lines ------------------------------------------------------------------------------
@@ -71,22 +71,8 @@ def test_progress_lines_off_and_failed_close(caplog):
 # ---- configuration errors before any work --------------------------------------------------------
 @pytest.fixture
 def no_work(monkeypatch):
-    """Every way a stage starts real work fails the test: loading a target, a tokenizer, the data."""
-    import transformers
-
-    import data.sources
-    import inference_eval.model
-    import train.run  # noqa: F401 — the stages' modules, loaded before patching: they bind names at import
-    from inference_eval.model import LlamaForCausalLM
-    from scripts import export  # noqa: F401
-
-    def never(*a, **k):
-        raise AssertionError("work started before the configuration was checked")
-
-    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
-    patch_everywhere(monkeypatch, data.sources.load_conversations, never)
-    patch_everywhere(monkeypatch, inference_eval.model.tied_target, never)
+    """Loading a target, a tokenizer or the data fails the test (tests/helpers.py `forbid_work`)."""
+    forbid_work(monkeypatch)
 
 
 def run_stage(stage, cfg):

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from scripts.checks import EVERY, ONLINE, RULES, RULES_BY_KEY, ConfigError, check_before_work, check_settings
 from tests.conftest import ROOT, compose_config
-from tests.helpers import patch_everywhere
+from tests.helpers import forbid_work
 
 pytestmark = pytest.mark.unit
 
@@ -181,23 +181,8 @@ DELEGATED = [
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Loading a target, a tokenizer or the data fails the test; the modules the checks import are loaded first, so
-    the timing is the checks' own."""
-    import transformers
-
-    import data.sources
-    import evaluation.evaluate  # noqa: F401
-    import inference_eval.model
-    import train.run  # noqa: F401
-    from inference_eval.model import LlamaForCausalLM
-
-    def never(*a, **k):
-        raise AssertionError("work started before the configuration was checked")
-
-    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", classmethod(never))
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
-    patch_everywhere(monkeypatch, data.sources.load_conversations, never)
-    patch_everywhere(monkeypatch, inference_eval.model.tied_target, never)
+    """Loading a target, a tokenizer or the data fails the test (tests/helpers.py `forbid_work`)."""
+    forbid_work(monkeypatch)
 
 
 def refused_fast(cfg, stage: str) -> str:
