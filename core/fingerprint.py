@@ -4,7 +4,9 @@ the one comparison that stores, heads and result caches use to ask "the same tar
 
 Creation (`fingerprint_checkpoint`) reads the safetensors headers only: milliseconds for a 140 GB
 target. Comparison (`compare_fingerprints`) compares every identity key both sides hold
-(`FINGERPRINT_IGNORED` never: the display name, library versions, the hashing method), and reports
+(`FINGERPRINT_IGNORED` never: the display name, library versions, the hashing method, and `source` — where the
+files came from, a Hugging Face Hub repo and commit: provenance, not identity, so the same files at a local path and
+from the Hub are one target and a store made from one resumes from the other), and reports
 what could not be compared (a key one side lacks; a legacy fingerprint whose `weights_sha256` hashed
 the tensor bytes against a header-hashed one). Callers decide what an uncomparable key means: a store
 refuses (`data.store.check_fingerprint`), a head loads with a warning (`artifacts.checkpoint`).
@@ -24,19 +26,20 @@ from core.files import sha256_file
 from core.safetensors_io import read_safetensors_header
 
 FINGERPRINT_METHODS = ("header", "full")
-FINGERPRINT_IGNORED = frozenset({"name", "versions", "weights_hash"})
+FINGERPRINT_IGNORED = frozenset({"name", "versions", "weights_hash", "source"})
 LEGACY_UNCOMPARABLE = ("weights_sha256 (one side hashes the weight bytes, an older spechead's fingerprint, "
                        "the other their headers: set target.fingerprint=full to compare them)")
 
 
 def same_target_but_method(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
-    """Two fingerprints equal but for how the weights were hashed (header vs full)."""
+    """Two fingerprints equal but for how the weights were hashed (header vs full) and where the files came from
+    (`source`: a Hub repo and commit, or none for a local directory)."""
     if not isinstance(a, dict):
         return False
-    method = ("weights_hash", "weights_content_sha256")
+    aside = ("weights_hash", "weights_content_sha256", "source")  # the hashing method; where the files came from
     both_full = all("weights_content_sha256" in fp for fp in (a, b))
-    return ("weights_hash" in a and {k: v for k, v in a.items() if k not in method}
-            == {k: v for k, v in b.items() if k not in method}
+    return ("weights_hash" in a and {k: v for k, v in a.items() if k not in aside}
+            == {k: v for k, v in b.items() if k not in aside}
             and (not both_full or a["weights_content_sha256"] == b["weights_content_sha256"]))
 
 

@@ -4,7 +4,9 @@ Normalisation turns a raw record (ShareGPT ``{"conversations": [{"from", "value"
 style ``{"messages": [{"role", "content"}]}``) into a list of ``{"role", "content"}`` messages that
 every chat template accepts, or into a reason for dropping it (see :func:`normalize_turns`;
 :func:`explain_record` also names the offending field). Strings no tokenizer can encode (a lone
-surrogate) or that mark binary data (NUL) drop the record here, before any template sees it.
+surrogate) or that mark binary data (NUL) drop the record here, before any template sees it. OpenAI content
+given as a list of text parts is joined into one string; a conversation with tool calls or tool results is
+dropped as ``tool_turn`` (counted like every drop).
 
 Loss masks. A draft head learns to predict what the target generates, i.e. the assistant turns as
 the target's chat template renders them. Instead of a regex per template (SpecForge, EAGLE), the
@@ -45,7 +47,8 @@ from typing import Literal
 from core.jsonio import LONE_SURROGATE
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
-DropReason = Literal["malformed", "empty", "unknown_role", "no_assistant_turn", "lone_surrogate", "nul_char"]
+DropReason = Literal["malformed", "empty", "unknown_role", "tool_turn", "no_assistant_turn", "lone_surrogate",
+                     "nul_char"]
 
 # Speaker names seen in ShareGPT dumps and OpenAI-style records, lower-cased.
 ROLE_MAP = {
@@ -58,6 +61,11 @@ ROLE_MAP = {
     "bing": "assistant",
     "system": "system",
 }
+
+# Roles of tool results (OpenAI `tool` / `function`, Llama 3 `ipython`, GLM `observation`): a conversation with
+# tool calls or their results is counted as `tool_turn`, not trained on — how each chat template renders tool calls
+# differs, and a draft learnt on a half-rendered call would not match what the target generates.
+TOOL_ROLES = ("tool", "function", "ipython", "observation")
 
 # A str from JSON keeps a "\ud800" escape as a lone surrogate (a pair becomes one character): no
 # UTF-8 encoding exists for it, and a fast tokenizer refuses the string with a TypeError.
@@ -142,6 +150,10 @@ def _normalize_list(record: object, key: str, role_key: str, content_key: str
         if not isinstance(turn, dict):
             return None, Drop("malformed", f"{where}: expected an object with {role_key!r} and {content_key!r}, "
                                            f"got {json_type(turn)}")
+        tool = _tool_turn(turn, where, role_key)
+        if tool:
+            return None, tool
+        turn = _text_parts(turn, content_key)
         for name in (role_key, content_key):
             if name not in turn:
                 return None, Drop("malformed", f"{where}: no {name!r}")
@@ -155,6 +167,29 @@ def _normalize_list(record: object, key: str, role_key: str, content_key: str
             return None, Drop("unknown_role", f"{where}.{role_key}: {ascii(role[:40])} (known: {', '.join(ROLE_MAP)})")
         messages.append({"role": ROLE_MAP[role.lower()], "content": content})
     return _policy(messages)
+
+
+def _tool_turn(turn: dict, where: str, role_key: str) -> Drop | None:
+    """A turn that is a tool result (a `TOOL_ROLES` role) or an assistant's tool call (`tool_calls` /
+    `function_call` set), as the `tool_turn` drop naming it."""
+    role = turn.get(role_key)
+    if isinstance(role, str) and role.lower() in TOOL_ROLES:
+        return Drop("tool_turn", f"{where}.{role_key}: {role!r} (a tool result; tool conversations are not trained on)")
+    for key in ("tool_calls", "function_call"):
+        if turn.get(key):
+            return Drop("tool_turn", f"{where}.{key}: set (a tool call; tool conversations are not trained on)")
+    return None
+
+
+def _text_parts(turn: dict, content_key: str) -> dict:
+    """OpenAI's content as a list of parts, `[{"type": "text", "text": ...}, ...]`, as the one string of its text
+    parts joined; a list with another part (an image) or a part without its text stays a list: `malformed`."""
+    parts = turn.get(content_key)
+    if not isinstance(parts, list) or not parts:
+        return turn
+    if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        return {**turn, content_key: "".join(p["text"] for p in parts)}
+    return turn
 
 
 def normalize_turns(messages: list[Message]) -> tuple[list[Message] | None, DropReason | None]:

@@ -488,7 +488,11 @@ def data_file_fingerprint(data: DataConfig) -> dict[str, Any] | None:
     packaged ShareGPT for data.source=sharegpt without a path), None when there is none. For information: a
     resumed run decides by each sample's content hash. Hashing costs about a second per GB (the packaged
     ShareGPT: 125 MB), small next to tokenizing the file; the path itself is in `source`, and a mtime would
-    differ between the copies ranks on several nodes read."""
+    differ between the copies ranks on several nodes read. data.source=hf: data/hf_source.py `fingerprint`."""
+    if data.source == "hf":
+        from data import hf_source
+
+        return hf_source.fingerprint(data)
     path = data.path
     if path is None and data.source == "sharegpt":
         from data.assets import sharegpt_path
@@ -505,6 +509,9 @@ def store_source(cfg: Any, backend: str, model) -> dict[str, Any]:
     # the path as the user wrote it: a store written before resumes with the same setting
     source = {"source": data.source, "path": cfg.data.get("path"), "skip": data.skip, "max_samples": data.max_samples,
               "max_length": data.max_length}
+    for key in ("split", "name", "columns"):  # which rows and fields of the source (absent: the defaults)
+        if getattr(data, key) is not None:
+            source[key] = getattr(data, key)
     if data.chat_template:  # another template, other samples: never resumed across templates
         source["chat_template_sha256"] = chat_template_sha256(data.chat_template)
     if backend == "vllm":  # other numerics than the engine's: a store is not resumed across backends

@@ -5,7 +5,7 @@ dropped or included, with where it is (`<file>:<line>`) and its id when it has o
 `not_json` (a JSONL line / JSON-array record that is not valid UTF-8 / JSON), `truncated` (the file
 ends inside a record), `too_large` / `too_deep` (a record over `data.max_record_bytes` bytes, or whose
 containers nest deeper than `data.max_nesting`: core/jsonio.py `RecordBounds`), `malformed` (not an
-object, missing fields, wrong types, a bad id), `lone_surrogate`, `nul_char`, `unknown_role`, `empty`,
+object, missing fields, wrong types, a bad id), `lone_surrogate`, `nul_char`, `unknown_role`, `tool_turn`, `empty`,
 `no_assistant_turn` (data/conversations.py's policy) and `duplicate_id` (a later record with an id
 already taken: the store keys samples and resume by id; ShareGPT repeats 123 ids, never between two
 usable records). The first rejections of each reason are kept as examples `{reason, where, id, detail}`
@@ -14,6 +14,10 @@ usable records). The first rejections of each reason are kept as examples `{reas
 `data.source=text` (base models) reads a JSONL file of plain texts, `{"text": ..., "id"?: ...}` per line,
 through the same machinery: its items are the texts themselves (loss on every token, data/conversations.py
 `tokenize_text`), and a record without a string `text` is `malformed`, a blank one `empty`.
+
+`data.source=hf` reads parquet/arrow/JSON files, dataset directories and Hub dataset ids through Hugging Face
+`datasets` (data/hf_source.py); its rows are records like the others, at `<file>:<row>`. `data.columns` renames a
+corpus's columns to the fields read, for every source.
 
 Only a file that cannot be read as a whole stops the caller, with a :class:`SourceError` naming it:
 missing, a directory or another file that is not a regular one (a FIFO, a device: refused from os.stat,
@@ -31,23 +35,28 @@ from pathlib import Path
 from typing import Any
 
 from core.jsonio import (MAX_NESTING, MAX_RECORD_BYTES, UTF8_BOM, RecordBounds, Rejected, json_array_records,
-                         jsonl_records, not_a_file)
+                         jsonl_records)
 from data.assets import TARGET_SOURCES
 from data.conversations import Drop, check_text, explain_record, json_type
+from data.hub import hub_snapshot
+from data.source_files import SourceError, check_file
 from inference_eval.targets import TargetConfig
 
 log = logging.getLogger(__name__)
 
 
-def resolve_target_dir(path: str | Path | None, source: str | None) -> Path:
-    """An HF checkpoint directory for the configured target: `target.path` if given, else the packaged GGUF
-    that `target.source` names (data/assets.py TARGET_SOURCES: smollm2_gguf, gemma3_270m_gguf) converted once
-    into the cache."""
+def resolve_target_dir(path: str | Path | None, source: str | None, revision: str | None = None) -> Path:
+    """An HF checkpoint directory for the configured target: `target.path` if given — a local directory, or a
+    Hugging Face Hub id (`org/name`, at `target.revision`) that is not one, resolved to its snapshot in the Hub's
+    cache (data/hub.py) —, else the packaged GGUF that `target.source` names (data/assets.py TARGET_SOURCES:
+    smollm2_gguf, gemma3_270m_gguf) converted once into the cache."""
+    hub = hub_snapshot(path, revision)  # None: a local path, or a packaged source (a revision is refused there)
     if path:
-        path = Path(str(path)).expanduser()
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
-        return path
+        target_dir = hub.dir if hub else Path(str(path)).expanduser()
+        if not (target_dir / "config.json").exists():
+            where = f"{path} (its Hub snapshot {target_dir})" if hub else target_dir
+            raise FileNotFoundError(f"target.path={where}: no config.json (expected an HF checkpoint directory)")
+        return target_dir
 
     if source in TARGET_SOURCES:
         return TARGET_SOURCES[source]()
@@ -57,16 +66,16 @@ def resolve_target_dir(path: str | Path | None, source: str | None) -> Path:
 
 def target_config(section: Any) -> TargetConfig:
     """The config's `target` section as the typed TargetConfig every stage takes: its directory resolved once
-    (`resolve_target_dir`), the rest checked."""
-    return TargetConfig(dir=resolve_target_dir(section.get("path"), section.get("source")),
-                        name=str(section.get("name") or ""), dtype=str(section.get("dtype")),
+    (`resolve_target_dir`), a Hub target's repo id and commit recorded (the fingerprint's `source`), the rest
+    checked."""
+    path, revision = section.get("path"), section.get("revision")
+    target_dir = resolve_target_dir(path, section.get("source"), revision)
+    hub = hub_snapshot(path, revision)  # the resolution resolve_target_dir made, memoized
+    return TargetConfig(dir=target_dir, name=str(section.get("name") or ""), dtype=str(section.get("dtype")),
                         fingerprint_mode=str(section.get("fingerprint", "header")),
                         device=str(section.get("device", "auto")), device_map=section.get("device_map"),
-                        trust_remote_code=bool(section.get("trust_remote_code", False)))
-
-
-class SourceError(ValueError):
-    """The data file cannot be read as a whole; the message names it and says why."""
+                        trust_remote_code=bool(section.get("trust_remote_code", False)),
+                        hub_repo=hub.repo_id if hub else None, hub_commit=hub.commit if hub else None)
 
 
 EXAMPLES_PER_REASON = 10  # rejections kept as examples per reason ...
@@ -107,14 +116,12 @@ class Conversations:
         record_rejection(self.rejected, self.examples, reason, where, detail, sample_id)
 
 
-_OTHER_ENCODINGS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
-                    (b"\xfe\xff", "UTF-16"))
-
-
-SOURCES = ("sharegpt", "json", "jsonl", "text")
+SOURCES = ("sharegpt", "json", "jsonl", "text", "hf")
 _SOURCE_WORDS = ("sharegpt (the packaged dump, or a file in its format), json (a file holding one JSON array of "
-                 "records), jsonl (one record per line) or text (plain texts for a base model, one {\"text\": ...} "
-                 "per line)")
+                 "records), jsonl (one record per line), text (plain texts for a base model, one {\"text\": ...} "
+                 "per line) or hf (through Hugging Face datasets: parquet/arrow/json files or a glob, a dataset "
+                 "directory, or a Hub dataset id)")
+COLUMN_FIELDS = ("conversations", "messages", "id", "text")  # the record fields `data.columns` may map
 
 
 def _whole(value: Any, at_least: int) -> bool:
@@ -136,10 +143,40 @@ class DataConfig:
     chat_template: Path | None = None
     max_record_bytes: int = MAX_RECORD_BYTES
     max_nesting: int = MAX_NESTING
+    # data.source=hf (data/hf_source.py): the split and config of a Hub dataset or saved DatasetDict, and whether
+    # rows are streamed (null: local files streamed, Hub datasets converted into datasets' cache first)
+    split: str | None = None
+    name: str | None = None
+    streaming: bool | None = None
+    # a corpus's column names for the fields read, e.g. {messages: chat, id: prompt_id}; every source
+    columns: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise SourceError(f"data.source={self.source!r}: expected {_SOURCE_WORDS}")
+        for key in ("split", "name"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise SourceError(f"data.{key}={value!r}: expected a name or null")
+        if self.streaming is not None and not isinstance(self.streaming, bool):
+            raise SourceError(f"data.streaming={self.streaming!r}: expected true, false or null (local files "
+                              "streamed, Hub datasets cached)")
+        if self.source != "hf":
+            for key in ("split", "name", "streaming"):
+                if getattr(self, key) is not None:
+                    raise SourceError(f"data.{key}={getattr(self, key)!r} applies to data.source=hf only "
+                                      f"(data.source={self.source}): remove it")
+        if self.columns is not None:
+            if not isinstance(self.columns, dict) or not all(
+                    isinstance(v, str) and v.strip() for v in self.columns.values()):
+                raise SourceError(f"data.columns={self.columns!r}: expected a mapping from fields read "
+                                  f"({', '.join(COLUMN_FIELDS)}) to the corpus's column names")
+            unknown = sorted(set(self.columns) - set(COLUMN_FIELDS))
+            if unknown:
+                raise SourceError(f"data.columns.{unknown[0]}: not a field read (expected {', '.join(COLUMN_FIELDS)})")
+            if {"conversations", "messages"} <= set(self.columns):
+                raise SourceError("data.columns: map either conversations (ShareGPT turns) or messages (OpenAI "
+                                  "turns), not both")
         for key, at_least, unit, null in (("skip", 0, "conversations", None),
                                           ("max_samples", 1, "conversations", "the whole source"),
                                           ("max_length", 1, "tokens", None)):
@@ -174,6 +211,8 @@ class DataConfig:
                 values[key] = Path(str(values[key])).expanduser()
             else:
                 values[key] = None
+        if values.get("columns") is not None:
+            values["columns"] = dict(values["columns"]) if isinstance(values["columns"], dict) else values["columns"]
         if values.get("source") is None:
             values.pop("source", None)
         return cls(**values)
@@ -192,46 +231,22 @@ class DataConfig:
         return replace(self, skip=self.skip + self.max_samples, max_samples=num)
 
 
-def _check_file(path: Path, source: str) -> None:
-    """Refuse, naming it, a file that cannot hold records at all. What the path is comes from os.stat first: a
-    FIFO is never opened (that waits for a writer), a device never read (/dev/zero never ends)."""
-    try:
-        kind = not_a_file(path)
-    except FileNotFoundError:
-        raise SourceError(f"data.path={path}: no such file (data.source={source})") from None
-    except OSError as e:
-        raise SourceError(f"data.path={path}: cannot be read ({e})") from e
-    if kind == "a directory":
-        raise SourceError(f"data.path={path}: a directory; data.source={source} reads one file")
-    if kind:
-        raise SourceError(f"data.path={path}: {kind}, not a regular file; data.source={source} reads one file "
-                          "(write the data to a file first)")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise SourceError(f"data.path={path}: cannot be read ({e})") from e
-    if not head:
-        raise SourceError(f"{path}: empty file (0 bytes): no records")
-    for bom, name in _OTHER_ENCODINGS:
-        if head.startswith(bom):
-            raise SourceError(f"{path}: starts with a {name} byte-order mark; records must be UTF-8 "
-                              f"(re-encode it, e.g. `iconv -f {name} -t UTF-8`)")
-    if head.startswith(b"\x1f\x8b"):
-        raise SourceError(f"{path}: gzip-compressed; decompress it first")
-
-
 def check_source(data: DataConfig) -> None:
     """What can be refused from a file's first bytes, before any record is read: a missing or unreadable file or one
     that is not a regular file, and a source/path mismatch (a JSON array given as JSONL or the reverse), each with
     the setting that fixes it. The settings themselves were checked when `data` was built."""
     source = data.source
+    if source == "hf":
+        from data import hf_source
+
+        hf_source.check(data)
+        return
     if data.path is None:
         if source != "sharegpt":
             raise SourceError(f"data.source={source} needs data.path=<file>")
         return
     path = data.path
-    _check_file(path, source)
+    check_file(path, source)
     with open(path, "rb") as f:
         head = f.read(1 << 16)
     text = head[len(UTF8_BOM):] if head.startswith(UTF8_BOM) else head
@@ -252,14 +267,19 @@ def check_source(data: DataConfig) -> None:
 
 def _records(data: DataConfig):
     source, bounds = data.source, data.bounds
+    if source == "hf":
+        from data import hf_source
+
+        yield from hf_source.records(data)
+        return
     if source == "sharegpt" and data.path is None:
         from data.assets import sharegpt_path
-        _check_file(sharegpt_path(), "json")
+        check_file(sharegpt_path(), "json")
         yield from json_array_records(sharegpt_path(), SourceError, bounds)
         return
     if data.path is None:
         raise SourceError(f"data.source={source} needs data.path")
-    _check_file(data.path, "jsonl" if source in ("jsonl", "text") else "json")
+    check_file(data.path, "jsonl" if source in ("jsonl", "text") else "json")
     yield from (jsonl_records(data.path, SourceError, bounds=bounds) if source in ("jsonl", "text")
                 else json_array_records(data.path, SourceError, bounds))
 
@@ -293,6 +313,22 @@ def explain_text(record: object) -> tuple[str | None, Drop | None]:
     return (None, bad) if bad else (text, None)
 
 
+def _mapped(record: object, columns: dict[str, str] | None) -> object:
+    """A record with the corpus's columns renamed to the fields read (`data.columns`); a mapped turn list replaces
+    the other kind (a corpus with both columns is read by the mapping)."""
+    if not columns or not isinstance(record, dict):
+        return record
+    record = dict(record)
+    for field_name, column in columns.items():
+        if column in record:
+            value = record.pop(column)
+            if field_name in ("conversations", "messages"):
+                record.pop("conversations", None)
+                record.pop("messages", None)
+            record[field_name] = value
+    return record
+
+
 def load_conversations(data: DataConfig) -> Conversations:
     """Normalised conversations [skip, skip + max_samples) of the source, with rejects counted by
     reason (see the module docstring); SourceError when the file cannot be read at all. For
@@ -308,7 +344,7 @@ def load_conversations(data: DataConfig) -> Conversations:
         if isinstance(item, Rejected):
             out.reject(item.reason, item.where, item.detail)
             continue
-        record, where = item.value, item.where
+        record, where = _mapped(item.value, data.columns), item.where
         sample_id, drop = _sample_id(record, n) if isinstance(record, dict) else (None, None)
         if drop is not None:
             out.reject(drop.reason, where, drop.detail, sample_id)

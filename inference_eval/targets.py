@@ -35,7 +35,8 @@ class TargetConfig:
     """The target every stage runs: its checkpoint directory (resolved: `target.path`, or the packaged `source`
     converted once), the name and compute dtype its fingerprint records, how the fingerprint hashes the weights
     (`header`: safetensors headers and sizes; `full`: also the bytes), where it runs (`device`; `device_map`: HF's
-    sharding) and whether HF may run the checkpoint's own code."""
+    sharding) and whether HF may run the checkpoint's own code. A target named by its Hugging Face Hub id records
+    the repo id and the commit its snapshot directory holds (data/hub.py)."""
 
     dir: Path
     name: str
@@ -44,6 +45,8 @@ class TargetConfig:
     device: str = "auto"
     device_map: str | None = None
     trust_remote_code: bool = False
+    hub_repo: str | None = None  # `target.path=<org/name>`: the repo id ...
+    hub_commit: str | None = None  # ... and the commit `target.revision` resolved to
 
     def __post_init__(self) -> None:
         if self.dtype not in TARGET_DTYPES:
@@ -58,8 +61,13 @@ class TargetConfig:
     @cached_property
     def fingerprint(self) -> dict[str, Any]:
         """What stores, heads and caches made from this target record and compare (inference_eval/model.py
-        `target_fingerprint`); computed once (`full` reads every weight byte)."""
-        return target_fingerprint(self.dir, self.name, self.dtype, self.fingerprint_mode)
+        `target_fingerprint`); computed once (`full` reads every weight byte). A Hub target adds where its files
+        came from, `source: {hub, revision}` (the commit): provenance, which no comparison reads (core/fingerprint.py
+        FINGERPRINT_IGNORED), so the same files from a local directory are the same target."""
+        fingerprint = target_fingerprint(self.dir, self.name, self.dtype, self.fingerprint_mode)
+        if self.hub_repo is not None:
+            fingerprint["source"] = {"hub": self.hub_repo, "revision": self.hub_commit}
+        return fingerprint
 
 
 def resolve_backend(backend: str | None, target_dir: str | Path, stage: str) -> str:

@@ -132,17 +132,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 
 
 def check_target(target_cfg: Any) -> Path | None:
-    """target.path's directory (None for a packaged source, converted on first use)."""
+    """target.path's directory — a Hugging Face Hub id's snapshot, resolved here as the stage will (data/hub.py, once
+    per process) — (None for a packaged source, converted on first use)."""
+    from data.hub import HubTargetError, hub_snapshot
+
+    try:
+        hub = hub_snapshot(target_cfg.get("path"), target_cfg.get("revision"))
+    except HubTargetError as e:
+        raise ConfigError(str(e)) from e
     if target_cfg.get("path"):
-        path = Path(str(target_cfg["path"])).expanduser()
+        path = hub.dir if hub else Path(str(target_cfg["path"])).expanduser()
+        # a Hub target is named by its id (and revision) with the snapshot its files are in
+        shown = (f"{hub.repo_id}{'' if hub.revision is None else ' target.revision=' + hub.revision} (the Hub "
+                 f"snapshot {path})" if hub else str(path))
         if not path.is_dir():
             raise ConfigError(f"target.path={path}: no such directory (an HF checkpoint directory with config.json "
-                              "and *.safetensors)")
+                              "and *.safetensors, or a Hugging Face Hub id org/name)")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"target.path={path}: no config.json (expected an HF checkpoint directory)")
+            raise ConfigError(f"target.path={shown}: no config.json (expected an HF checkpoint directory)")
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise ConfigError(f"target.path={path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy "
-                              "the model's tokenizer into the directory (AutoTokenizer.save_pretrained writes them)")
+            fix = ("the Hub repository has none: set target.path to a local directory with the checkpoint and its "
+                   "tokenizer" if hub else "copy the model's tokenizer into the directory")
+            raise ConfigError(f"target.path={shown}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): "
+                              f"{fix} (AutoTokenizer.save_pretrained writes them)")
         warn_remote_code(path, bool(target_cfg.get("trust_remote_code", False)))
         return path
     from data.assets import TARGET_SOURCES
@@ -428,6 +440,12 @@ def _threads(v: Any) -> bool:
     return v is None or v == "auto" or (_whole(v) and v >= 1) or (isinstance(v, str) and v.isdigit() and int(v) >= 1)
 
 
+def _revision(v: Any) -> bool:
+    """A Hub revision as huggingface_hub takes it: a non-empty string (an unquoted number, which hydra reads as a
+    number and would lose a commit's leading zeros, is refused)."""
+    return isinstance(v, str) and bool(v.strip()) and v == v.strip() and "\x00" not in v
+
+
 def _storage_dtype(v: Any) -> bool:
     from data.store import STORAGE_ALIASES, STORAGE_DTYPES
 
@@ -461,6 +479,9 @@ RULES: tuple[Rule, ...] = (
                                             "number of threads")),
     Rule("progress", EVERY, FLAG),
     Rule("target.device", EVERY, Accept(_device, "auto or a torch device (cpu, cuda, cuda:N)")),
+    Rule("target.revision", EVERY, either(Accept(_revision, "a branch, tag or commit of the Hugging Face Hub id "
+                                                            "target.path names (a string; quote one of digits only)"),
+                                          "the repository's default branch")),
     Rule("pipeline.regenerate", (PIPELINE,), FLAG),
     # the head's shapes (the head's config class checks its choices: check_head); the rows of keys a head type does
     # not have are skipped

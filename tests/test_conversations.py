@@ -10,6 +10,7 @@ from data.conversations import (
     TemplateMaskError,
     TokenizedConversation,
     TooLongError,
+    explain_record,
     normalize_messages,
     normalize_record,
     normalize_sharegpt,
@@ -117,7 +118,25 @@ def test_openai_messages_and_dispatch():
     assert normalize_record(sharegpt(("human", "q"), ("gpt", "a"))) == ([user("q"), assistant("a")], None)
     assert normalize_record({"text": "raw"}) == (None, "malformed")
     assert normalize_record({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) == (None, "malformed")
-    assert normalize_record({"messages": [{"role": "tool", "content": "x"}]}) == (None, "unknown_role")
+    assert normalize_record({"messages": [{"role": "tool", "content": "x"}]}) == (None, "tool_turn")
+    assert normalize_record({"messages": [{"role": "robot", "content": "x"}]}) == (None, "unknown_role")
+
+
+@pytest.mark.unit
+def test_tool_turns_and_text_parts():
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "t1", "function": {"name": "f"}}]}
+    got, drop = explain_record({"messages": [user("q"), call, {"role": "tool", "content": "42"}, assistant("a")]})
+    assert got is None and drop.reason == "tool_turn" and drop.detail.startswith("messages[1].tool_calls")
+    got, drop = explain_record({"conversations": [{"from": "human", "value": "q"}, {"from": "function", "value": "r"}]})
+    assert got is None and drop.reason == "tool_turn" and drop.detail.startswith("conversations[1].from: 'function'")
+    # a null tool_calls (a parquet column other rows fill) is no tool call
+    plain = {**assistant("a"), "tool_calls": None}
+    assert normalize_record({"messages": [user("q"), plain]}) == ([user("q"), assistant("a")], None)
+    parts = {"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}
+    assert normalize_record({"messages": [parts, assistant("a")]}) == ([user("two parts"), assistant("a")], None)
+    image = {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {}}]}
+    got, drop = explain_record({"messages": [image, assistant("a")]})
+    assert got is None and drop.reason == "malformed" and "messages[0].content" in drop.detail
 
 
 def test_real_sharegpt_policy_counts():

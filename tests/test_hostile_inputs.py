@@ -120,8 +120,13 @@ CASES = [
          "conversations[0]: no 'value'", "x"),
     Case("role_is_list", [line({"id": "x", "messages": [{"role": ["user"], "content": "q"}]})], "malformed",
          "messages[0].role: expected a string, got array", "x"),
-    Case("content_is_parts_list", [line({"id": "x", "messages": [
-        {"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]})],
+    Case("tool_result", [line({"id": "x", "messages": [
+        {"role": "user", "content": "q"}, {"role": "tool", "content": "42"}, {"role": "assistant", "content": "a"}]})],
+         "tool_turn", "messages[1].role: 'tool' (a tool result; tool conversations are not trained on)", "x"),
+    # a list of text parts is joined into one string; a list with an image part is not text
+    Case("content_is_image_part", [line({"id": "x", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image_url", "image_url": {}}]}
+    ]})],
          "malformed", "messages[1].content: expected a string, got array", "x"),
     Case("content_is_object", [line({"id": "x", "messages": [{"role": "user", "content": {"text": "q"}}]})],
          "malformed", "messages[0].content: expected a string, got object", "x"),
@@ -274,8 +279,9 @@ def test_cases_cover_every_reason_of_the_source_and_the_template():
     kinds = {c.name for c in CASES} | {c.name for c in JSON_CASES} | set(WHOLE_FILE)
     assert len(kinds) >= 30
     assert {c.reason for c in CASES + JSON_CASES} | {"too_large"} == {  # too_large: its own test, a bound set low
-        "malformed", "lone_surrogate", "nul_char", "not_json", "not_utf8", "truncated", "unknown_role", "empty",
-        "no_assistant_turn", "duplicate_id", "template_error", "special_token", "too_long", "too_deep", "too_large"}
+        "malformed", "lone_surrogate", "nul_char", "not_json", "not_utf8", "truncated", "unknown_role", "tool_turn",
+        "empty", "no_assistant_turn", "duplicate_id", "template_error", "special_token", "too_long", "too_deep",
+        "too_large"}
 
 
 def test_file_cut_mid_record(base_cfg, reference, tmp_path):

@@ -143,6 +143,15 @@ def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_targ
     store = FeatureStore(store_dir)
     assert sorted(sid for s in store.manifest["shards"] for sid in s["sample_ids"]) == sorted(answered)
 
+    # the file is a dataset `datasets` reads back (its `regenerated` settings and counts a struct column), and as
+    # data.source=hf the same conversations
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(out), split="train", cache_dir=str(tmp_path / "ds_cache"))
+    assert rows["id"] == list(records) and [r["regenerated"]["stopped"] for r in rows] == [
+        r["regenerated"]["stopped"] for r in records.values()]
+    assert load_conversations(DataConfig.of({"source": "hf", "path": str(out)})).items == convs.items
+
 
 @pytest.mark.unit
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])

@@ -51,6 +51,7 @@ BAD = {
     "threads": ["abc", "0", "-2", "1.5"],
     "progress": ["maybe", "1"],
     "target.device": ["gpu0", "''"],
+    "target.revision": ["''", "1234567", "true", "[main]"],
     "pipeline.regenerate": ["yes"],
     "head.num_modules": ["0", "two"],
     "head.num_layers": ["0"],
@@ -273,7 +274,7 @@ def test_every_numeric_setting_of_the_config_has_a_rule():
     `RULES` row, a ModuleSettings field, or checked by a typed config named here: adding a setting means adding its
     row."""
     typed = {"data.max_record_bytes", "data.max_nesting", "data.max_length", "data.skip",  # data/sources.py DataConfig
-             "data.max_samples",
+             "data.max_samples", "data.split", "data.name", "data.streaming", "data.columns",
              "head.block_size", "head.markov_rank"}  # heads/dflash.py DFlashConfig / DSparkConfig, through check_head
     not_numbers = {"regenerate.device", "target.path", "target.device_map", "data.path", "data.chat_template",
                    "evaluate.prompts_path", "export.formats", "head.aux_layers", "head.target_layers",
