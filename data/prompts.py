@@ -5,6 +5,7 @@ in-loop validation and regeneration take their prompts and stops from here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,16 +110,33 @@ def stop_token_ids(tokenizer) -> set[int]:
 DATASETS = ("mtbench", "sharegpt", "jsonl")
 
 
-def load_prompts(cfg: Any, tokenizer, target, stops: set[int]) -> list[dict[str, Any]]:
-    ecfg = cfg.evaluate
-    n = ecfg.get("num_prompts")
-    if ecfg.dataset == "mtbench":
-        turns = [int(t) for t in ecfg.get("turns", [1])]
-        return [p for t in turns for p in mtbench_prompts(tokenizer, n, t, target, int(ecfg.max_new_tokens), stops)]
-    if ecfg.dataset == "sharegpt":
-        return sharegpt_prompts(tokenizer, DataConfig.of(cfg.data), n)
-    if ecfg.dataset == "jsonl":
-        if not ecfg.get("prompts_path"):
-            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path")
-        return jsonl_prompts(tokenizer, ecfg.prompts_path, n)
-    raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected mtbench, sharegpt (held-out) or jsonl")
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts an evaluation decodes (`evaluate.dataset`, `num_prompts`, `turns`, `prompts_path`): MT-Bench's
+    first turns (turn 2 after the target's own greedy turn-1 answer of `max_new_tokens` tokens), the held-out
+    conversations right after `data`'s training range, or a JSONL file of prompts."""
+
+    dataset: str = "mtbench"
+    num_prompts: int | None = None  # None: every prompt of the set
+    turns: tuple[int, ...] = (1,)
+    prompts_path: Path | None = None
+    max_new_tokens: int = 64
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"evaluate.dataset={self.dataset!r}: expected one of {', '.join(DATASETS)} "
+                             "(other prompt sets: evaluate.dataset=jsonl evaluate.prompts_path=<file>)")
+        if self.dataset == "jsonl" and self.prompts_path is None:
+            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per "
+                             "line)")
+
+
+def load_prompts(prompt_set: PromptSet, tokenizer, target, stops: set[int]) -> list[dict[str, Any]]:
+    n = prompt_set.num_prompts
+    if prompt_set.dataset == "mtbench":
+        return [p for t in prompt_set.turns
+                for p in mtbench_prompts(tokenizer, n, t, target, prompt_set.max_new_tokens, stops)]
+    if prompt_set.dataset == "sharegpt":
+        return sharegpt_prompts(tokenizer, prompt_set.data, n)
+    return jsonl_prompts(tokenizer, prompt_set.prompts_path, n)

@@ -14,12 +14,13 @@ import torch
 
 from artifacts.export import load_any
 from core.files import atomic_write_bytes
-from core.progress import DEFAULT_EVERY_S, Progress, log_interval
+from core.progress import Progress
 from core.timing import Paired, measure_pairs
 from data.conversations import load_tokenizer
-from data.prompts import DATASETS, load_prompts, stop_token_ids
-from data.sources import DataConfig, target_config
+from data.prompts import load_prompts, stop_token_ids
+from data.sources import target_config
 from data.store import DTYPES, FeatureStore
+from evaluation.settings import EvalConfig
 from evaluation.tau_stats import tau_standard_error
 from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
                                   round_cost)
@@ -225,17 +226,17 @@ def auto_probe_labels(spec: Any, labels: list[str]) -> set[str]:
     return chosen or set(labels)
 
 
-def draft_vocab_options(cfg: Any, head, vocab_size: int) -> dict[int | None, torch.Tensor | None]:
+def draft_vocab_options(ec: EvalConfig, head, vocab_size: int) -> dict[int | None, torch.Tensor | None]:
     """`evaluate.auto_draft_vocab` for k=auto: {size: ids} of the draft vocabularies to try — None is the
     whole vocabulary; a size n drafts among the n tokens most frequent as assistant tokens in the
     training store (`store_dir`; without a store only the whole vocabulary is tried). A head with a
     sub-vocabulary of its own (EAGLE-3's d2t) keeps it."""
-    sizes = list(cfg.evaluate.get("auto_draft_vocab") or [None])
+    sizes = list(ec.auto_draft_vocab)
     options: dict[int | None, torch.Tensor | None] = {None: None} if None in sizes else {}
-    smaller = sorted({int(n) for n in sizes if n is not None and 0 < int(n) < vocab_size})
+    smaller = sorted({n for n in sizes if n is not None and 0 < n < vocab_size})
     if not smaller or getattr(head, "draft_ids", None) is not None or not hasattr(head, "lm_head_weight"):
         return options or {None: None}
-    store_dir = Path(str(cfg.get("store_dir") or ""))
+    store_dir = ec.store_dir or Path("")
     if not (store_dir / "manifest.json").is_file():
         log.info("evaluate: k=auto tries the whole vocabulary only: no training store at %s to take token "
                  "frequencies from", store_dir)
@@ -247,33 +248,21 @@ def draft_vocab_options(cfg: Any, head, vocab_size: int) -> dict[int | None, tor
     return options
 
 
-def check_evaluation_config(cfg: Any, heads_must_exist: bool = True) -> None:
-    """What can be refused before any model or data is loaded: the dataset name, the prompts file,
-    the k setting, and every configured head or draft-model path (each error says how to fix it;
-    `heads_must_exist=False`: the demo's heads are trained later)."""
-    ecfg = cfg.evaluate
-    if ecfg.dataset not in DATASETS:
-        raise ValueError(f"evaluate.dataset={ecfg.dataset!r}: expected one of {', '.join(DATASETS)} "
-                         "(other prompt sets: evaluate.dataset=jsonl evaluate.prompts_path=<file>)")
-    if str(ecfg.get("k", 3)) != "auto" and not (str(ecfg.k).isdigit() and int(ecfg.k) >= 1):
-        raise ValueError(f"evaluate.k={ecfg.k!r}: expected auto or a number of draft tokens ≥ 1")
-    auto_probe_labels(ecfg.get("auto_probe", "all"), [])  # its type (which labels exist is known later)
-    engine = ecfg.get("engine", "spechead")
-    if engine not in ("spechead", "vllm"):
-        raise ValueError(f"evaluate.engine={engine!r}: expected spechead (this process's engine) or vllm")
-    if engine == "vllm":
+def check_evaluation_config(ec: EvalConfig, heads_must_exist: bool = True) -> None:
+    """What can be refused before any model or data is loaded beyond what `EvalConfig` checks when it is built (the
+    dataset name, the k setting, the engine, the proposer): the prompts file, what the vLLM engine cannot run, and
+    every configured head or draft-model path (each error says how to fix it; `heads_must_exist=False`: the demo's
+    heads are trained later)."""
+    if ec.engine == "vllm":
         from evaluation.vllm_eval import check_vllm_evaluation
 
-        check_vllm_evaluation(cfg)
-    if ecfg.dataset == "jsonl":
-        if not ecfg.get("prompts_path"):
-            raise ValueError("evaluate.dataset=jsonl needs evaluate.prompts_path=<file> (one {\"prompt\": ...} per line)")
-        if not Path(ecfg.prompts_path).is_file():
-            raise FileNotFoundError(f"evaluate.prompts_path={ecfg.prompts_path}: no such file")
-    heads = {label: path for label, path in (ecfg.get("heads") or {}).items() if path}
-    models = {label: spec["path"] for label, spec in (ecfg.get("draft_models") or {}).items()
-              if spec and spec.get("path")}
-    if not heads and not (ecfg.get("draft_models") or {}):
+        check_vllm_evaluation(ec)
+    prompts_path = ec.prompts.prompts_path
+    if ec.prompts.dataset == "jsonl" and not prompts_path.is_file():
+        raise FileNotFoundError(f"evaluate.prompts_path={prompts_path}: no such file")
+    heads = ec.heads
+    models = {label: spec["path"] for label, spec in ec.draft_models.items() if spec.get("path")}
+    if not heads and not ec.draft_models:
         raise ValueError("evaluate: nothing to evaluate (evaluate.heads and evaluate.draft_models are empty)")
     for key, entries in (("heads", heads if heads_must_exist else {}), ("draft_models", models)):
         for label, path in entries.items():
@@ -296,38 +285,35 @@ class EvalTarget:
     stops: set[int]
 
 
-def load_evaluation_target(cfg: Any) -> EvalTarget:
+def load_evaluation_target(ec: EvalConfig, tc: TargetConfig) -> EvalTarget:
     """The target in target.dtype on target.device; the heads' tied tensors (the target's own unless
     evaluate.head_dtype asks for another dtype)."""
     t_load = time.perf_counter()
-    tc = target_config(cfg.target)
     target_dir = tc.dir
     log.info("evaluate: loading the target %s (%s) from %s", tc.name, tc.dtype, target_dir)
-    tokenizer = load_tokenizer(target_dir, DataConfig.of(cfg.data).chat_template)  # data.chat_template's, when set
+    tokenizer = load_tokenizer(target_dir, ec.prompts.data.chat_template)  # data.chat_template's, when set
     target = load_target(tc, "engine")
     device = target.device
-    head_dtype = cfg.evaluate.get("head_dtype") or tc.dtype
+    head_dtype = ec.head_dtype or tc.dtype
     if head_dtype == tc.dtype:  # the heads use the target's own E / N_f / W_lm: no second copy
         tied = tied_from_model(target)
     else:  # another dtype needs its own copy of the shared tensors (2 · V · H values)
         tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
         log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
-                 "embedding and lm_head", head_dtype, cfg.target.dtype)
+                 "embedding and lm_head", head_dtype, tc.dtype)
     log.info("evaluate: target loaded in %.0fs", time.perf_counter() - t_load)
     return EvalTarget(tc, target, tied, head_dtype, device, tokenizer, stop_token_ids(tokenizer))
 
 
-def load_proposers(cfg: Any, et: EvalTarget) -> dict[str, Any]:
+def load_proposers(ec: EvalConfig, et: EvalTarget) -> dict[str, Any]:
     """{label: proposer}: the configured heads (any format; a head trained for another target is refused)
     and draft-model baselines (a checkpoint, or the target's first `layers` layers)."""
-    ecfg, target = cfg.evaluate, et.model
+    target = et.model
     proposers: dict[str, Any] = {}
-    for label, path in (ecfg.get("heads") or {}).items():
-        if path:
-            proposers[label] = load_any(path, et.tied, target.args, expected_fingerprint=et.config.fingerprint).to(et.device).eval()
-    for label, spec in (ecfg.get("draft_models") or {}).items():
-        if not spec:
-            continue
+    for label, path in ec.heads.items():
+        proposers[label] = load_any(path, et.tied, target.args,
+                                    expected_fingerprint=et.config.fingerprint).to(et.device).eval()
+    for label, spec in ec.draft_models.items():
         if spec.get("path"):
             draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=et.config.torch_dtype, device=et.device)
             if draft.args.vocab_size != target.args.vocab_size:
@@ -362,21 +348,21 @@ def groups_of(n: int, parts: int, at_least: int = 1) -> list[list[int]]:
     return [list(range(cuts[i], cuts[i + 1])) for i in range(parts)]
 
 
-def probe_setting(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: Any, engine_prop: Any,
+def probe_setting(ec: EvalConfig, et: EvalTarget, rs: RunSettings, label: str, prop: Any, engine_prop: Any,
                   drafts_by_head: bool, plain_warm: list) -> tuple[int, Any, dict[str, Any]]:
     """evaluate.k=auto: the fastest measured (k, draft vocabulary) on a few prompts. Each setting is timed
     in `auto_pairs` pairs beside plain decoding (core/timing.py: the probe's prompts split into groups,
     a plain pass and the setting's pass on each, the order alternating). (k, the engine proposer at
     that setting, the probe's table)."""
-    ecfg, target = cfg.evaluate, et.model
-    probe = rs.prompts[: int(ecfg.get("auto_prompts", 4))]
+    target = et.model
+    probe = rs.prompts[: ec.auto_prompts]
     if not plain_warm:  # warms the engine up once for every proposer
         plain_warm.append(plain_tokens_per_s(target, probe, rs.max_new, et.stops, 1, 1, rs.sampling, rs.batch_size))
-    top = min(int(ecfg.get("auto_max_k", 4)), getattr(prop, "max_depth", None) or 4)
+    top = min(ec.auto_max_k, getattr(prop, "max_depth", None) or 4)
     # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
-    vocabs = draft_vocab_options(cfg, prop, target.args.vocab_size) if drafts_by_head else {None: None}
+    vocabs = draft_vocab_options(ec, prop, target.args.vocab_size) if drafts_by_head else {None: None}
     settings = [{"k": kk, "draft_vocab": nv} for nv in vocabs for kk in range(1, top + 1)]
-    groups = [[probe[i] for i in g] for g in groups_of(len(probe), int(ecfg.get("auto_pairs", 2)), rs.batch_size)]
+    groups = [[probe[i] for i in g] for g in groups_of(len(probe), ec.auto_pairs, rs.batch_size)]
     bar = Progress(len(settings), f"evaluate {label}: k=auto", "setting", bar=rs.show_bar, every_s=rs.every_s)
 
     def measure(setting) -> Paired:
@@ -418,10 +404,9 @@ def probe_setting(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: A
     return chosen["k"], engine_prop, auto
 
 
-def result_entry(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: Any, res: Any,
+def result_entry(ec: EvalConfig, et: EvalTarget, rs: RunSettings, label: str, prop: Any, res: Any,
                  outputs: list[list[int]], auto: dict | None, follows: dict | None) -> dict[str, Any]:
     """One proposer's report entry: its run, how its k was chosen, and (greedy heads) the simulated τ."""
-    ecfg = cfg.evaluate
     entry = {**asdict(res), "proposer": "draft_model" if isinstance(prop, DraftModelProposer) else prop.kind}
     if auto is not None:
         entry["k_auto"] = auto
@@ -432,8 +417,8 @@ def result_entry(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: An
     if isinstance(prop, DraftModelProposer):
         entry["draft_layers"] = prop.draft.args.num_hidden_layers
     else:
-        entry["checkpoint"] = str(ecfg.heads[label])
-        if ecfg.get("simulated_tau", True) and rs.sampling.greedy and rs.tree is None:  # teacher-forced top-1: greedy
+        entry["checkpoint"] = ec.heads[label]
+        if ec.simulated_tau and rs.sampling.greedy and rs.tree is None:  # teacher-forced top-1: greedy
             # along the decoded continuations: greedy speculative output is the target's greedy output
             sim, accs = simulated_tau(et.model, prop, [p["ids"] for p in rs.prompts], outputs, res.k)
             entry["simulated_tau"] = sim
@@ -442,30 +427,13 @@ def result_entry(cfg: Any, et: EvalTarget, rs: RunSettings, label: str, prop: An
     return entry
 
 
-def evaluation_settings(cfg: Any) -> tuple[Sampling, int, str, dict | None]:
-    """(sampling, batch size, proposer mode, tree) from cfg.evaluate, checked."""
-    ecfg = cfg.evaluate
-    sampling = Sampling(float(ecfg.get("temperature", 0.0)), float(ecfg.get("top_p", 1.0)), int(ecfg.get("top_k", 0)),
-                        torch.Generator().manual_seed(int(cfg.seed)))
-    batch_size = int(ecfg.get("batch_size", 1))
-    mode = ecfg.get("proposer", "chain")
-    if batch_size < 1 or mode not in ("chain", "tree"):
-        raise ValueError(f"evaluate.batch_size={batch_size} (≥ 1) / evaluate.proposer={mode!r} (chain or tree)")
-    tree = dict(ecfg.get("tree") or {}) if mode == "tree" else None
-    if tree is not None and not sampling.greedy:
-        raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")
-    if str(ecfg.k) == "auto" and tree is not None:
-        raise ValueError("evaluate.k=auto chooses a chain's k; with evaluate.proposer=tree set evaluate.tree.depth")
-    return sampling, batch_size, mode, tree
-
-
-def plan_proposers(cfg: Any, et, rs: "RunSettings", proposers: dict[str, Any], k: int
+def plan_proposers(ec: EvalConfig, et, rs: "RunSettings", proposers: dict[str, Any], k: int
                    ) -> dict[str, tuple]:
     """{label: (proposer, engine proposer, k, k=auto table, followed leader)}: each proposer's engine form
     and setting. With k=auto the probed proposers (evaluate.auto_probe) come first, each choosing its own
     k and draft vocabulary (`probe_setting`); the others take the first probed one's setting."""
-    auto_k = str(cfg.evaluate.k) == "auto"
-    probing = auto_probe_labels(cfg.evaluate.get("auto_probe", "all"), list(proposers)) if auto_k else set()
+    auto_k = ec.auto
+    probing = auto_probe_labels(ec.auto_probe, list(proposers)) if auto_k else set()
     leader: dict[str, Any] | None = None  # the first probed proposer's choice, which the others follow
     plain_warm: list = []
     order = [label for label in proposers if label in probing] + [label for label in proposers if label not in probing]
@@ -481,7 +449,7 @@ def plan_proposers(cfg: Any, et, rs: "RunSettings", proposers: dict[str, Any], k
             k = min(int(leader["k"]), getattr(prop, "max_depth", None) or int(leader["k"]))
             vocab = leader["draft_vocab"] if drafts_by_head else None
             if vocab is not None:
-                options = draft_vocab_options(cfg, prop, et.model.args.vocab_size)
+                options = draft_vocab_options(ec, prop, et.model.args.vocab_size)
                 vocab = vocab if vocab in options else None
                 if vocab is not None:
                     engine_prop = PagedHeadProposer(prop, options[vocab])
@@ -489,19 +457,20 @@ def plan_proposers(cfg: Any, et, rs: "RunSettings", proposers: dict[str, Any], k
             log.info("evaluate %s: k=auto not probed (evaluate.auto_probe); at %s's setting: k=%d, draft "
                      "vocabulary %s", label, leader["label"], k, vocab or "all")
         elif auto_k:
-            k, engine_prop, auto = probe_setting(cfg, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
+            k, engine_prop, auto = probe_setting(ec, et, rs, label, prop, engine_prop, drafts_by_head, plain_warm)
             if leader is None:
                 leader = {"label": label, "k": k, "draft_vocab": auto["chosen_draft_vocab"]}
         plans[label] = (prop, engine_prop, k, auto, follows)
     return plans
 
 
-def add_speed(entry: dict[str, Any], speed: Paired, cfg: Any, et, rs: "RunSettings", engine_prop, k: int) -> None:
+def add_speed(entry: dict[str, Any], speed: Paired, ec: EvalConfig, et, rs: "RunSettings", engine_prop, k: int
+              ) -> None:
     """The paired speedup over plain decoding and, for greedy chains, the load-free prediction
     (`round_cost`), into a result entry."""
     entry.update(speedup=speed.median, speedup_min=speed.lo, speedup_max=speed.hi, speedup_pairs=list(speed.ratios),
                  speed_verdict=speed.verdict())
-    n_predict = int(cfg.evaluate.get("predict_prompts", 2))
+    n_predict = ec.predict_prompts
     if rs.sampling.greedy and rs.tree is None and n_predict > 0:
         entry["predicted"] = round_cost(et.model, engine_prop, k, [p["ids"] for p in rs.prompts[:n_predict]], rs.max_new,
                                         et.stops)
@@ -512,19 +481,19 @@ def add_speed(entry: dict[str, Any], speed: Paired, cfg: Any, et, rs: "RunSettin
              f"cost {entry['predicted']['cost']:.3f} plain steps)" if "predicted" in entry else "")
 
 
-def evaluate_plans(cfg: Any, et, rs: "RunSettings", plans: dict[str, tuple], report: dict[str, Any]) -> None:
+def evaluate_plans(ec: EvalConfig, et, rs: "RunSettings", plans: dict[str, tuple], report: dict[str, Any]) -> None:
     """Every planned proposer over the prompts — with `evaluate.plain_baseline`, paired with plain
     decoding group by group (core/timing.py) — into report["results"]."""
-    ecfg, target = cfg.evaluate, et.model
-    if ecfg.get("plain_baseline"):
+    target = et.model
+    if ec.plain_baseline:
         log.info("evaluate: %s and plain decoding over the same %d prompts in %s paired groups", list(plans),
-                 len(rs.prompts), int(ecfg.get("speed_pairs", 4)))
+                 len(rs.prompts), ec.speed_pairs)
         paired, plain = evaluate_paired(target, {label: (plan[1], plan[2]) for label, plan in plans.items()},
                                         rs.prompts, rs.max_new, et.stops, rs.batch_size, rs.sampling,
-                                        int(ecfg.get("speed_pairs", 4)), rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
+                                        ec.speed_pairs, rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
         report["plain_tokens_per_s"] = plain.tokens_per_s
     for label, (prop, engine_prop, k, auto, follows) in plans.items():
-        if ecfg.get("plain_baseline"):
+        if ec.plain_baseline:
             res, outputs, speed = paired[label]
         else:
             outputs = []
@@ -533,65 +502,64 @@ def evaluate_plans(cfg: Any, et, rs: "RunSettings", plans: dict[str, tuple], rep
                                    progress_log_s=rs.every_s)
         res.label = label
         log.info(res.summary())
-        entry = result_entry(cfg, et, rs, label, prop, res, outputs, auto, follows)
-        if ecfg.get("plain_baseline"):
-            add_speed(entry, speed, cfg, et, rs, engine_prop, k)
+        entry = result_entry(ec, et, rs, label, prop, res, outputs, auto, follows)
+        if ec.plain_baseline:
+            add_speed(entry, speed, ec, et, rs, engine_prop, k)
         report["results"][label] = entry
 
 
 def run_evaluation(cfg: Any) -> dict[str, Any]:
-    """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
-    on the configured prompts through the engine; write the JSON report (+ Markdown and plots):
-    load → choose each proposer's setting → evaluate each proposer → report."""
-    ecfg = cfg.evaluate
-    engine = ecfg.get("engine", "spechead")
-    if engine == "vllm":  # the target and the heads served by real vLLM (evaluation/vllm_eval.py)
+    """The evaluation stage: its settings built once (`EvalConfig.of`, the target's `target_config`), then
+    `evaluate` (or `evaluation/vllm_eval.py` with `evaluate.engine=vllm`); the report written and, with the wandb
+    logger, logged."""
+    ec = EvalConfig.of(cfg)
+    if ec.engine == "vllm":  # the target and the heads served by real vLLM (evaluation/vllm_eval.py)
         from evaluation.vllm_eval import run_vllm_evaluation
 
-        report = run_vllm_evaluation(cfg)
-        report_to_wandb(cfg, report, write_report(report, Path(ecfg.report)))
-        return report
-    if engine != "spechead":
-        raise ValueError(f"evaluate.engine={engine!r}: expected spechead (this process's engine) or vllm")
-    sampling, batch_size, mode, tree = evaluation_settings(cfg)
-    torch.manual_seed(int(cfg.seed))
-    et = load_evaluation_target(cfg)
-    log.info("evaluate: preparing %s prompts%s", ecfg.dataset,
-             " (turn 2: the target answers turn 1 first)" if 2 in [int(t) for t in ecfg.get("turns", [1])] else "")
-    prompts = load_prompts(cfg, et.tokenizer, et.model, et.stops)
-    if not prompts:
-        raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
-    log.info("evaluate: %d prompts; heads %s; k=%s, %d new tokens, batch %d", len(prompts),
-             [label for label, path in (ecfg.get("heads") or {}).items() if path], ecfg.k, int(ecfg.max_new_tokens),
-             batch_size)
-    auto_k = str(ecfg.k) == "auto"
-    k, max_new = (1 if auto_k else int(ecfg.k)), int(ecfg.max_new_tokens)
-    if tree is not None:  # a tree's draft depth plays the part of k
-        tree = {key: int(v) for key, v in tree.items()}
-        k = tree.setdefault("depth", 4)
-    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
-    rs = RunSettings(prompts, max_new, batch_size, sampling, int(ecfg.get("warmup", 0)), int(ecfg.get("repeats", 1)),
-                     tree, bool(cfg.get("progress", True)), every_s)
-    report: dict[str, Any] = {"target": cfg.target.name, "target_dtype": cfg.target.dtype, "head_dtype": et.head_dtype,
-                              "dataset": ecfg.dataset, "turn": "+".join(map(str, ecfg.get("turns", [1]))),
-                              "prompts": len(prompts), "k": "auto" if auto_k else k, "max_new_tokens": max_new,
-                              "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                              "batch_size": batch_size, "proposer": mode, "tree": tree, "warmup": rs.warmup,
-                              "repeats": rs.repeats, "results": {}}
-    proposers = load_proposers(cfg, et)
-    evaluate_plans(cfg, et, rs, plan_proposers(cfg, et, rs, proposers, k), report)
-    report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
-    files = write_report(report, Path(ecfg.report))
-    report_to_wandb(cfg, report, files)
+        report = run_vllm_evaluation(ec, target_config(cfg.target))
+    else:
+        report = evaluate(ec, target_config(cfg.target))
+    report_to_wandb(ec.logger, report, write_report(report, ec.report))
     return report
 
 
-def report_to_wandb(cfg: Any, report: dict[str, Any], files: list[Path]) -> str | None:
+def evaluate(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
+    """Evaluate the configured heads (native checkpoints or engine exports) and draft-model baselines
+    on the configured prompts through the engine: load → choose each proposer's setting → evaluate each
+    proposer → the report."""
+    sampling = ec.sampling()
+    torch.manual_seed(ec.seed)
+    et = load_evaluation_target(ec, tc)
+    log.info("evaluate: preparing %s prompts%s", ec.prompts.dataset,
+             " (turn 2: the target answers turn 1 first)" if 2 in ec.prompts.turns else "")
+    prompts = load_prompts(ec.prompts, et.tokenizer, et.model, et.stops)
+    if not prompts:
+        raise ValueError(f"evaluate: no prompts from dataset {ec.prompts.dataset!r}")
+    log.info("evaluate: %d prompts; heads %s; k=%s, %d new tokens, batch %d", len(prompts), list(ec.heads),
+             "auto" if ec.auto else ec.k, ec.prompts.max_new_tokens, ec.batch_size)
+    tree = ec.tree
+    k, max_new = (1 if ec.auto else ec.k), ec.prompts.max_new_tokens
+    if tree is not None:  # a tree's draft depth plays the part of k
+        k = tree["depth"]
+    rs = RunSettings(prompts, max_new, ec.batch_size, sampling, ec.warmup, ec.repeats, tree, ec.show_bar, ec.every_s)
+    report: dict[str, Any] = {"target": tc.name, "target_dtype": tc.dtype, "head_dtype": et.head_dtype,
+                              "dataset": ec.prompts.dataset, "turn": "+".join(map(str, ec.prompts.turns)),
+                              "prompts": len(prompts), "k": "auto" if ec.auto else k, "max_new_tokens": max_new,
+                              "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                              "batch_size": ec.batch_size, "proposer": ec.proposer, "tree": tree, "warmup": rs.warmup,
+                              "repeats": rs.repeats, "results": {}}
+    proposers = load_proposers(ec, et)
+    evaluate_plans(ec, et, rs, plan_proposers(ec, et, rs, proposers, k), report)
+    report["results"] = {label: report["results"][label] for label in proposers}  # the configured order
+    return report
+
+
+def report_to_wandb(logger: dict[str, Any], report: dict[str, Any], files: list[Path]) -> str | None:
     """With the wandb logger configured (`logger=wandb`), log the report as a run of its own (job type
     `evaluate`): τ, α_d, tokens/s, speedup and τ per category per head, a table of the heads, and the
     PNG plots. Offline unless the logger says otherwise (WANDB_MODE overrides, as for training).
     Returns the run's directory (None when not logged)."""
-    lcfg = cfg.get("logger") or {}
+    lcfg = logger or {}
     if "WandbLogger" not in str(lcfg.get("_target_", "")):
         return None
     import wandb

@@ -30,31 +30,30 @@ from typing import Any
 from artifacts.export import VLLM_METHODS, check_servable, detect_format, load_any, vllm_export
 from data.conversations import load_tokenizer
 from data.prompts import load_prompts, stop_token_ids
-from data.sources import DataConfig, target_config
+from evaluation.settings import EvalConfig
 from inference_eval.model import tied_target
-from inference_eval.vllm_backend import VllmSettings, vllm_python
+from inference_eval.targets import TargetConfig
+from inference_eval.vllm_backend import vllm_python
 from inference_eval.vllm_spec import VLLMRunner, rate, spec_figures
 
 log = logging.getLogger(__name__)
 
 
-def check_vllm_evaluation(cfg: Any) -> None:
+def check_vllm_evaluation(ec: EvalConfig) -> None:
     """What `evaluate.engine=vllm` cannot do, refused before work with the setting to change."""
-    ecfg = cfg.evaluate
     problems = []
-    if float(ecfg.get("temperature", 0.0)) != 0.0:
+    if ec.temperature != 0.0:
         problems.append("it decodes greedily: set evaluate.temperature=0")
-    if ecfg.get("proposer", "chain") != "chain":
+    if ec.proposer != "chain":
         problems.append("it drafts chains: set evaluate.proposer=chain")
-    if any(spec for spec in (ecfg.get("draft_models") or {}).values()):
+    if ec.draft_models:
         problems.append("draft-model baselines run in spechead's engine: set evaluate.draft_models={}")
-    if ecfg.dataset == "mtbench" and [int(t) for t in ecfg.get("turns", [1])] != [1]:
+    if ec.prompts.dataset == "mtbench" and ec.prompts.turns != (1,):
         problems.append("MT-Bench turn 2 needs the target's own turn-1 answers from spechead's engine: set "
                         "evaluate.turns=[1]")
     if problems:
         raise ValueError("evaluate.engine=vllm: " + "; ".join(problems))
-    vllm = VllmSettings.of(ecfg.get("vllm"), "evaluate.vllm")
-    vllm_python(vllm.python, "evaluate.vllm.python", "evaluate.engine=vllm")
+    vllm_python(ec.vllm.python, "evaluate.vllm.python", "evaluate.engine=vllm")
 
 
 def result_entry(label: str, k: int, res: dict, plain: dict | None, head_kind: str, served: Path, method: str
@@ -102,46 +101,42 @@ def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, 
     return best["k"], {"table": table, "chosen_k": best["k"], "prompts": len(prompts), "timing": "one vLLM process per k"}
 
 
-def run_vllm_evaluation(cfg: Any) -> dict[str, Any]:
+def run_vllm_evaluation(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
     """evaluation/evaluate.py `run_evaluation` with `evaluate.engine=vllm` (module docstring): the report (which
     `run_evaluation` writes) has the same shape, each entry's figures from vLLM's counters."""
-    check_vllm_evaluation(cfg)
-    ecfg = cfg.evaluate
-    tc = target_config(cfg.target)
+    check_vllm_evaluation(ec)
     target_dir = tc.dir
-    tokenizer = load_tokenizer(target_dir, DataConfig.of(cfg.data).chat_template)
+    tokenizer = load_tokenizer(target_dir, ec.prompts.data.chat_template)
     stops = stop_token_ids(tokenizer)
-    prompts = load_prompts(cfg, tokenizer, None, stops)
+    prompts = load_prompts(ec.prompts, tokenizer, None, stops)
     if not prompts:
-        raise ValueError(f"evaluate: no prompts from dataset {ecfg.dataset!r}")
+        raise ValueError(f"evaluate: no prompts from dataset {ec.prompts.dataset!r}")
     tied, args, _ = tied_target(target_dir)  # the shared tensors only, to read and export the heads
     expected_fp = tc.fingerprint
-    auto_k = str(ecfg.k) == "auto"
+    max_new = ec.prompts.max_new_tokens
     report: dict[str, Any] = {"target": tc.name, "target_dtype": tc.dtype, "engine": "vllm",
-                              "dataset": ecfg.dataset, "turn": "1", "prompts": len(prompts),
-                              "k": "auto" if auto_k else int(ecfg.k), "max_new_tokens": int(ecfg.max_new_tokens),
-                              "temperature": 0.0, "batch_size": int(ecfg.get("batch_size", 1)), "proposer": "chain",
-                              "tensor_parallel_size": int(ecfg.vllm.get("tensor_parallel_size", 1)), "results": {}}
-    out_root = Path(cfg.run_dir) / "eval_vllm"
+                              "dataset": ec.prompts.dataset, "turn": "1", "prompts": len(prompts),
+                              "k": "auto" if ec.auto else ec.k, "max_new_tokens": max_new,
+                              "temperature": 0.0, "batch_size": ec.batch_size, "proposer": "chain",
+                              "tensor_parallel_size": ec.vllm.tensor_parallel_size, "results": {}}
+    out_root = ec.run_dir / "eval_vllm"
     with tempfile.TemporaryDirectory(prefix="spechead-eval-vllm-") as tmp:
-        runner = VLLMRunner(VllmSettings.of(ecfg.vllm, "evaluate.vllm"), target_dir, tc.dtype, int(ecfg.max_new_tokens),
-                            int(ecfg.get("batch_size", 1)), max(len(p["ids"]) for p in prompts), stops, Path(tmp))
+        runner = VLLMRunner(ec.vllm, target_dir, tc.dtype, max_new, ec.batch_size,
+                            max(len(p["ids"]) for p in prompts), stops, Path(tmp))
         report["data_parallel_size"] = runner.replicas
-        plain = runner.run(prompts, None, "plain") if ecfg.get("plain_baseline") else None
+        plain = runner.run(prompts, None, "plain") if ec.plain_baseline else None
         if plain is not None:
             report["plain_tokens_per_s"] = rate(plain)
-        for label, path in (ecfg.get("heads") or {}).items():
-            if not path:
-                continue
+        for label, path in ec.heads.items():
             served, method, head = served_export(label, path, tied, args, target_dir, expected_fp, out_root,
                                                  runner.version)
             depth = getattr(head, "max_depth", None)
             auto = None
-            if auto_k:
-                top = min(int(ecfg.get("auto_max_k", 4)), depth or int(ecfg.get("auto_max_k", 4)))
-                k, auto = probe_k(runner, prompts[: int(ecfg.get("auto_prompts", 4))], served, method, top, label)
+            if ec.auto:
+                top = min(ec.auto_max_k, depth or ec.auto_max_k)
+                k, auto = probe_k(runner, prompts[: ec.auto_prompts], served, method, top, label)
             else:
-                k = int(ecfg.k)
+                k = ec.k
                 if depth is not None and k > depth:  # as spechead's engine refuses it
                     raise ValueError(f"evaluate.k={k} draft tokens, but the {head.kind} head {label} defines {depth} "
                                      f"draft steps: set evaluate.k ≤ {depth} (or auto)")

@@ -262,6 +262,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     import inference_eval.engine as engine
     from data.precompute import run_precompute
     from evaluation.evaluate import check_evaluation_config, run_evaluation
+    from evaluation.settings import EvalConfig
     from train.run import run_training
 
     base = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false", "evaluate.k=auto",
@@ -291,7 +292,8 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     fallback = run_evaluation(compose_config([*base, "evaluate.auto_probe=[nope]", "evaluate.auto_max_k=1"]))
     assert all([r["k"] for r in e["k_auto"]["table"]] == [1] for e in fallback["results"].values())
     with pytest.raises(ValueError, match="evaluate.auto_probe"):
-        check_evaluation_config(compose_config([*base, "evaluate.auto_probe=trained"]), heads_must_exist=False)
+        check_evaluation_config(EvalConfig.of(compose_config([*base, "evaluate.auto_probe=trained"])),
+                                heads_must_exist=False)
 
 
 @pytest.mark.unit

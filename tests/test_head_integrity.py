@@ -124,16 +124,18 @@ def test_a_flipped_bit_is_refused_by_load_native_and_load_any(flipped, tiny_targ
 
 
 def test_a_flipped_bit_is_refused_by_evaluations_head_loading(flipped, tiny_target, tmp_path):
+    from data.prompts import PromptSet
     from evaluation.evaluate import load_proposers
+    from evaluation.settings import EvalConfig
     from evaluation.vllm_eval import served_export
 
     out, file, recorded = flipped
     tied, args, _ = tied_target(tiny_target)
-    cfg = OmegaConf.create({"evaluate": {"heads": {"mine": str(out)}, "draft_models": {}}})
+    ec = EvalConfig(prompts=PromptSet(), report=tmp_path / "eval.json", heads={"mine": str(out)})
     et = SimpleNamespace(tied=tied, model=SimpleNamespace(args=args), config=SimpleNamespace(fingerprint=None),
                          device="cpu")
     with pytest.raises(IntegrityError) as e:
-        load_proposers(cfg, et)
+        load_proposers(ec, et)
     _assert_names_the_damage(str(e.value), file, recorded)
     with pytest.raises(IntegrityError, match="model.safetensors"):  # evaluate.engine=vllm loads it the same way
         served_export("mine", out, tied, args, tiny_target, None, tmp_path / "served")
