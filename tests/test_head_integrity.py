@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from artifacts.checkpoint import load_native, save_native
