@@ -188,13 +188,10 @@ def main() -> None:
     if not args.quick and "bfloat16" in hf:
         paths["hf_bf16_full_logits"] = lambda part, w: hf_precompute(hf["bfloat16"], part, args.batch_tokens, w, pad_id)
     if args.vllm:
-        from omegaconf import OmegaConf
+        from inference_eval.vllm_backend import VLLMBackend, VllmSettings
 
-        from inference_eval.vllm_backend import VLLMBackend
-
-        vcfg = OmegaConf.create({"precompute": {"aux_layers": "none", "vllm": {}},
-                                 "data": {"max_length": args.max_length}})
-        vllm = VLLMBackend.from_config(vcfg, target_dir, torch.bfloat16)  # closed at exit
+        vllm = VLLMBackend.for_target(VllmSettings("precompute.vllm"), target_dir, torch.bfloat16, "none", None,
+                                      args.max_length)  # closed at exit
         vllm.hidden_states([samples[0][1][:128]], ())  # warm-up
         paths["vllm"] = lambda part, w: precompute(vllm, part, w, args.batch_tokens, progress=False)  # not in the best
     seconds: dict[int, dict[str, list[float]]] = {n: {name: [] for name in paths} for n in budgets}

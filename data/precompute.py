@@ -448,9 +448,11 @@ def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
 
 def vllm_target(cfg: Any, target: TargetConfig):
     """The target in a vLLM worker process, placed by vLLM (`precompute.vllm.*`)."""
-    from inference_eval.vllm_backend import VLLMBackend
+    from inference_eval.vllm_backend import VLLMBackend, VllmSettings
 
-    return VLLMBackend.from_config(cfg, target.dir, target.torch_dtype)
+    return VLLMBackend.for_target(VllmSettings.of(cfg.precompute.get("vllm"), "precompute.vllm"), target.dir,
+                                  target.torch_dtype, cfg.precompute.get("aux_layers", "auto"),
+                                  head_config(cfg.get("head") or {})[1], DataConfig.of(cfg.data).max_length)
 
 
 def open_store_writer(cfg: Any, target: TargetConfig, backend: str, model, root: str | Path,

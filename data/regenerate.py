@@ -450,9 +450,10 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     if meta["backend"] == "engine":
         model = LlamaForCausalLM.from_pretrained(target.dir, dtype=target.torch_dtype, device=device)
     elif meta["backend"] == "vllm":  # the target in a vLLM worker process (tensor parallel: regenerate.vllm)
-        from inference_eval.vllm_backend import VLLMGenerator
+        from inference_eval.vllm_backend import VLLMGenerator, VllmSettings
 
-        model = VLLMGenerator.from_config(cfg, target.dir, target.torch_dtype)
+        model = VLLMGenerator.for_target(VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm"), target.dir,
+                                         target.torch_dtype, plan.max_prompt_tokens + plan.settings.max_new_tokens + 2)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             target.dir, dtype=target.torch_dtype, trust_remote_code=target.trust_remote_code).to(device).eval()

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from core.safetensors_io import checkpoint_files, read_safetensors_header
-from heads.registry import head_config, resolve_aux_layers
+from heads.registry import resolve_aux_layers
 from inference_eval.vllm_worker import read_sample_states
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -274,7 +274,7 @@ class VLLMBackend:
         self._log = open(self.log_path, "wb")
         self._send = threading.Lock()  # one request line at a time on the worker's stdin
         self._pending: collections.deque[tuple[Future, str]] = collections.deque()  # in request order
-        self.in_flight = 1  # batches precompute keeps queued (precompute.vllm.in_flight; set by from_config)
+        self.in_flight = 1  # batches precompute keeps queued (precompute.vllm.in_flight; set by for_target)
         self.max_pending = 0  # the most requests queued at once (tests/test_vllm_backend.py)
         self.proc = subprocess.Popen([str(python), "-m", self.worker_module, json.dumps(init)],
                                      cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -298,17 +298,17 @@ class VLLMBackend:
         self._reader.start()
 
     @classmethod
-    def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMBackend":
-        """The backend for `cfg` (precompute.vllm.*, target.*, data.max_length, the store's aux layers
-        from `precompute.aux_layers`), reusing a worker kept by an earlier call with the same settings."""
-        vllm = VllmSettings.of(cfg.precompute.get("vllm"), "precompute.vllm")
+    def for_target(cls, vllm: VllmSettings, target_dir: str | Path, dtype: torch.dtype, aux_layers: Any,
+                   head_layers: Any, max_len: int | None) -> "VLLMBackend":
+        """The backend for `precompute.vllm` (`vllm`), the target at `target_dir` in `dtype`, samples of at most
+        `max_len` tokens (data.max_length) and the store's aux layers (`precompute.aux_layers` and the head's target
+        layers, resolved as the engine resolves them), reusing a worker kept by an earlier call with the same
+        settings."""
         python = vllm_python(vllm.python)
         hf = _hf_config(target_dir)
         args = {"num_hidden_layers": int(hf["num_hidden_layers"]), "hidden_size": int(hf["hidden_size"]),
                 "max_position_embeddings": int(hf.get("max_position_embeddings") or 1 << 30)}
-        aux_layers = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"),
-                                        head_config(cfg.get("head") or {})[1], args["num_hidden_layers"])
-        max_len = cfg.get("data", {}).get("max_length")
+        aux_layers = resolve_aux_layers(aux_layers, head_layers, args["num_hidden_layers"])
         # a request is its prompt plus the one generated token vLLM insists on
         max_model_len = min(args["max_position_embeddings"], int(max_len) + 1 if max_len else 1 << 30)
         init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
@@ -467,13 +467,12 @@ class VLLMGenerator(VLLMBackend):
     stage = "regenerate.backend=vllm"
 
     @classmethod
-    def from_config(cls, cfg: Any, target_dir: str | Path, dtype: torch.dtype) -> "VLLMGenerator":
-        """The generator for `cfg` (`regenerate.vllm.*`: python, tensor_parallel_size, memory, env)."""
-        rcfg = cfg.regenerate
-        vllm = VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm")
+    def for_target(cls, vllm: VllmSettings, target_dir: str | Path, dtype: torch.dtype, longest: int
+                   ) -> "VLLMGenerator":
+        """The generator for `regenerate.vllm` (`vllm`: python, tensor_parallel_size, memory, env) and the target at
+        `target_dir` in `dtype`, for sequences of at most `longest` tokens (a prompt and its reply)."""
         python = vllm_python(vllm.python, "regenerate.vllm.python", cls.stage)
         hf = _hf_config(target_dir)
-        longest = int(rcfg.max_prompt_tokens) + int(rcfg.max_new_tokens) + 2
         tp = vllm.tensor_parallel_size
         init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
                 "max_model_len": min(int(hf.get("max_position_embeddings") or longest), longest),

@@ -265,8 +265,6 @@ TAKES_THE_CONFIG = {
     ("data/regenerate.py", "use_regenerated"),
     ("evaluation/evaluate.py", "run_evaluation"),
     ("evaluation/settings.py", "of"),  # EvalConfig.of: the builder, reading the sections an evaluation uses
-    ("inference_eval/vllm_backend.py", "from_config"),
-    ("inference_eval/vllm_backend.py", "from_config"),
     ("train/run.py", "data_module"),
     ("train/run.py", "from_config"),
     ("train/run.py", "init_head"),

@@ -257,9 +257,10 @@ def test_vllm_memory_setting_fits_the_job_before_vllm_starts(tiny_target, overri
     monkeypatch.setattr(vllm_backend, "_gpu_bytes", lambda: 1 << 30)  # a 1 GiB "GPU"
     cfg = compose_config([*overrides, "precompute.backend=vllm", "precompute.vllm.gpu_memory_utilization=0.5"])
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 gives vLLM 0.5 GB of each 1.0 GB GPU"):
-        vllm_backend.VLLMBackend.from_config(cfg, cfg.target.path, torch.float32)
+        vllm_backend.VLLMBackend.for_target(vllm_backend.VllmSettings.of(cfg.precompute.vllm, "precompute.vllm"),
+                                            cfg.target.path, torch.float32, "auto", None, cfg.data.max_length)
     # and an unsupported vLLM release is refused before a worker starts (precompute; regeneration the same class;
-    # the constructor, not from_config, which would hand back the module's kept worker)
+    # the constructor, not for_target, which would hand back the module's kept worker)
     monkeypatch.setattr(vllm_backend, "vllm_version", lambda python: "0.31.2")
     monkeypatch.setattr(vllm_backend.subprocess, "Popen", lambda *a, **k: pytest.fail("a worker was started"))
     for cls in (vllm_backend.VLLMBackend, vllm_backend.VLLMGenerator):
