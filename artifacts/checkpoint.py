@@ -10,7 +10,9 @@ Every directory spechead writes (native heads here, engine exports in artifacts/
 manifest `checksums.json` (artifacts/integrity.py), fsynced, then swapped in atomically. An existing
 destination is replaced only if it is empty or a spechead artifact of the same kind; leftovers of an
 interrupted save are recovered or removed by the next save. Every reader checks the manifest first
-(`verify_artifact`).
+(`verify_artifact`), and reads the tensors inside `reading_artifact`: a file the manifest does not catch (none, or
+one rewritten after the damage) but safetensors cannot read is refused naming it and where a good copy comes
+from — the training checkpoint (`checkpoint`) or native head (`exported_from`) its marker records.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from artifacts.integrity import MANIFEST, IntegrityError, integrity_error, manifest_problems, write_manifest
+from artifacts.integrity import (MANIFEST, DamagedFileError, IntegrityError, integrity_error, manifest_problems,
+                                 write_manifest)
 from core.files import atomic_dir, leftover_hint, recover_interrupted_save
 from core.fingerprint import FINGERPRINT_IGNORED, compare_fingerprints
-from core.safetensors_io import INDEX_FILE
+from core.safetensors_io import INDEX_FILE, SafetensorsError, load_safetensors_file
 from heads.base import DraftHead, TiedTarget
 from heads.layers import LlamaArgs
 from heads.registry import build_head
@@ -50,11 +53,13 @@ class TargetMismatchError(ValueError):
 
 
 def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any] | None = None,
-                state: dict[str, torch.Tensor] | None = None) -> Path:
+                state: dict[str, torch.Tensor] | None = None, marker: dict[str, Any] | None = None) -> Path:
     """Write config.json + model.safetensors atomically (`atomic_artifact_dir`): refuses to replace a
     directory that is not a native head, and a kill at any point leaves the old or the new checkpoint.
     `state`: the head's whole state dict when `head` holds shards (gathered by train/run.py
-    `whole_head_state`); its names must be the head's own."""
+    `whole_head_state`); its names must be the head's own. `marker`: more of the artifact marker — where the head
+    can be written again from (`checkpoint`: the training's last Lightning checkpoint; `exported_from`: the native
+    head an export copies), which `damaged_error` names."""
     out_dir = Path(out_dir)
     own = head.state_dict()
     if state is not None:
@@ -69,7 +74,7 @@ def save_native(head: DraftHead, out_dir: str | Path, fingerprint: dict[str, Any
         "target_args": asdict(head.args),
         "target_fingerprint": fingerprint or {},
     }
-    with atomic_artifact_dir(out_dir, NATIVE_KIND) as tmp:
+    with atomic_artifact_dir(out_dir, NATIVE_KIND, marker) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "spechead-native"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out_dir
@@ -97,9 +102,44 @@ def load_native(path: str | Path, tied: TiedTarget, args: LlamaArgs | None = Non
         raise ValueError(f"{path}: head was trained for hidden={saved_args.hidden_size}, vocab={saved_args.vocab_size}; "
                          f"the target has hidden={args.hidden_size}, vocab={args.vocab_size}")
     head = build_head(config["head"], saved_args, tied)
-    state = load_file(path / "model.safetensors")
+    with reading_artifact(path):
+        state = load_safetensors_file(path / "model.safetensors")
     head.load_state_dict(state, strict=True)
     return head.to(tied.embed.dtype)
+
+
+@contextmanager
+def reading_artifact(path: str | Path) -> Iterator[None]:
+    """Around a reader's tensor reads from the head or export at `path`: a file safetensors cannot read
+    (core/safetensors_io.py `SafetensorsError`) is refused as a DamagedFileError naming it and what to do
+    (`damaged_error`)."""
+    try:
+        yield
+    except SafetensorsError as e:
+        raise damaged_error(Path(path), e) from e
+
+
+def damaged_error(path: Path, err: SafetensorsError) -> DamagedFileError:
+    """The error for a damaged file in the head or export at `path` (`err` names the file): how to get it back —
+    an export (the marker's `exported_from`, or any engine format) is exported again from its native head; a
+    native head is saved again from the training checkpoint it came from (the marker's `checkpoint`: a finished
+    training resumed from it saves its head without training further) or retrained."""
+    info = artifact_info(path)
+    exported_from = (info or {}).get("exported_from")
+    if info is None:
+        how = ("it was not written by spechead: write it again with the tool that made it, or restore it from a good "
+               "copy")
+    elif info["kind"] == NATIVE_KIND and not exported_from:
+        ckpt = info.get("checkpoint") or "<its train.checkpoint_dir>/last.ckpt"
+        how = (f"save it again from the training checkpoint it came from — rerun that training with "
+               f"train.resume={ckpt} (a finished run saves its head again without training further) — or retrain it; "
+               "or restore the directory from a good copy")
+    else:
+        native = exported_from or "<the native head it was exported from>"
+        how = (f"export it again from the native head it came from (spechead export export.source={native}; if that "
+               "head is damaged too, save it again from its training checkpoint or retrain it); or restore the "
+               "directory from a good copy")
+    return DamagedFileError(f"{err}. Refusing to load {path}: {how}.")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -259,4 +299,4 @@ def _version() -> str:
 __all__ = ["save_native", "load_native", "read_config", "ARTIFACT_MARKER", "NATIVE_KIND", "ArtifactError",
            "TargetMismatchError", "atomic_artifact_dir", "artifact_info", "check_replaceable",
            "check_target_fingerprint", "export_kind", "recover_interrupted_save", "artifact_problems",
-           "verify_artifact", "IntegrityError"]
+           "verify_artifact", "IntegrityError", "DamagedFileError", "reading_artifact", "damaged_error"]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from artifacts.checkpoint import check_replaceable, check_target_fingerprint, load_native, save_native
+from artifacts.checkpoint import check_replaceable, check_target_fingerprint, load_native, reading_artifact, save_native
 from artifacts.formats import ENGINE_FORMATS, FORMATS, VLLM_METHODS, detect_format, get_format
 from artifacts.formats.base import engine_format_blocker
 from artifacts.validate import check_export
@@ -153,7 +153,7 @@ def export_head(head: DraftHead, out_dirs: dict[str, str | Path], target_dir: st
     for n, (fmt, out_dir) in enumerate(out_dirs.items(), start=1):
         t0 = time.perf_counter()
         log.info("export %d/%d: %s → %s", n, len(out_dirs), fmt, out_dir)
-        written[fmt] = FORMATS[fmt].save(head, Path(out_dir), target_dir, fingerprint)
+        written[fmt] = FORMATS[fmt].save(head, Path(out_dir), target_dir, fingerprint, source)
         check_export(written[fmt], fmt, target_dir)
         reloaded = load_export(written[fmt], fmt, head.tied, head.args, expected_fingerprint)
         if not torch.equal(probe_logits(head), probe_logits(reloaded)):
@@ -167,7 +167,9 @@ def export_head(head: DraftHead, out_dirs: dict[str, str | Path], target_dir: st
 def load_any(path: str | Path, tied: TiedTarget, args: LlamaArgs,
              expected_fingerprint: dict[str, Any] | None = None) -> DraftHead:
     """Load a native checkpoint or any engine export (format detected) as a spechead head."""
-    return load_export(path, detect_format(path), tied, args, expected_fingerprint)
+    with reading_artifact(path):  # detection reads headers too (eagle1's looks for fc.weight)
+        fmt = detect_format(path)
+    return load_export(path, fmt, tied, args, expected_fingerprint)
 
 
 def load_export(path: str | Path, fmt: str, tied: TiedTarget, args: LlamaArgs,

@@ -36,6 +36,11 @@ class IntegrityError(RuntimeError):
     """An artifact's files differ from what its save recorded in its checksum manifest."""
 
 
+class DamagedFileError(IntegrityError):
+    """A file of a head or export cannot be read (truncated, a garbled header, a header claiming an absurd length)
+    — what the manifest does not catch when the directory has none, or one rewritten after the damage."""
+
+
 def artifact_files(directory: Path) -> list[str]:
     """The files under `directory` (relative POSIX paths, sorted), the manifest itself excluded."""
     out = []

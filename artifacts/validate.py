@@ -18,11 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from artifacts.checkpoint import artifact_problems
+from artifacts.checkpoint import artifact_problems, damaged_error
 from artifacts.integrity import REMEDY
 from artifacts.formats import FORMATS, get_format
 from artifacts.formats.base import read_json
-from core.safetensors_io import scan_tensors
+from core.safetensors_io import SafetensorsError, scan_tensors
 
 
 class ExportValidationError(ValueError):
@@ -45,7 +45,10 @@ def validate_export(path: str | Path, fmt: str, target_dir: str | Path | None = 
         cfg = read_json(path / "config.json")
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         return [*problems, f"config.json is not valid JSON ({e})"]
-    infos = scan_tensors(path, problems)
+    try:
+        infos = scan_tensors(path, problems)
+    except SafetensorsError as e:  # truncated, a garbled header: named, with where a good copy comes from
+        return [*problems, str(damaged_error(path, e))]
     target = Path(target_dir) if target_dir is not None else None
     tcfg = read_json(target / "config.json") if target is not None else None
     checker.validate(path, cfg, infos, target, tcfg, problems)

@@ -6,6 +6,9 @@ temp dir beside it and swap it in with one `renameat2(RENAME_EXCHANGE)` where th
 the old one is parked at `.<name>.old` for an instant, which the next save moves back after a kill).
 What they write gets the modes a plain write under the process's umask gives (files 0o666 & ~umask,
 directories 0o777 & ~umask): a head, an export or a store is readable by the user who serves it.
+A write that runs out of space (ENOSPC, EDQUOT — from an OSError, or from safetensors' or torch's own error that
+wraps one) is raised as `DiskFull`, naming the file being written and the space left, after its temp file or
+dir is removed.
 These primitives import nothing of spechead.
 """
 
@@ -70,10 +73,50 @@ def apply_umask_modes(root: Path) -> None:
                 os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
+class DiskFull(OSError):
+    """A write that ran out of disk space or quota; the message names the file being written."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+# how safetensors (Rust: "No space left on device (os error 28)") and other wrappers spell ENOSPC / EDQUOT
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|os error (28|122)\b")
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """`err` and the errors it was raised from or while handling (at most 16)."""
+    seen = 0
+    while err is not None and seen < 16:
+        yield err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+
+
+def disk_full(err: BaseException | None) -> BaseException | None:
+    """The error that says the disk (or the user's quota) is full: `err` or one it was raised from; None when
+    none does. torch.save writing to a file object raises a RuntimeError whose context is the OSError;
+    safetensors raises its own error with the OS message in its text."""
+    return next((e for e in _chain(err) if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+                 or _NO_SPACE.search(str(e))), None)
+
+
+def disk_full_error(path: Path, cause: BaseException) -> DiskFull:
+    """The DiskFull to raise for a failed write of `path` (`cause`: what `disk_full` found): the path, the space
+    left on its filesystem, and that nothing partial was kept."""
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there now"
+    except OSError:
+        free = ""
+    return DiskFull(errno.ENOSPC, f"{path}: cannot be written: the disk is full (no space left on its filesystem"
+                                  f"{free}: {cause}); nothing partial was kept. Free some space there (or write to "
+                                  "another disk) and run it again", str(path))
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` to a temp name in the same directory, fsync it, rename it over `path`, fsync the
     directory: a reader (or a killed writer's successor) sees the old file or the new one, never a
-    prefix. The temp name carries the process and thread ids: concurrent writers never share one."""
+    prefix. The temp name carries the process and thread ids: concurrent writers never share one.
+    A full disk is raised as `DiskFull` naming `path`, the temp file removed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         write(tmp)
@@ -81,11 +124,13 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             tmp.unlink(missing_ok=True)  # a failed write leaves no temp file behind
         except OSError:
             pass
+        if (cause := disk_full(err)) is not None and not isinstance(err, DiskFull):
+            raise disk_full_error(path, cause) from err
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -217,7 +262,8 @@ def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
     marker file), give the tree the umask's modes (`apply_umask_modes`), fsync it and swap it in for
     `out_dir` (`swap_in_dir`). Leftovers of an interrupted save are recovered first
     (`recover_interrupted_save`); `check(out_dir)`, when given, runs before the write and again just before
-    the swap (a directory may not be replaced: it raises)."""
+    the swap (a directory may not be replaced: it raises). A full disk is raised as `DiskFull` naming the file
+    of `out_dir` being written, the temp dir removed."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     recover_interrupted_save(out_dir)
@@ -232,7 +278,21 @@ def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
         fsync_tree(tmp)
         if check is not None:
             check(out_dir)  # in case something appeared there while we wrote
-    except BaseException:
+    except BaseException as err:
         remove_tree(tmp)
+        if (cause := disk_full(err)) is not None and not isinstance(err, DiskFull):
+            raise disk_full_error(_destination(err, tmp, out_dir), cause) from err
         raise
     swap_in_dir(tmp, out_dir)
+
+
+def _destination(err: BaseException, tmp: Path, out_dir: Path) -> Path:
+    """Where in `out_dir` the file an error of a write into `tmp` names will be (the first OSError in its chain
+    with a file name under `tmp`); `out_dir` itself when none names one."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.filename:
+            try:
+                return out_dir / Path(os.fsdecode(e.filename)).relative_to(tmp)
+            except ValueError:
+                pass
+    return out_dir

@@ -1,6 +1,8 @@
 """Reading safetensors files and HF checkpoint directories: headers without tensor bytes, one tensor at a
 time, an index file checked against the files. One reader for every stage (the target's weights, a
-store's shards, an export read back). Imports nothing of spechead.
+store's shards, an export read back). Every file is opened through `open_safetensors`: its header length is
+checked before anything is allocated, and a file safetensors cannot read is a `SafetensorsError` naming it.
+Imports nothing of spechead.
 """
 
 from __future__ import annotations
@@ -90,6 +92,29 @@ def read_safetensors_header(path: Path, validate: bool = True,
     return header, size, raw
 
 
+def open_safetensors(path: Path, device: str = "cpu"):
+    """safetensors' `safe_open` of one file (a context manager), after the header length is checked
+    (`read_safetensors_header`: a length past the file or past the format's limit is refused before anything
+    is read or allocated). A file safetensors cannot open — truncated, a garbled header — is a SafetensorsError
+    naming it (safetensors' own error names no file), with what the header check finds where it finds more."""
+    path = Path(path)
+    read_safetensors_header(path, validate=False)
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except Exception as e:  # noqa: BLE001 — safetensors' SafetensorError, and what its Rust side raises
+        try:  # a precise diagnosis (truncated: the sizes) where the strict header check has one
+            read_safetensors_header(path, validate=True)
+        except SafetensorsError as why:
+            raise SafetensorsError(f"{why} — safetensors cannot open it ({e})") from e
+        raise SafetensorsError(f"{path}: not a readable safetensors file ({e}); truncated or damaged") from e
+
+
+def load_safetensors_file(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (`open_safetensors`: a damaged file is refused naming it)."""
+    with open_safetensors(path, device) as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -101,7 +126,7 @@ def checkpoint_tensor_names(path: Path) -> list[str]:
     """Every tensor name of an HF checkpoint directory, read from the safetensors headers alone."""
     names: list[str] = []
     for f in checkpoint_files(path):
-        with safe_open(f, framework="pt") as fh:
+        with open_safetensors(f) as fh:
             names.extend(fh.keys())
     return names
 
@@ -113,7 +138,7 @@ def stream_safetensors_dir(path: Path, names: set[str] | None = None, device: st
     device = torch.device(device)
     where = "cpu" if device.type == "cpu" else str(device)
     for f in checkpoint_files(path):
-        with safe_open(f, framework="pt", device=where) as fh:
+        with open_safetensors(f, where) as fh:
             for key in fh.keys():
                 if names is None or key in names:
                     yield key, fh.get_tensor(key)
@@ -141,7 +166,7 @@ def scan_tensors(path: Path, problems: list[str] | None = None) -> dict[str, Ten
     index = json.loads((path / INDEX_FILE).read_text())["weight_map"] if (path / INDEX_FILE).exists() else None
     infos: dict[str, TensorInfo] = {}
     for f in files:
-        with safe_open(f, framework="pt") as fh:
+        with open_safetensors(f) as fh:
             for key in fh.keys():
                 sl = fh.get_slice(key)
                 if key in infos:
@@ -161,5 +186,5 @@ def scan_tensors(path: Path, problems: list[str] | None = None) -> dict[str, Ten
 
 
 def load_tensor(info: TensorInfo, name: str) -> torch.Tensor:
-    with safe_open(info.file, framework="pt") as fh:
+    with open_safetensors(info.file) as fh:
         return fh.get_tensor(name)

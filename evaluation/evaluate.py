@@ -22,8 +22,8 @@ from data.sources import target_config
 from data.store import DTYPES, FeatureStore
 from evaluation.settings import EvalConfig
 from evaluation.tau_stats import tau_standard_error
-from inference_eval.engine import (PagedHeadProposer, PagedTreeProposer, engine_proposer, engine_run, frequent_ids,
-                                  round_cost)
+from inference_eval.engine import (PagedBlockProposer, PagedHeadProposer, PagedTreeProposer, engine_proposer,
+                                  engine_run, frequent_ids, round_cost)
 from inference_eval.model import LlamaForCausalLM, tied_from_model, tied_target
 from inference_eval.scoring import simulated_tau
 from inference_eval.speculative import GREEDY, DraftModelProposer, Sampling, SpecStats
@@ -443,6 +443,11 @@ def plan_proposers(ec: EvalConfig, et, rs: "RunSettings", proposers: dict[str, A
         is_head = not isinstance(prop, DraftModelProposer)
         engine_prop = (PagedTreeProposer(prop, **rs.tree) if rs.tree is not None and is_head
                        else prop if is_head else prop.draft)
+        if ec.stop_below is not None and getattr(prop, "block", False):  # the adaptive draft length
+            try:
+                engine_prop = PagedBlockProposer(prop, ec.stop_below)
+            except ValueError as e:
+                raise ValueError(f"evaluate.stop_below, evaluate.heads.{label}: {e}") from e
         auto, follows = None, None
         drafts_by_head = is_head and type(engine_proposer(engine_prop)) is PagedHeadProposer
         if auto_k and label not in probing:  # a baseline at the probed proposer's setting (like for like)
@@ -547,7 +552,7 @@ def evaluate(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
                               "prompts": len(prompts), "k": "auto" if ec.auto else k, "max_new_tokens": max_new,
                               "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                               "batch_size": ec.batch_size, "proposer": ec.proposer, "tree": tree, "warmup": rs.warmup,
-                              "repeats": rs.repeats, "results": {}}
+                              "repeats": rs.repeats, "stop_below": ec.stop_below, "results": {}}
     proposers = load_proposers(ec, et)
     evaluate_plans(ec, et, rs, plan_proposers(ec, et, rs, proposers, k), report)
     report["results"] = {label: report["results"][label] for label in proposers}  # the configured order

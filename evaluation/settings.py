@@ -64,6 +64,7 @@ class EvalConfig:
     batch_size: int = 1
     proposer: str = "chain"
     tree: dict[str, int] | None = None  # proposer=tree: depth, topk, total
+    stop_below: float | None = None  # a block head with a confidence head: the adaptive draft length's threshold
     head_dtype: str | None = None
     simulated_tau: bool = True
     plain_baseline: bool = False
@@ -123,6 +124,7 @@ class EvalConfig:
                    temperature=float(ecfg.get("temperature", 0.0)), top_p=float(ecfg.get("top_p", 1.0)),
                    top_k=int(ecfg.get("top_k", 0)), batch_size=int(ecfg.get("batch_size", 1)), proposer=proposer,
                    tree=tree, head_dtype=ecfg.get("head_dtype") or None,
+                   stop_below=None if ecfg.get("stop_below") is None else float(ecfg.get("stop_below")),
                    simulated_tau=bool(ecfg.get("simulated_tau", True)),
                    plain_baseline=bool(ecfg.get("plain_baseline", False)),
                    speed_pairs=int(ecfg.get("speed_pairs", 4)), predict_prompts=int(ecfg.get("predict_prompts", 2)),

@@ -570,6 +570,8 @@ RULES: tuple[Rule, ...] = (
     Rule("evaluate.tree.topk", (EVALUATE,), whole(1, "children")),
     Rule("evaluate.tree.total", (EVALUATE,), whole(1, "nodes")),
     Rule("evaluate.head_dtype", (EVALUATE,), either(one_of("bfloat16", "float16", "float32"), "the target's dtype")),
+    Rule("evaluate.stop_below", (EVALUATE,), number(0, 1, what="a probability", above=True, below=True,
+                                                    null="every block head drafts k")),
     Rule("evaluate.speed_pairs", (EVALUATE,), whole(1, "groups")),
     Rule("evaluate.predict_prompts", (EVALUATE,), whole(0, "prompts", note="0: no prediction")),
     Rule("evaluate.warmup", (EVALUATE,), whole(0, "prompts")),

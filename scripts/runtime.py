@@ -5,7 +5,10 @@ directories of invocations started in the same second apart (`hydra.run.dir`), a
 file `<run_dir>/status.json`: each stage records `running` (with its pid, host and start time), then `done`,
 `interrupted` (Ctrl-C) or `failed` (with the error, and which partial artifacts it left and how to resume
 them), so a failed run is never mistaken for a finished one; a reader (`read_status`, `spechead status`) shows a
-`running` entry whose process is gone as `stale`.
+`running` entry whose process is gone as `stale`. A stage stopped by one of the project's own named errors
+(`REFUSALS`: a setting, a data source, a store, a damaged head, a full disk, ...) prints one line, `<stage> refused:
+<what and what to do>`, with no traceback (`HYDRA_FULL_ERROR=1` shows it); any other exception is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -218,6 +222,51 @@ def status_lines(run_dir: str | Path) -> list[str]:
     return lines
 
 
+# The errors a stage refuses with, (module, class): the project's own, each naming the file or the setting and what
+# to do, so their traceback tells the user nothing more. A class is looked up only once its module is loaded (an error
+# of a module never imported was never raised), so no stage imports another's modules to classify its error.
+REFUSALS = (
+    ("scripts.checks", "ConfigError"),  # a setting, before work
+    ("data.source_files", "SourceError"),  # a data source: its setting or file
+    ("data.hub", "HubTargetError"),  # a target by Hub id: not in the cache, gated, no such repo or revision
+    ("data.assets", "AssetMissingError"),  # a packaged target or data set not installed
+    ("data.store", "StoreError"),  # a feature store: damaged, incomplete, another target's
+    ("core.lock", "LockHeld"),  # another process writes there
+    ("core.files", "DiskFull"),  # a write that ran out of space
+    ("core.safetensors_io", "SafetensorsError"),  # a weights file that cannot be read
+    ("artifacts.integrity", "IntegrityError"),  # a head or export changed or damaged since its save
+    ("artifacts.checkpoint", "ArtifactError"),  # a save would replace what is not ours
+    ("artifacts.checkpoint", "TargetMismatchError"),  # a head of another target
+    ("artifacts.validate", "ExportValidationError"),  # an export that breaks its format's rules
+    ("train.run", "RunDirNotShared"),  # a rank that does not see the run directory
+    ("train.validation", "ValidationOutOfMemory"),  # in-loop validation out of memory, with what to lower
+)
+
+
+def refusal_classes() -> tuple[type[BaseException], ...]:
+    """`REFUSALS`' classes whose modules are loaded."""
+    return tuple(getattr(sys.modules[m], name) for m, name in REFUSALS if m in sys.modules)
+
+
+def is_refusal(err: BaseException) -> bool:
+    """Whether `err` is a refusal (`REFUSALS`, or a FileNotFoundError that names what is missing) rather than a
+    bug."""
+    if isinstance(err, FileNotFoundError):
+        return bool(err.filename or str(err))
+    return isinstance(err, refusal_classes())
+
+
+def show_tracebacks() -> bool:
+    """HYDRA_FULL_ERROR=1 (hydra's own switch for its full stack traces): a refusal keeps its traceback too."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def refused(stage: str, err: BaseException, partial: str = "") -> SystemExit:
+    """The exit of a stage refused by `err` (`is_refusal`): one line on stderr, `<stage> refused: <message>` and
+    what it left to resume, no traceback."""
+    return SystemExit(f"{stage} refused: {err}{partial}")
+
+
 def run_checked(stage: str, fn, cfg):
     """`stage`'s checks before work (`CHECKS`, scripts/checks.py), then `fn(cfg)`: what `python -m
     scripts.<stage>` runs inside hydra, callable without it."""
@@ -231,7 +280,8 @@ def run_checked(stage: str, fn, cfg):
 def stage_main(fn):
     """hydra's main for a stage function `fn(cfg)`: the thread policy applied first, the stage's state
     recorded in `<run_dir>/status.json` (running → done, interrupted, or failed with the error and what is
-    partial)."""
+    partial). A refusal (`is_refusal`) exits with one line and no traceback (`refused`) unless
+    `show_tracebacks`; any other error propagates to hydra, which prints its traceback."""
     import hydra
 
     stage = Path(fn.__code__.co_filename).stem  # scripts/<stage>.py (its __module__ is __main__ under -m)
@@ -240,21 +290,34 @@ def stage_main(fn):
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     @functools.wraps(fn)
     def main(cfg):
-        apply_threads(cfg.get("threads"))
-        before = start_status(cfg, stage)
+        try:
+            apply_threads(cfg.get("threads"))  # `threads` is checked here, before the status records a run
+            before = start_status(cfg, stage)
+        except Exception as err:
+            if is_refusal(err) and not show_tracebacks():
+                raise refused(stage, err) from None
+            raise
         try:
             out = run_checked(stage, fn, cfg)
         except LockHeld as err:  # another process writes there: the status stays that process's
             refused_status(cfg, stage, before)
             log.error("%s refused: %s", stage, err)
-            raise SystemExit(f"{stage} refused: {err}") from None  # one line, no traceback: nothing went wrong here
+            if show_tracebacks():
+                raise
+            raise refused(stage, err) from None  # one line, no traceback: nothing went wrong here
         except BaseException as err:
             state = "interrupted" if interrupted(err) else "failed"
-            path = record_status(cfg, stage, state, err)
+            try:
+                path = record_status(cfg, stage, state, err)
+            except OSError as status_err:  # a full disk: the stage's own error is the one to show
+                log.warning("%s: could not record %r in status.json (%s)", stage, state, status_err)
+                path = None
             entry = json.loads(path.read_text())[stage] if path is not None else {}
+            partial = f"; partial artifacts at {entry['partial']} ({entry['resume']})" if entry.get("partial") else ""
             log.error("%s %s%s", stage, "interrupted (Ctrl-C)" if state == "interrupted" else
-                      f"failed: {type(err).__name__}: {err}",
-                      f"; partial artifacts at {entry['partial']} ({entry['resume']})" if entry.get("partial") else "")
+                      f"failed: {type(err).__name__}: {err}", partial)
+            if state == "failed" and is_refusal(err) and not show_tracebacks():
+                raise refused(stage, err, partial) from None
             raise
         record_status(cfg, stage, "done")
         close_process_group()

@@ -1,4 +1,5 @@
-"""Train the configured head on the feature store; writes the native checkpoint to `head_dir`."""
+"""Train the configured head on the feature store; writes the native checkpoint to `head_dir`. The last line names
+it with its held-out scores (val/*: those of the head saved, train/run.py `final_heldout_scores`)."""
 
 from omegaconf import DictConfig
 

@@ -341,6 +341,18 @@ def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overr
     report = run_evaluation(cfg)
     for res in report["results"].values():
         assert res["k"] == 3 and len(res["alpha"]) == 3 and res["tau"] >= 1.0
+    adaptive = compose_config([*tiny_overrides, f"head={kind}", "head.num_layers=1", "head.block_size=4",
+                               "evaluate.stop_below=0.99"])
+    if kind == "dspark":  # the adaptive draft length in the evaluation: the same tokens, never fewer target passes
+        short = run_evaluation(adaptive)
+        assert short["stop_below"] == 0.99 and report["stop_below"] is None
+        for label, res in short["results"].items():
+            full = report["results"][label]
+            assert [p[1] for p in res["per_prompt"]] == [p[1] for p in full["per_prompt"]]
+            assert res["target_passes"] >= full["target_passes"]
+    else:
+        with pytest.raises(ValueError, match=r"evaluate.stop_below, evaluate.heads.trained: .*no confidence head"):
+            run_evaluation(adaptive)
 
 
 def test_dspark_confidence_ends_a_sequences_block_early_and_stays_lossless(varied, trained):

@@ -127,6 +127,7 @@ BAD = {
     "evaluate.temperature": ["-0.5", "abc"],
     "evaluate.top_p": ["0", "1.5"],
     "evaluate.top_k": ["-1"],
+    "evaluate.stop_below": ["0", "1.0", "1.5", "abc"],
     "evaluate.batch_size": ["0", "true"],
     "evaluate.turns": ["[3]", "[]", "[1,1]", "1"],
     "evaluate.auto_max_k": ["0"],

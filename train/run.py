@@ -15,11 +15,13 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import OmegaConf
 
 from artifacts.checkpoint import save_native
-from core.files import atomic_write_bytes
+from core.files import atomic_write, atomic_write_bytes
 from core.launch import env_rank_zero
 from core.lock import check_free, same_launch, writer_locks
 from core.progress import DEFAULT_EVERY_S, log_interval
@@ -83,6 +85,51 @@ class Checkpoints(ModelCheckpoint):
             candidates = self._monitor_candidates(trainer)  # the same two saves as Lightning's step trigger
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint files written atomically (core/files.py `atomic_write`): torch.save into a temp file
+    beside the `.ckpt`, fsynced and renamed over it, the temp file removed when the write fails — so a full disk
+    (`DiskFull`, naming the file) leaves the previous checkpoint as it was and no partial one. Lightning's own
+    writer buffers the checkpoint in memory, writes it to the system's temp directory and moves it into place;
+    where that directory is on another filesystem the move is a copy, and a disk that filled during it left a
+    truncated `.ckpt` that `train.resume=last` then failed on. Remote paths (s3://, ...) keep Lightning's writer."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:  # a Python file: a failed write's OSError stays in torch's error's context
+                torch.save(checkpoint, f)
+
+        atomic_write(path, write)
+
+
+class LastValidation(Callback):
+    """The global step at which held-out validation last ran in this process (None: not yet), so the scores
+    training reports are known to be the saved head's (`final_heldout_scores`)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
+def final_heldout_scores(trainer: L.Trainer, module: DraftHeadModule, dm,
+                         validated: LastValidation) -> dict[str, float]:
+    """val/* of the weights training ends with, i.e. of the head it saves: {} when the last validation ran on them
+    (an epoch end at the last step: its scores are in the trainer's metrics), else a held-out validation now —
+    after a stop mid-epoch (max_steps) the last epoch end's scores belong to older weights, and a resumed run that
+    crossed no epoch end has none. Every rank takes part (the validation sums over the ranks)."""
+    if validated.step == trainer.global_step or not trainer.limit_val_batches:
+        return {}
+    results = trainer.validate(module, datamodule=dm, verbose=False)
+    return {k: float(v) for k, v in (results[0] if results else {}).items() if k.startswith("val/")}
 
 
 RUN_DIR_TOKEN = ".rank0-token"  # written by global rank 0 at start-up, read by every rank, removed
@@ -257,8 +304,9 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
                               every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
     every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
+    validated = LastValidation()
     callbacks = [SharedRunDir(cfg.run_dir), *(instantiate(cfg.trainer.get("callbacks")) or []),
-                 *(extra_callbacks or []), checkpoints, ProgressLog(every_s)]
+                 *(extra_callbacks or []), checkpoints, ProgressLog(every_s), validated]
     if getattr(dm, "write_through", None) is not None:
         callbacks.append(dm.write_through)
     ev = cfg.train.get("engine_validation")
@@ -269,12 +317,12 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
         callbacks.append(engine_val)
     # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
     trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
-                                     use_distributed_sampler=False,
+                                     use_distributed_sampler=False, plugins=[AtomicCheckpointIO()],
                                      precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")))
     place_tied(head, trainer, shared_with_target=target is not None)
     # rank 0 alone writes files, so it alone holds the locks (the ranks Lightning starts itself come later)
     with writer_locks(paths.written, "train") if trainer.is_global_zero else contextlib.nullcontext():
-        return fit_and_save(paths, trainer, module, dm, head, engine_val, fingerprint)
+        return fit_and_save(paths, trainer, module, dm, head, engine_val, fingerprint, validated)
 
 
 @dataclass(frozen=True)
@@ -313,20 +361,24 @@ def check_training_dirs_free(paths: TrainingPaths) -> None:
 
 
 def fit_and_save(paths: TrainingPaths, trainer: L.Trainer, module: DraftHeadModule, dm, head: DraftHead,
-                 engine_val: EngineValidation | None, fingerprint: dict) -> tuple[Path, dict[str, float]]:
+                 engine_val: EngineValidation | None, fingerprint: dict,
+                 validated: LastValidation) -> tuple[Path, dict[str, float]]:
     """The training's writes, rank 0's locks held: the held-out split, the untrained baseline, Lightning's
-    checkpoints (fit), the trained head. Returns the head's directory and the final metrics."""
+    checkpoints (fit), the trained head. Returns the head's directory and the final metrics, whose held-out
+    scores (val/*) are the saved head's (`final_heldout_scores`)."""
     if trainer.is_global_zero:
         write_split(dm, paths.run_dir / "heldout.json")
     if trainer.is_global_zero and paths.untrained_dir is not None:
         save_native(head, paths.untrained_dir, fingerprint)  # the baseline the demo compares against
     trainer.fit(module, dm, ckpt_path=paths.resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics |= final_heldout_scores(trainer, module, dm, validated)
     if engine_val is not None and engine_val.results:
         metrics |= {k: float(v) for k, v in engine_val.results[-1].items() if k != "step"}
     out = paths.head_dir
     state = whole_head_state(trainer, head)  # collective under sharding: every rank takes part
     if trainer.is_global_zero:
-        save_native(head, out, fingerprint, state)
+        last = paths.checkpoint_dir / "last.ckpt"  # what the head can be saved again from (artifacts/checkpoint.py)
+        save_native(head, out, fingerprint, state, marker={"checkpoint": str(last)} if last.is_file() else None)
         log.info("train: head saved to %s; final metrics %s", out, metrics)
     return out, metrics

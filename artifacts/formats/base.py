@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from artifacts.checkpoint import (artifact_info, atomic_artifact_dir, check_target_fingerprint, export_kind,
-                                  verify_artifact)
+                                  reading_artifact, verify_artifact)
 from core.safetensors_io import TensorInfo, load_tensor, scan_tensors
 from heads.base import DraftHead, TiedTarget
 from heads.layers import LLAMA_FAMILY, LlamaArgs, TiedConventions
@@ -60,9 +60,12 @@ class ExportFormat:
         """Write the head into the fresh directory `out` (`target_dir`: the target's HF checkpoint)."""
         raise NotImplementedError(f"spechead does not write the {self.name!r} format")
 
-    def save(self, head: DraftHead, out_dir: Path, target_dir: Path, fingerprint: dict[str, Any] | None) -> Path:
-        """`write` into `out_dir` atomically, marked with the head's target fingerprint."""
-        with atomic_artifact_dir(out_dir, self.artifact_kind, {"target_fingerprint": fingerprint or {}}) as tmp:
+    def save(self, head: DraftHead, out_dir: Path, target_dir: Path, fingerprint: dict[str, Any] | None,
+             source: str | Path | None = None) -> Path:
+        """`write` into `out_dir` atomically, marked with the head's target fingerprint and `source` (the native
+        head it is exported from, named when a file of it is found damaged later)."""
+        marker = {"target_fingerprint": fingerprint or {}, **({"exported_from": str(source)} if source else {})}
+        with atomic_artifact_dir(out_dir, self.artifact_kind, marker) as tmp:
             self.write(head, tmp, target_dir)
         return Path(out_dir)
 
@@ -75,12 +78,14 @@ class ExportFormat:
         """`read`, after checking the files against the checksum manifest (`artifacts.checkpoint.verify_artifact`:
         a changed, missing or added file is an IntegrityError) and the fingerprint the artifact marker records
         against `expected_fingerprint` (`artifacts.checkpoint.check_target_fingerprint`; none recorded: a
-        warning; None: no check)."""
+        warning; None: no check). A file that cannot be read is a DamagedFileError naming it
+        (`artifacts.checkpoint.reading_artifact`)."""
         verify_artifact(path)
         if expected_fingerprint is not None:
             stored = (artifact_info(path) or {}).get("target_fingerprint") or {}
             check_target_fingerprint(stored, expected_fingerprint, path)
-        return self.read(path, tied, args)
+        with reading_artifact(path):
+            return self.read(path, tied, args)
 
     def validate(self, path: Path, cfg: dict[str, Any], infos: dict[str, TensorInfo], target: Path | None,
                  tcfg: dict[str, Any] | None, problems: list[str]) -> None:

@@ -35,8 +35,9 @@ class Native(ExportFormat):
     def detect(self, path: Path, cfg: dict[str, Any]) -> bool:
         return "spechead_format" in cfg
 
-    def save(self, head: DraftHead, out_dir: Path, target_dir: Path, fingerprint: dict[str, Any] | None) -> Path:
-        return save_native(head, out_dir, fingerprint)
+    def save(self, head: DraftHead, out_dir: Path, target_dir: Path, fingerprint: dict[str, Any] | None,
+             source: str | Path | None = None) -> Path:
+        return save_native(head, out_dir, fingerprint, marker={"exported_from": str(source)} if source else None)
 
     def load(self, path: Path, tied: TiedTarget, args: LlamaArgs,
              expected_fingerprint: dict[str, Any] | None = None) -> DraftHead:

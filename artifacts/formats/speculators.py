@@ -49,11 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from artifacts.checkpoint import save_native
 from artifacts.formats.base import ExportFormat
-from core.safetensors_io import TensorInfo
+from core.safetensors_io import TensorInfo, open_safetensors
 from heads.base import DraftHead, TiedTarget
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.layers import LlamaArgs, TiedConventions
@@ -102,7 +101,7 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, P
     for f in _tensor_files(path):
         if not f.exists():
             raise FileNotFoundError(f"{f}: a shard named by the index is missing")
-        with safe_open(str(f), framework="pt") as fh:
+        with open_safetensors(f) as fh:  # a damaged file: refused naming it
             for k in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if k in tensors:
                     raise _fail(f, k, f"tensor also in {origin[k]}")
