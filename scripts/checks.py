@@ -78,7 +78,10 @@ def check_before_work(cfg: Any, stage: str) -> None:
         from evaluation.evaluate import check_evaluation_config
         from evaluation.settings import EvalConfig
 
-        check_evaluation_config(EvalConfig.of(cfg), heads_must_exist="evaluate" in needs)
+        try:
+            check_evaluation_config(EvalConfig.of(cfg), heads_must_exist="evaluate" in needs)
+        except ValueError as e:  # a setting: refused in one line like the others
+            raise ConfigError(str(e)) from e
 
 
 def check_training_strategy(cfg: Any) -> None:
