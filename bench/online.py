@@ -71,7 +71,7 @@ class Bench:
     def __init__(self, cfg, steps: int, with_target: bool = True, precompute: bool = True,
                  samples_file: Path | None = None) -> None:
         from data.precompute import tokenize_source
-        from data.sources import target_config
+        from data.sources import DataConfig, target_config
         from data.store import StoreWriter
         from heads.registry import head_config, resolve_aux_layers
         from inference_eval.targets import load_target
@@ -84,7 +84,7 @@ class Bench:
             # dump would set the peak RSS by itself)
             self.samples = [tuple(x) for x in json.loads(samples_file.read_text())]
         else:
-            self.samples, _, _ = tokenize_source(cfg, self.target_dir)
+            self.samples, _, _ = tokenize_source(DataConfig.of(cfg.data), self.target_dir)
         self.fingerprint = target.fingerprint
         self.store_dir = Path(cfg.store_dir)
         self.modules: dict = {}

@@ -67,6 +67,46 @@ from inference_eval.targets import TargetConfig, load_target, resolve_backend
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PrecomputeConfig:
+    """What a store is computed from and how (`precompute.*`, the `data` section, `store_dir`, the head's target
+    layers), built once at the stage's entry (`PrecomputeConfig.of`): precompute, and online training's write-through
+    of the store precompute would write, take it instead of the hydra config."""
+
+    data: DataConfig
+    data_path: str | None  # data.path as written: the store's `source` records it so (a resumed store compares it)
+    store_dir: Path
+    store_dtype: str = "bfloat16"
+    shard_tokens: int = 262144
+    aux_layers: Any = "auto"  # precompute.aux_layers: auto, none or [ids]
+    head_layers: Any = None  # the target layers the head reads (heads/registry.py head_config)
+    backend: str | None = "auto"
+    batch_tokens: int = 8192
+    workers: int | None = None
+    on_changed: str = "recompute"
+    rank: int | None = None  # None: $RANK, else 0
+    world_size: int | None = None  # None: $WORLD_SIZE, else 1
+    vllm: Any = None  # VllmSettings of precompute.vllm (backend=vllm)
+    progress: bool = True
+    every_s: float | None = DEFAULT_EVERY_S
+
+    @classmethod
+    def of(cls, cfg: Any) -> "PrecomputeConfig":
+        from inference_eval.vllm_backend import VllmSettings
+
+        pcfg = cfg.get("precompute") or {}
+        path = (cfg.get("data") or {}).get("path")
+        return cls(data=DataConfig.of(cfg.get("data")), data_path=None if path is None else str(path),
+                   store_dir=Path(str(cfg.store_dir)), store_dtype=str(pcfg.get("store_dtype", "bfloat16")),
+                   shard_tokens=int(pcfg.get("shard_tokens", 262144)), aux_layers=pcfg.get("aux_layers", "auto"),
+                   head_layers=head_config(cfg.get("head") or {})[1], backend=pcfg.get("backend"),
+                   batch_tokens=int(pcfg.get("batch_tokens", 8192)), workers=pcfg.get("workers"),
+                   on_changed=str(pcfg.get("on_changed", "recompute")), rank=pcfg.get("rank"),
+                   world_size=pcfg.get("world_size"), vllm=VllmSettings.of(pcfg.get("vllm"), "precompute.vllm"),
+                   progress=bool(cfg.get("progress", True)),
+                   every_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)))
+
+
 @dataclass
 class PrecomputeStats:
     samples: int
@@ -367,13 +407,12 @@ def rank_of(sample_id: str, world_size: int) -> int:
     return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "big") % world_size
 
 
-def tokenize_source(cfg: Any, target_dir: str | Path) -> tuple[list[tuple[str, list[int], list[int]]], Counter,
-                                                                 list[dict]]:
+def tokenize_source(data: DataConfig, target_dir: str | Path) -> tuple[list[tuple[str, list[int], list[int]]],
+                                                                       Counter, list[dict]]:
     """`data.*`'s conversations, tokenized with the target's tokenizer (and data.chat_template's template
     when set): (id, input ids, loss mask) of each usable one, the rejection counts and the first examples.
     What precompute stores and online training trains on. A file unreadable as a whole is a SourceError
     naming it."""
-    data = DataConfig.of(cfg.data)
     tokenizer = load_tokenizer(target_dir, data.chat_template)
     convs = load_conversations(data)
     rejected, examples = Counter(convs.rejected), list(convs.examples)
@@ -392,27 +431,27 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     One writer per directory (core/lock.py): the store directory's lock, or under several ranks this rank
     directory's, is held while it is written; a second precompute into it is refused at once, naming the
     first. The merge runs after the release, so the rank that finishes last sees every rank released."""
-    rank, world_size = resolve_rank(cfg.precompute.get("rank"), cfg.precompute.get("world_size"))
-    check_rank_layout(cfg.store_dir, world_size)
-    writes = rank_dir(cfg.store_dir, rank) if world_size > 1 else Path(cfg.store_dir)
+    pc = PrecomputeConfig.of(cfg)
+    rank, world_size = resolve_rank(pc.rank, pc.world_size)
+    check_rank_layout(pc.store_dir, world_size)
+    writes = rank_dir(pc.store_dir, rank) if world_size > 1 else pc.store_dir
     with writer_lock(writes, "precompute" if world_size == 1 else f"precompute rank {rank} of {world_size}"):
         if world_size > 1:
-            check_free(cfg.store_dir)  # a single-rank precompute writing the whole directory
-        check_rank_layout(cfg.store_dir, world_size)  # again, under the lock: a layout another writer made meanwhile
-        stats = precompute_share(cfg, rank, world_size)
+            check_free(pc.store_dir)  # a single-rank precompute writing the whole directory
+        check_rank_layout(pc.store_dir, world_size)  # again, under the lock: a layout another writer made meanwhile
+        stats = precompute_share(pc, target_config(cfg.target), rank, world_size)
     if world_size > 1:
-        merge_if_last(cfg.store_dir, rank, world_size)
-    return Path(cfg.store_dir), stats
+        merge_if_last(pc.store_dir, rank, world_size)
+    return pc.store_dir, stats
 
 
-def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
+def precompute_share(pc: PrecomputeConfig, target: TargetConfig, rank: int, world_size: int) -> PrecomputeStats:
     """This rank's share of the samples (all of them for one rank) into its store, the lock held."""
-    target = target_config(cfg.target)
     target_dir = target.dir
     # Every rank tokenizes every conversation and keeps its share: the rejections are then the whole
     # source's in every rank's manifest, identical across ranks as the merge requires (and what the
     # merged store reports); tokenizing is cheap next to the target's forward passes.
-    tokenized, rejected, examples = tokenize_source(cfg, target_dir)
+    tokenized, rejected, examples = tokenize_source(pc.data, target_dir)
     samples = [s for s in tokenized if rank_of(s[0], world_size) == rank] if world_size > 1 else tokenized
     if rejected:
         log.warning("precompute: rejected %d records (%s); the first %d, with <file>:<line>, are in the "
@@ -421,21 +460,19 @@ def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
     if not tokenized:
         raise RuntimeError(f"precompute: no usable conversation in the data source (rejected: {dict(rejected)}; first: "
                            + "; ".join(f"{e['where']}: {e['reason']}: {e['detail']}" for e in examples[:5]) + ")")
-    backend = resolve_backend(cfg.precompute.get("backend"), target_dir, "precompute")
-    model = vllm_target(cfg, target) if backend == "vllm" else load_target(target, backend)
-    if int(cfg.data.max_length) > model.args.max_position_embeddings:
-        raise ValueError(f"data.max_length={cfg.data.max_length} exceeds the target's context "
+    backend = resolve_backend(pc.backend, target_dir, "precompute")
+    model = vllm_target(pc, target) if backend == "vllm" else load_target(target, backend)
+    if pc.data.max_length > model.args.max_position_embeddings:
+        raise ValueError(f"data.max_length={pc.data.max_length} exceeds the target's context "
                          f"(max_position_embeddings={model.args.max_position_embeddings} in {target_dir}/config.json)")
     if world_size > 1 and not samples:
         log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
                     rank, world_size)
-    writer = open_store_writer(cfg, target, backend, model, cfg.store_dir, (rank, world_size), rejected, examples)
+    writer = open_store_writer(pc, target, backend, model, pc.store_dir, (rank, world_size), rejected, examples)
     out_dir = writer.root
     try:
-        stats = precompute(model, samples, writer, batch_tokens=int(cfg.precompute.get("batch_tokens", 8192)),
-                           workers=cfg.precompute.get("workers"), progress=cfg.get("progress", True),
-                           progress_log_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)),
-                           on_changed=cfg.precompute.get("on_changed", "recompute"))
+        stats = precompute(model, samples, writer, batch_tokens=pc.batch_tokens, workers=pc.workers,
+                           progress=pc.progress, progress_log_s=pc.every_s, on_changed=pc.on_changed)
     finally:
         if hasattr(model, "release"):  # the vllm backend's worker process
             model.release()
@@ -446,36 +483,34 @@ def precompute_share(cfg: Any, rank: int, world_size: int) -> PrecomputeStats:
     return stats
 
 
-def vllm_target(cfg: Any, target: TargetConfig):
+def vllm_target(pc: PrecomputeConfig, target: TargetConfig):
     """The target in a vLLM worker process, placed by vLLM (`precompute.vllm.*`)."""
-    from inference_eval.vllm_backend import VLLMBackend, VllmSettings
+    from inference_eval.vllm_backend import VLLMBackend
 
-    return VLLMBackend.for_target(VllmSettings.of(cfg.precompute.get("vllm"), "precompute.vllm"), target.dir,
-                                  target.torch_dtype, cfg.precompute.get("aux_layers", "auto"),
-                                  head_config(cfg.get("head") or {})[1], DataConfig.of(cfg.data).max_length)
+    return VLLMBackend.for_target(pc.vllm, target.dir, target.torch_dtype, pc.aux_layers, pc.head_layers,
+                                  pc.data.max_length)
 
 
-def open_store_writer(cfg: Any, target: TargetConfig, backend: str, model, root: str | Path,
+def open_store_writer(pc: PrecomputeConfig, target: TargetConfig, backend: str, model, root: str | Path,
                       rank: tuple[int, int], rejected: Counter, examples: list[dict]) -> StoreWriter:
     """The StoreWriter of the store at `root` (`rank` = (rank, world_size) > 1: its rank directory) with
-    the manifest precompute writes for `cfg` — fingerprint, source, captured layers, rejections — so that
+    the manifest precompute writes for `pc` — fingerprint, source, captured layers, rejections — so that
     online training's write-through (train/online_store.py) writes the store this stage would."""
     r, world_size = rank
-    source = store_source(cfg, backend, model)
+    source = store_source(pc, backend, model)
     out_dir = Path(root)
     if world_size > 1:
         source |= {"rank": r, "world_size": world_size}
         out_dir = rank_dir(root, r)
-    aux_layers = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"), head_config(cfg.get("head") or {})[1],
-                                    model.args.num_hidden_layers)
+    aux_layers = resolve_aux_layers(pc.aux_layers, pc.head_layers, model.args.num_hidden_layers)
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
-    writer = StoreWriter(out_dir, target.fingerprint, model.args.hidden_size, dtype=cfg.precompute.store_dtype,
-                         shard_tokens=int(cfg.precompute.shard_tokens), source=source, captured=captured)
+    writer = StoreWriter(out_dir, target.fingerprint, model.args.hidden_size, dtype=pc.store_dtype,
+                         shard_tokens=pc.shard_tokens, source=source, captured=captured)
     # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
     writer.manifest["rejected"] = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())),
                                    "examples": examples,
                                    "examples_cap": {"per_reason": EXAMPLES_PER_REASON, "total": MAX_EXAMPLES}}
-    data_file = data_file_fingerprint(DataConfig.of(cfg.data))
+    data_file = data_file_fingerprint(pc.data)
     before = (writer.previous_manifest or {}).get("data_file")
     if before and data_file and before != data_file:
         log.info("%s: the data file %s changed since the store was last written (%s bytes, sha256 %.12s… before); "
@@ -505,11 +540,11 @@ def data_file_fingerprint(data: DataConfig) -> dict[str, Any] | None:
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def store_source(cfg: Any, backend: str, model) -> dict[str, Any]:
+def store_source(pc: PrecomputeConfig, backend: str, model) -> dict[str, Any]:
     """The manifest's `source`: what a resumed writer must find equal (the data, the template, the backend)."""
-    data = DataConfig.of(cfg.data)
+    data = pc.data
     # the path as the user wrote it: a store written before resumes with the same setting
-    source = {"source": data.source, "path": cfg.data.get("path"), "skip": data.skip, "max_samples": data.max_samples,
+    source = {"source": data.source, "path": pc.data_path, "skip": data.skip, "max_samples": data.max_samples,
               "max_length": data.max_length}
     for key in ("split", "name", "columns"):  # which rows and fields of the source (absent: the defaults)
         if getattr(data, key) is not None:

@@ -253,12 +253,8 @@ def test_the_pointer_check_catches_a_stale_pointer(tmp_path, monkeypatch):
 # converted one must leave the list. Typed so far: the target (inference_eval/targets.py TargetConfig), the training
 # module's settings (train/settings.py ModuleSettings), a training's paths (train/run.py TrainingPaths).
 TAKES_THE_CONFIG = {
-    ("data/precompute.py", "open_store_writer"),
-    ("data/precompute.py", "precompute_share"),
     ("data/precompute.py", "run_precompute"),
-    ("data/precompute.py", "store_source"),
-    ("data/precompute.py", "tokenize_source"),
-    ("data/precompute.py", "vllm_target"),
+    ("data/precompute.py", "of"),  # PrecomputeConfig.of: the builder
     ("data/regenerate.py", "plan_regeneration"),
     ("data/regenerate.py", "regenerate"),
     ("data/regenerate.py", "regenerated_path"),

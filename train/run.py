@@ -25,7 +25,7 @@ from core.files import atomic_write, atomic_write_bytes
 from core.launch import env_rank_zero
 from core.lock import check_free, same_launch, writer_locks
 from core.progress import DEFAULT_EVERY_S, log_interval
-from data.precompute import open_store_writer, tokenize_source
+from data.precompute import PrecomputeConfig, open_store_writer, tokenize_source
 from data.sources import target_config
 from heads.base import DraftHead
 from heads.registry import build_head, head_config, resolve_aux_layers
@@ -255,20 +255,20 @@ def data_module(cfg: Any, target: TargetConfig) -> tuple[FeatureDataModule, Any]
     if source != "online":
         raise ValueError(f"train.data.source={source!r}: expected `store` (a precomputed feature store) or `online` "
                          "(the target computes each batch's states)")
-    samples, rejected, examples = tokenize_source(cfg, target.dir)
+    pc = PrecomputeConfig.of(cfg)  # the store precompute would write: what the write-through writes
+    samples, rejected, examples = tokenize_source(pc.data, target.dir)
     if rejected:
         log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
                     ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())))
     model = load_target(target, "engine")
-    aux = resolve_aux_layers(cfg.precompute.get("aux_layers", "auto"), head_config(cfg.get("head") or {})[1],
-                             model.args.num_hidden_layers)
+    aux = resolve_aux_layers(pc.aux_layers, pc.head_layers, model.args.num_hidden_layers)
     log.info("train: online — %d conversations tokenized, the target (%s, %s) computes each batch's states%s",
              len(samples), target.dtype, model.device, f", aux layers {list(aux)}" if aux else "")
     dm = OnlineDataModule(OnlineSamples(samples, aux), TargetStates(model, aux), prefetch=online.get("prefetch", "auto"),
                           **data_kw)
     if online.get("write_store"):
         root = online["write_store"]
-        dm.write_through = WriteThrough(root, partial(open_store_writer, cfg, target, "engine", model, root,
+        dm.write_through = WriteThrough(root, partial(open_store_writer, pc, target, "engine", model, root,
                                                       rejected=rejected, examples=examples), dm)
         log.info("train: online — the first epoch's states are also written to %s", root)
     return dm, model
