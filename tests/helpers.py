@@ -222,3 +222,12 @@ def forbid_work(monkeypatch) -> None:
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", never)
     patch_everywhere(monkeypatch, data.sources.load_conversations, never)
     patch_everywhere(monkeypatch, inference_eval.model.tied_target, never)
+
+
+def init_head_of(cfg, target_dir, dm=None, target=None):
+    """train/run.py `init_head` for a composed run config: its `head` section and seed."""
+    from omegaconf import OmegaConf
+
+    from train.run import init_head
+
+    return init_head(OmegaConf.to_container(cfg.head, resolve=True), cfg.seed, target_dir, dm, target)

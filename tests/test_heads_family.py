@@ -373,7 +373,7 @@ def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
     from tests.helpers import train_on_batch
     from train.data import FeatureDataModule, collate
     from train.module import DraftHeadModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     cfg = compose_config(tiny_overrides + [f"head={head_name}", *extra])
     store = FeatureStore(run_precompute(cfg)[0])
@@ -384,7 +384,7 @@ def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
         assert store.aux_layers == [] and "aux_hidden" not in store[0]
     dm = FeatureDataModule(cfg.store_dir, None, batch_tokens=1024, val_fraction=0.2)
     dm.setup("fit")
-    head = init_head(cfg, tiny_target, dm)
+    head = init_head_of(cfg, tiny_target, dm)
     if head_name == "eagle3":  # the draft vocabulary is the training split's most frequent loss tokens
         counts = store.token_counts(head.args.vocab_size, dm.train_idx)
         top = set(head.draft_ids.tolist())
@@ -417,14 +417,14 @@ def test_training_refuses_a_store_without_the_heads_aux_layers(tiny_overrides, t
     from data.precompute import run_precompute
     from tests.conftest import compose_config
     from train.data import FeatureDataModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     cfg = compose_config(tiny_overrides + ["precompute.aux_layers=none", "head=eagle3", "head.aux_layers=[1]"])
     run_precompute(cfg)
     dm = FeatureDataModule(cfg.store_dir, None)
     dm.setup("fit")
     with pytest.raises(ValueError, match=r"holds aux layers none.*reads \[1\]"):
-        init_head(cfg, tiny_target, dm)
+        init_head_of(cfg, tiny_target, dm)
 
 
 def test_gradient_checkpointing_same_gradients_with_recompute(tiny_target, monkeypatch):
@@ -532,13 +532,13 @@ def test_loss_on_all_trains_every_real_token(tiny_overrides, tiny_target):
     from tests.conftest import compose_config
     from train.data import FeatureDataModule, collate
     from train.module import DraftHeadModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     cfg = compose_config(tiny_overrides)
     store = FeatureStore(run_precompute(cfg)[0])
     dm = FeatureDataModule(cfg.store_dir, None, batch_tokens=1024, val_fraction=0.2)
     dm.setup("fit")
-    head = init_head(cfg, tiny_target, dm)
+    head = init_head_of(cfg, tiny_target, dm)
     batch = collate([store[i] for i in range(4)])
     every = DraftHeadModule(head, kl_chunk_size=64, loss_on="all").compute_loss(batch)
     masked = DraftHeadModule(head, kl_chunk_size=64).compute_loss(batch)

@@ -33,7 +33,7 @@ def test_8192_token_conversations(long_target, tmp_path):
     from data.conversations import tokenize_conversation
     from train.data import collate
     from train.module import DraftHeadModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     tok = AutoTokenizer.from_pretrained(long_target)
     conv = lambda n: [{"from": "human", "value": "Tell me a long story."}, {"from": "gpt", "value": "once " * n}]  # noqa: E731
@@ -51,7 +51,7 @@ def test_8192_token_conversations(long_target, tmp_path):
     assert lengths["too_long"] == 8192  # truncated at data.max_length, not dropped
     sample = store[0]
     assert sample["hidden"].shape == (lengths[store.manifest["shards"][0]["sample_ids"][0]], 64)
-    head = init_head(cfg, long_target)
+    head = init_head_of(cfg, long_target)
     module = DraftHeadModule(head, kl_chunk_size=1024)
     out = module.compute_loss(collate([store[i] for i in range(len(store))]))
     out["loss"].backward()

@@ -457,11 +457,11 @@ def test_torchrun_deepspeed_two_processes_train_like_one(preset, head, tiny_over
     run_precompute(cfg)
     from artifacts.checkpoint import save_native
     from train.data import FeatureDataModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     dm = FeatureDataModule(cfg.store_dir, None, **OmegaConf.to_container(cfg.train.data, resolve=True))
     dm.setup("fit")  # the EAGLE-3 draft vocabulary comes from the training split, as in run_training
-    save_native(init_head(cfg, Path(cfg.target.path), dm), cfg.train.untrained_dir)
+    save_native(init_head_of(cfg, Path(cfg.target.path), dm), cfg.train.untrained_dir)
     torchrun("tests.test_multiprocess", ["deepspeed", json.dumps(overrides), str(STEPS), str(out)], timeout=600)
     ranks = [json.loads((out / f"full-rank{r}.json").read_text()) for r in range(2)]
     stage = 3 if preset == "8xh100_zero3" else 2

@@ -209,13 +209,13 @@ def test_online_batches_hold_what_the_store_holds(tiny_overrides, tmp_path):
 @pytest.mark.unit
 def test_online_shares_the_targets_frozen_tensors(tiny_overrides, tmp_path):
     """The head's embedding, lm_head and final norm are the target's own tensors (one copy)."""
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     over = _overrides(tiny_overrides, tmp_path, "run", "train.data.source=online")
     cfg = compose_config(over)
     dm, target = data_module(cfg, target_config(cfg.target))
     dm.setup("fit")
-    head = init_head(cfg, cfg.target.path, dm, target)
+    head = init_head_of(cfg, cfg.target.path, dm, target)
     assert head.tied.embed.data_ptr() == target.model.embed_tokens.weight.data_ptr()
     assert head.tied.lm_head.data_ptr() == target.lm_head.weight.data_ptr()
     assert head.tied.norm_weight.data_ptr() == target.model.norm.weight.data_ptr()

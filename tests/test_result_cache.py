@@ -13,7 +13,7 @@ import torch
 
 from experiments import cache
 from tests.conftest import compose_config
-from tests.helpers import patch_everywhere
+from tests.helpers import init_head_of, patch_everywhere
 
 
 # ---- the helper ----------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def fakes(monkeypatch, tiny_target):
 
     def run_training(cfg):
         calls["train"].append(cfg.head_dir)
-        head = train.run.init_head(cfg, tiny_target)
+        head = init_head_of(cfg, tiny_target)
         with torch.no_grad():
             for p in head.parameters():
                 p.add_(0.01 * len(calls["train"]))
@@ -153,9 +153,9 @@ def test_ablation_reuses_only_matching_results(tiny_overrides, fakes, tmp_path):
     # the checkpoint replaced behind the script's back: retrained and re-evaluated
     head_dir = tmp_path / "run" / "heads" / "mtp"
     cfg = compose_config(base)
-    from train.run import init_head
+    from tests.helpers import init_head_of
     from artifacts.checkpoint import save_native
-    save_native(init_head(cfg, Path(cfg.target.path)), head_dir)
+    save_native(init_head_of(cfg, Path(cfg.target.path)), head_dir)
     run_ablation(compose_config(base + ["evaluate.max_new_tokens=9", "train.module.lr=5e-4"]))
     assert (len(fakes["train"]), len(fakes["eval"])) == (3, 8)
 

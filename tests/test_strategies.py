@@ -253,7 +253,7 @@ def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:
     from data.store import FeatureStore
     from train.data import collate
     from train.module import DraftHeadModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     cfg = compose_config(overrides)
     result: dict = {}
@@ -267,7 +267,7 @@ def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:
     hp = dict(cfg.train.module)
 
     def train(engine_config: dict | None, to_dtype: torch.dtype | None) -> tuple[list[float], dict, str]:
-        head = init_head(cfg, Path(cfg.target.path))
+        head = init_head_of(cfg, Path(cfg.target.path))
         module = DraftHeadModule(head, kl_chunk_size=hp["kl_chunk_size"], normed_regression=hp["normed_regression"])
         params = [p for p in head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-3)
@@ -298,7 +298,7 @@ def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:
     ref_losses, ref_state, _ = train(None, None)
     fp32_losses, fp32_state, fp32_kind = train(common, None)
     bf16_losses, bf16_state, bf16_kind = train({**common, "bf16": {"enabled": True}}, torch.bfloat16)
-    init = init_head(cfg, Path(cfg.target.path)).state_dict()
+    init = init_head_of(cfg, Path(cfg.target.path)).state_dict()
     result.update(
         ref_losses=ref_losses, fp32_losses=fp32_losses, bf16_losses=bf16_losses, fp32_kind=fp32_kind,
         bf16_kind=bf16_kind,

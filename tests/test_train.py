@@ -8,10 +8,10 @@ from artifacts.checkpoint import load_native
 from artifacts.export import probe_logits
 from inference_eval.model import tied_target
 from tests.conftest import compose_config
-from tests.helpers import train_on_batch
+from tests.helpers import init_head_of, train_on_batch
 from train.data import TokenBudgetBatches, collate
 from train.module import DraftHeadModule
-from train.run import init_head, run_training
+from train.run import run_training
 
 
 @pytest.mark.unit
@@ -21,7 +21,7 @@ def test_loss_decreases_on_fixed_batch(tiny_overrides, tiny_target):
     from data.store import FeatureStore
     store = FeatureStore(store_dir)
     batch = collate([store[i] for i in range(4)])
-    module = DraftHeadModule(init_head(cfg, tiny_target), kl_chunk_size=16)
+    module = DraftHeadModule(init_head_of(cfg, tiny_target), kl_chunk_size=16)
     losses = train_on_batch(module, batch, 40)
     assert losses[-1] < 0.5 * losses[0]
     final = module.compute_loss(batch)
@@ -59,7 +59,7 @@ def test_train_entry_trains_and_saves(tiny_overrides, tiny_target):
     trained = load_native(head_dir, tied, args)
     untrained = load_native(cfg.train.untrained_dir, tied, args)
     assert not torch.equal(probe_logits(trained), probe_logits(untrained))
-    assert torch.equal(probe_logits(untrained), probe_logits(init_head(cfg, tiny_target)))
+    assert torch.equal(probe_logits(untrained), probe_logits(init_head_of(cfg, tiny_target)))
 
 
 def test_training_with_packed_rows(tiny_overrides):
@@ -184,7 +184,7 @@ def test_mtp_layer_init_target_starts_every_module_from_the_targets_last_layer(t
 
     from artifacts.draft_hf import read_target_layer
 
-    head = init_head(compose_config([*tiny_overrides, "head.layer_init=target", "head.num_modules=2"]), tiny_target)
+    head = init_head_of(compose_config([*tiny_overrides, "head.layer_init=target", "head.num_modules=2"]), tiny_target)
     last = read_target_layer(tiny_target, head.args.num_hidden_layers - 1)
     assert last and not read_target_layer(tiny_target, head.args.num_hidden_layers)  # the last layer, no further
     for m in head.layers:
@@ -192,7 +192,7 @@ def test_mtp_layer_init_target_starts_every_module_from_the_targets_last_layer(t
         assert state.keys() == last.keys()
         for k, v in last.items():
             torch.testing.assert_close(state[k], v.to(state[k].dtype), atol=0, rtol=0, msg=k)
-    default = init_head(compose_config(tiny_overrides), tiny_target)
+    default = init_head_of(compose_config(tiny_overrides), tiny_target)
     assert not torch.equal(default.layers[0].layer.mlp.down_proj.weight, last["mlp.down_proj.weight"])
     with pytest.raises(ValueError, match="input_layernorm"):
         head.copy_target_layer({k: v for k, v in last.items() if k != "input_layernorm.weight"})
@@ -217,7 +217,7 @@ def test_dropout_drops_the_residual_branches_in_training_only(tiny_overrides, ti
 
     store = FeatureStore(store_dir)
     batch = collate([store[i] for i in range(4)])
-    head = init_head(compose_config(tiny_overrides), tiny_target)
+    head = init_head_of(compose_config(tiny_overrides), tiny_target)
     clean, drop = DraftHeadModule(head, kl_chunk_size=16), DraftHeadModule(head, kl_chunk_size=16, dropout=0.3)
     layer = next(m for m in head.modules() if isinstance(m, DecoderLayer))
 
@@ -263,7 +263,7 @@ def test_input_noise_perturbs_what_the_head_reads_in_training_only(tiny_override
     store_dir, _ = run_precompute(compose_config(tiny_overrides))
     store = FeatureStore(store_dir)
     batch = collate([store[i] for i in range(4)])
-    head = init_head(compose_config(tiny_overrides), tiny_target)
+    head = init_head_of(compose_config(tiny_overrides), tiny_target)
     clean, noisy = DraftHeadModule(head, kl_chunk_size=16), DraftHeadModule(head, kl_chunk_size=16, input_noise=0.3)
     hidden = batch["hidden"].to(head.dtype)
 
@@ -328,7 +328,7 @@ def test_offpolicy_weight_leans_training_towards_the_rows_of_greedy_inputs(tiny_
     store_dir, _ = run_precompute(compose_config(tiny_overrides))
     store = FeatureStore(store_dir)
     batch = collate([store[i] for i in range(4)])
-    head = init_head(compose_config(tiny_overrides), tiny_target)
+    head = init_head_of(compose_config(tiny_overrides), tiny_target)
     hidden = batch["hidden"].to(head.dtype)
     with torch.no_grad():
         top = head.tied.teacher_logits(hidden[:, :-1]).argmax(-1)  # [B, T-1]
@@ -441,7 +441,7 @@ def test_clip_scope_module_trains_module_one_as_a_depth_one_head_alone(tiny_over
     batches = [collate([store[i], store[i + 1]]) for i in (0, 2, 4, 0, 2)]
 
     def fit(num_modules: int, depth: int, scope: str):
-        head = init_head(compose_config(tiny_overrides + [f"head.num_modules={num_modules}"]), tiny_target)
+        head = init_head_of(compose_config(tiny_overrides + [f"head.num_modules={num_modules}"]), tiny_target)
         start = {k: v.clone() for k, v in head.layers[0].state_dict().items()}
         module = DraftHeadModule(head, lr=3e-3, warmup_steps=0, kl_chunk_size=16, depth=depth, depth_decay=1.0,
                                  detach_depths=depth > 1, clip_scope=scope)
@@ -544,7 +544,7 @@ def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_override
     batch = batches[0]
 
     def head3():
-        return init_head(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
+        return init_head_of(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
 
     def module(head, **kw):
         return DraftHeadModule(head, lr=3e-3, warmup_steps=0, kl_chunk_size=16, depth=3, depth_decay=1.0,
@@ -585,7 +585,7 @@ def test_deep_all_and_deep_lr_scale_change_the_deeper_modules_only(tiny_override
                     zip(both.layers[d].state_dict().values(), plain.layers[d].state_dict().values()))
         assert apart > 1e-4, (d, apart)
 
-    one = init_head(compose_config(tiny_overrides), tiny_target)
+    one = init_head_of(compose_config(tiny_overrides), tiny_target)
     with pytest.raises(ValueError, match="deep_lr_scale=2.0 .*no separate per-depth modules"):
         DraftHeadModule(one, deep_lr_scale=2.0)
     with pytest.raises(ValueError, match="deep_lr_scale=0.0"):
@@ -617,7 +617,7 @@ def test_deep_from_step_trains_depth_one_first_then_starts_the_deeper_modules_fr
                                detach_depths=True, clip_scope="module", **kw)
 
     def head3():
-        return init_head(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
+        return init_head_of(compose_config(tiny_overrides + ["head.num_modules=3"]), tiny_target)
 
     class Watch(L.Callback):  # each step: the depth unrolled, and the modules before the optimizer moves them
         def __init__(self):

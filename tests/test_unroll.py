@@ -74,12 +74,12 @@ def test_depth3_training_lowers_every_depths_loss(tiny_overrides, tiny_target):
     from tests.conftest import compose_config
     from train.data import collate
     from train.module import DraftHeadModule
-    from train.run import init_head
+    from tests.helpers import init_head_of
 
     cfg = compose_config(tiny_overrides)
     store = FeatureStore(run_precompute(cfg)[0])
     batch = collate([store[i] for i in range(4)])
-    module = DraftHeadModule(init_head(cfg, tiny_target), depth=3, kl_chunk_size=64)
+    module = DraftHeadModule(init_head_of(cfg, tiny_target), depth=3, kl_chunk_size=64)
     opt = torch.optim.AdamW(module.head.parameters(), lr=3e-3)
     first = None
     for _ in range(30):

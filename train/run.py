@@ -43,26 +43,27 @@ from train.validation import EngineValidation, EngineValidationSettings
 log = logging.getLogger(__name__)
 
 
-def init_head(cfg: Any, target_dir: Path, dm: FeatureDataModule | None = None, target=None) -> DraftHead:
-    """The configured head, freshly initialised (seeded) and tied to the target's frozen tensors — with
-    `target` (a loaded engine model: online training), to that model's own tensors, not a copy.
-    With the data module (set up): an EAGLE-3 head's draft vocabulary is chosen from the training
+def init_head(spec: dict[str, Any], seed: int, target_dir: Path, dm: FeatureDataModule | None = None,
+              target=None) -> DraftHead:
+    """The head `spec` configures (the `head` section as a mapping), freshly initialised (seeded by `seed`) and tied
+    to the target's frozen tensors — with `target` (a loaded engine model: online training), to that model's own
+    tensors, not a copy. With the data module (set up): an EAGLE-3 head's draft vocabulary is chosen from the training
     split's token frequencies, and a head's aux layers must be the ones the store captured."""
     if target is None:
         tied, args, parts = tied_target(target_dir)
         first_norm = parts.first_input_norm
     else:
         tied, args, first_norm = tied_from_model(target), target.args, first_input_norm(target_dir)
-    head = build_head(OmegaConf.to_container(cfg.head, resolve=True), args, tied)
+    head = build_head(spec, args, tied)
     if dm is not None:
         stored = dm.store.aux_layers
         if head.capture_layers and list(head.capture_layers) != stored:
-            raise ValueError(f"{cfg.store_dir}: the store holds aux layers {stored or 'none'}, the {head.kind} head reads "
+            raise ValueError(f"{dm.store_dir}: the store holds aux layers {stored or 'none'}, the {head.kind} head reads "
                              f"{list(head.capture_layers)}: precompute a store with precompute.aux_layers="
                              f"{list(head.capture_layers)} (`auto` does it for the configured head)")
         if hasattr(head, "set_draft_vocab"):
             head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
-    head.reset_parameters(int(cfg.seed), first_norm)
+    head.reset_parameters(int(seed), first_norm)
     if head.kind == "draft_lm" and head.cfg.init == "target":  # the target's first N layers (heads/draft_lm.py)
         from artifacts.draft_hf import read_target_layers
 
@@ -298,7 +299,7 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     target_dir, fingerprint = tc.dir, tc.fingerprint
     dm, target = data_module(cfg, tc)
     dm.setup("fit")
-    head = init_head(cfg, target_dir, dm, target)
+    head = init_head(OmegaConf.to_container(cfg.head, resolve=True), cfg.seed, target_dir, dm, target)
     module = DraftHeadModule(head, settings)
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
