@@ -231,3 +231,16 @@ def init_head_of(cfg, target_dir, dm=None, target=None):
     from train.run import init_head
 
     return init_head(OmegaConf.to_container(cfg.head, resolve=True), cfg.seed, target_dir, dm, target)
+
+
+def data_module_of(cfg):
+    """train/run.py `data_module` for a composed run config: its `train.data`, the store precompute would write, the
+    target."""
+    from omegaconf import OmegaConf
+
+    from data.precompute import PrecomputeConfig
+    from data.sources import target_config
+    from train.run import data_module
+
+    return data_module(OmegaConf.to_container(cfg.train.data, resolve=True), PrecomputeConfig.of(cfg),
+                       target_config(cfg.target))

@@ -261,7 +261,6 @@ TAKES_THE_CONFIG = {
     ("data/regenerate.py", "use_regenerated"),
     ("evaluation/evaluate.py", "run_evaluation"),
     ("evaluation/settings.py", "of"),  # EvalConfig.of: the builder, reading the sections an evaluation uses
-    ("train/run.py", "data_module"),
     ("train/run.py", "from_config"),
     ("train/run.py", "run_training"),
     ("train/validation.py", "from_run_config"),

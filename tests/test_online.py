@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from data.precompute import run_precompute
-from data.sources import target_config
 from data.store import FeatureStore
 from tests.conftest import compose_config
+from tests.helpers import data_module_of
 from train.data import collate, collate_packed
 from train.online import OnlineSamples, TargetStates
-from train.run import data_module, run_training
+from train.run import run_training
 
 # Offline states come from precompute's packed batches (other samples beside them), online ones from the
 # training batch's real tokens packed into one row: the same float32 arithmetic over other matrix shapes, so
@@ -113,7 +113,7 @@ def _write_through(tiny_overrides, tmp_path, *extra):
     over = _overrides(tiny_overrides, tmp_path, "run", "head=eagle3", "precompute.shard_tokens=400", *extra)
     store_dir, _ = run_precompute(compose_config(over))
     cfg = compose_config([*over, "train.data.source=online", f"train.data.online.write_store={tmp_path / 'written'}"])
-    dm, _ = data_module(cfg, target_config(cfg.target))
+    dm, _ = data_module_of(cfg)
     dm.setup("fit")
     assert isinstance(dm.write_through, WriteThrough)
     return store_dir, dm
@@ -168,10 +168,10 @@ def test_write_through_resumes_after_a_kill(tiny_overrides, tmp_path, monkeypatc
 def test_write_store_needs_the_online_source(tiny_overrides, tmp_path):
     cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", f"train.data.online.write_store={tmp_path}/w"))
     with pytest.raises(ValueError, match=r"write_store=.* with train.data.source=store there are none"):
-        data_module(cfg, target_config(cfg.target))
+        data_module_of(cfg)
     cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", "train.data.source=online",
                                     "train.data.online.prefetch=sometimes"))
-    dm, _ = data_module(cfg, target_config(cfg.target))
+    dm, _ = data_module_of(cfg)
     with pytest.raises(ValueError, match="train.data.online.prefetch='sometimes': expected auto, true or false"):
         from train.online import resolve_prefetch
 
@@ -186,7 +186,7 @@ def test_online_batches_hold_what_the_store_holds(tiny_overrides, tmp_path):
     cfg = compose_config(over)
     store_dir, _ = run_precompute(cfg)
     store = FeatureStore(store_dir)
-    dm, target = data_module(compose_config(over + ["train.data.source=online"]), target_config(cfg.target))
+    dm, target = data_module_of(compose_config(over + ["train.data.source=online"]))
     dm.setup("fit")
     samples = dm.store
     assert isinstance(samples, OnlineSamples) and samples.sample_ids() == store.sample_ids()
@@ -213,7 +213,7 @@ def test_online_shares_the_targets_frozen_tensors(tiny_overrides, tmp_path):
 
     over = _overrides(tiny_overrides, tmp_path, "run", "train.data.source=online")
     cfg = compose_config(over)
-    dm, target = data_module(cfg, target_config(cfg.target))
+    dm, target = data_module_of(cfg)
     dm.setup("fit")
     head = init_head_of(cfg, cfg.target.path, dm, target)
     assert head.tied.embed.data_ptr() == target.model.embed_tokens.weight.data_ptr()
@@ -225,7 +225,7 @@ def test_online_shares_the_targets_frozen_tensors(tiny_overrides, tmp_path):
 def test_an_unknown_source_names_the_setting(tiny_overrides, tmp_path):
     cfg = compose_config(_overrides(tiny_overrides, tmp_path, "run", "train.data.source=disk"))
     with pytest.raises(ValueError, match=r"train.data.source='disk': expected `store`.*or `online`"):
-        data_module(cfg, target_config(cfg.target))
+        data_module_of(cfg)
 
 
 def test_torchrun_two_ranks_online_equal_offline_and_resume(tiny_overrides, tmp_path):

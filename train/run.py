@@ -242,21 +242,22 @@ def write_split(dm: FeatureDataModule, path: Path) -> None:
     atomic_write_bytes(path, json.dumps(split, indent=1).encode())
 
 
-def data_module(cfg: Any, target: TargetConfig) -> tuple[FeatureDataModule, Any]:
-    """(the training data module, the target model or None) for `train.data.source`: `store` reads the
-    feature store at cfg.store_dir; `online` tokenizes `data.*`'s conversations as precompute does and
-    loads the target (engine backend, `target.dtype`, `target.device`), which computes each batch's
-    states on the rank's device (train/online.py)."""
-    data_kw = OmegaConf.to_container(cfg.train.data, resolve=True)
+def data_module(train_data: dict[str, Any], pc: PrecomputeConfig, target: TargetConfig
+                ) -> tuple[FeatureDataModule, Any]:
+    """(the training data module, the target model or None) for `train.data` (`train_data`, a mapping) and its
+    `source`: `store` reads the feature store at `pc.store_dir`; `online` tokenizes `pc.data`'s conversations as
+    precompute does and loads the target (engine backend, `target.dtype`, `target.device`), which computes each
+    batch's states on the rank's device (train/online.py), writing the store precompute would (`pc`) with
+    `online.write_store`."""
+    data_kw = dict(train_data)
     source = data_kw.get("source", "store")
     if source == "store":
-        return FeatureDataModule(cfg.store_dir, target.fingerprint, **data_kw), None
+        return FeatureDataModule(str(pc.store_dir), target.fingerprint, **data_kw), None
     data_kw.pop("source")
     online = data_kw.pop("online", None) or {}
     if source != "online":
         raise ValueError(f"train.data.source={source!r}: expected `store` (a precomputed feature store) or `online` "
                          "(the target computes each batch's states)")
-    pc = PrecomputeConfig.of(cfg)  # the store precompute would write: what the write-through writes
     samples, rejected, examples = tokenize_source(pc.data, target.dir)
     if rejected:
         log.warning("train: online — rejected %d conversations (%s), as precompute would", sum(rejected.values()),
@@ -297,7 +298,7 @@ def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, d
     check_training_dirs_free(paths)  # another training writing here: refused before anything loads
     tc = target_config(cfg.target)
     target_dir, fingerprint = tc.dir, tc.fingerprint
-    dm, target = data_module(cfg, tc)
+    dm, target = data_module(OmegaConf.to_container(cfg.train.data, resolve=True), PrecomputeConfig.of(cfg), tc)
     dm.setup("fit")
     head = init_head(OmegaConf.to_container(cfg.head, resolve=True), cfg.seed, target_dir, dm, target)
     module = DraftHeadModule(head, settings)
