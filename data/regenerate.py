@@ -46,7 +46,7 @@ top_k / seed; max_new_tokens, batch_size, max_prompt_tokens). Same settings: the
 when it holds every conversation no model is even loaded — or resumed when it holds part of them. A
 changed setting is another key, so another file, regenerated from scratch; the old one is left as it
 was. An explicit `regenerate.out` path is written and resumed the same way, but never replaced: a
-file written with other settings is refused. `regenerated_path(cfg)` says where the output goes
+file written with other settings is refused. `plan_regeneration(...).out` says where the output goes
 without loading the target.
 
 Resume: every finished group's records are appended as lines, flushed and fsynced, under a lock beside
@@ -384,6 +384,41 @@ def key_file(path: Path) -> Path:
 
 
 @dataclass(frozen=True)
+class RegenerateConfig:
+    """The `regenerate` section and what else a regeneration reads (the conversations of `data`, progress), built
+    once at the stage's entry (`RegenerateConfig.of`)."""
+
+    settings: GenerationSettings
+    data: DataConfig
+    batch_size: int = 8
+    max_prompt_tokens: int = 1024
+    backend: str | None = "auto"
+    out: Path | None = None  # None: the cache's file for these settings (regenerate.out=auto)
+    device: str | None = None  # None: target.device
+    vllm: Any = None  # VllmSettings of regenerate.vllm (backend=vllm)
+    progress: bool = True
+    every_s: float | None = DEFAULT_EVERY_S
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.settings.max_new_tokens < 1:
+            raise ValueError(f"regenerate.batch_size ({self.batch_size}) and max_new_tokens "
+                             f"({self.settings.max_new_tokens}) must be at least 1")
+
+    @classmethod
+    def of(cls, cfg: Any) -> "RegenerateConfig":
+        from inference_eval.vllm_backend import VllmSettings
+
+        rcfg = cfg.regenerate
+        out = rcfg.get("out")
+        return cls(settings=GenerationSettings.of(rcfg), data=DataConfig.of(cfg.get("data")),
+                   batch_size=int(rcfg.batch_size), max_prompt_tokens=int(rcfg.max_prompt_tokens),
+                   backend=rcfg.get("backend"), out=None if out in (None, "auto") else Path(str(out)).expanduser(),
+                   device=rcfg.get("device") or None, vllm=VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm"),
+                   progress=bool(cfg.get("progress", True)),
+                   every_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)))
+
+
+@dataclass(frozen=True)
 class Plan:
     """What a regeneration will do, known without loading the target."""
     target: TargetConfig
@@ -396,38 +431,26 @@ class Plan:
     keyed: bool  # `out` is the cache's file for `meta` (regenerate.out=auto), not a path the user named
 
 
-def plan_regeneration(cfg: Any) -> Plan:
+def plan_regeneration(rc: RegenerateConfig, target: TargetConfig) -> Plan:
     """The settings, the conversations (loading them is cheap) and the output file of a regeneration."""
-    rcfg = cfg.regenerate
-    settings = GenerationSettings.of(rcfg)
-    batch_size, max_prompt_tokens = int(rcfg.batch_size), int(rcfg.max_prompt_tokens)
-    if batch_size < 1 or settings.max_new_tokens < 1:
-        raise ValueError(f"regenerate.batch_size ({batch_size}) and max_new_tokens ({settings.max_new_tokens}) "
-                         "must be at least 1")
-    target = target_config(cfg.target)
+    settings, batch_size, max_prompt_tokens = rc.settings, rc.batch_size, rc.max_prompt_tokens
     target_dir, fp = target.dir, target.fingerprint
     identity = ("config_sha256", "weights_sha256", "tokenizer_sha256", "weights_content_sha256")
-    meta = {"target": cfg.target.name,
+    meta = {"target": target.name,
             "target_sha256": hashlib.sha256("".join(fp[k] for k in identity if k in fp).encode()).hexdigest(),
-            "dtype": cfg.target.dtype, **settings.as_meta(), "batch_size": batch_size,
+            "dtype": target.dtype, **settings.as_meta(), "batch_size": batch_size,
             "max_prompt_tokens": max_prompt_tokens,
-            "backend": resolve_backend(rcfg.get("backend"), target_dir, "regenerate")}
-    data = DataConfig.of(cfg.data)
+            "backend": resolve_backend(rc.backend, target_dir, "regenerate")}
+    data = rc.data
     if data.chat_template:  # replies to prompts rendered otherwise: not resumed into one file
         meta["chat_template_sha256"] = chat_template_sha256(data.chat_template)
     convs = load_conversations(data)
     if not convs.items:
         raise RuntimeError(f"regenerate: no usable conversation in the data source (rejected: {dict(convs.rejected)})")
     meta["prompts_sha256"] = prompts_sha256(convs.items)
-    keyed = rcfg.get("out") in (None, "auto")
+    keyed = rc.out is None
     return Plan(target, convs, settings, batch_size, max_prompt_tokens, meta,
-                cache_path(meta) if keyed else Path(rcfg.out).expanduser(), keyed)
-
-
-def regenerated_path(cfg: Any) -> Path:
-    """Where `regenerate(cfg)` writes its JSONL (or finds it already written), without loading the target:
-    for whatever trains on it next (`data.source=jsonl data.path=<this>`)."""
-    return plan_regeneration(cfg).out
+                cache_path(meta) if keyed else rc.out, keyed)
 
 
 def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
@@ -436,24 +459,24 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
     conversation is returned as it is, before the target is loaded."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    plan = plan_regeneration(cfg)
+    rc = RegenerateConfig.of(cfg)
+    plan = plan_regeneration(rc, target_config(cfg.target))
     convs, meta, out = plan.conversations, plan.meta, plan.out
     done = finished_ids(out, meta, repair=False)  # no lock taken yet: read only
     if all(sid in done for sid, _ in convs.items):
         log.info("regenerate: reused %s: it holds all %d conversations, regenerated with these settings; "
                  "no model loaded", out, len(convs.items))
         return out, RegenerateStats(skipped_done=len(convs.items), rejected=dict(convs.rejected), cached=True)
-    rcfg = cfg.regenerate
     target = plan.target
-    device = resolve_target_device(rcfg.get("device") or target.device)
-    tokenizer = load_tokenizer(target.dir, DataConfig.of(cfg.data).chat_template)
+    device = resolve_target_device(rc.device or target.device)
+    tokenizer = load_tokenizer(target.dir, rc.data.chat_template)
     if meta["backend"] == "engine":
         model = LlamaForCausalLM.from_pretrained(target.dir, dtype=target.torch_dtype, device=device)
     elif meta["backend"] == "vllm":  # the target in a vLLM worker process (tensor parallel: regenerate.vllm)
-        from inference_eval.vllm_backend import VLLMGenerator, VllmSettings
+        from inference_eval.vllm_backend import VLLMGenerator
 
-        model = VLLMGenerator.for_target(VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm"), target.dir,
-                                         target.torch_dtype, plan.max_prompt_tokens + plan.settings.max_new_tokens + 2)
+        model = VLLMGenerator.for_target(rc.vllm, target.dir, target.torch_dtype,
+                                         plan.max_prompt_tokens + plan.settings.max_new_tokens + 2)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             target.dir, dtype=target.torch_dtype, trust_remote_code=target.trust_remote_code).to(device).eval()
@@ -462,11 +485,10 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(key_file(out), json.dumps({"key": settings_key(meta), "settings": meta}, indent=2,
                                                      sort_keys=True).encode() + b"\n")
-    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
     try:
         stats = regenerate_conversations(model, tokenizer, convs.items, out, plan.settings, plan.batch_size,
-                                         plan.max_prompt_tokens, meta, progress=cfg.get("progress", True),
-                                         progress_log_s=every_s)
+                                         plan.max_prompt_tokens, meta, progress=rc.progress,
+                                         progress_log_s=rc.every_s)
     finally:
         if hasattr(model, "close"):  # the vllm backend's worker process
             model.close()

@@ -244,3 +244,11 @@ def data_module_of(cfg):
 
     return data_module(OmegaConf.to_container(cfg.train.data, resolve=True), PrecomputeConfig.of(cfg),
                        target_config(cfg.target))
+
+
+def regenerated_path(cfg):
+    """Where `data.regenerate.regenerate(cfg)` writes its JSONL, known without loading the target."""
+    from data.regenerate import RegenerateConfig, plan_regeneration
+    from data.sources import target_config
+
+    return plan_regeneration(RegenerateConfig.of(cfg), target_config(cfg.target)).out

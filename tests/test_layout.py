@@ -255,9 +255,8 @@ def test_the_pointer_check_catches_a_stale_pointer(tmp_path, monkeypatch):
 TAKES_THE_CONFIG = {
     ("data/precompute.py", "run_precompute"),
     ("data/precompute.py", "of"),  # PrecomputeConfig.of: the builder
-    ("data/regenerate.py", "plan_regeneration"),
     ("data/regenerate.py", "regenerate"),
-    ("data/regenerate.py", "regenerated_path"),
+    ("data/regenerate.py", "of"),  # RegenerateConfig.of: the builder
     ("data/regenerate.py", "use_regenerated"),
     ("evaluation/evaluate.py", "run_evaluation"),
     ("evaluation/settings.py", "of"),  # EvalConfig.of: the builder, reading the sections an evaluation uses

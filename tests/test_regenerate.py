@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from data.regenerate import GenerationSettings, finished_ids, generate_replies, regenerate, regenerated_path
+from data.regenerate import GenerationSettings, finished_ids, generate_replies, regenerate
 from tests.conftest import CONVERSATIONS, compose_config
-from tests.helpers import patch_everywhere
+from tests.helpers import patch_everywhere, regenerated_path
 
 MAX_NEW = 12
 
@@ -353,7 +353,6 @@ def test_a_second_run_with_the_same_settings_waits_then_skips(tiny_overrides, ti
 def test_pipeline_regenerate_trains_on_the_targets_replies(tiny_overrides, text_target, cache, tmp_path, capsys):
     """`pipeline.regenerate=true`: the demo regenerates first (into the per-machine cache) and precomputes
     the target's replies, not the data's; a second run reuses the cached regeneration."""
-    from data.regenerate import regenerated_path
     from data.store import FeatureStore
     from scripts.pipeline import run_pipeline
 

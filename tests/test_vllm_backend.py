@@ -274,7 +274,8 @@ def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_pa
     (float32, greedy), record for record, with `backend: vllm` in their settings — so the cache keeps the two
     apart —, two data-parallel replicas write the same file as one, and a run killed after its first group, in
     the middle of a line, resumes to the same file."""
-    from data.regenerate import regenerate, regenerated_path
+    from data.regenerate import regenerate
+    from tests.helpers import regenerated_path
 
     common = [*overrides, "regenerate.max_new_tokens=10", "regenerate.batch_size=4"]
     outs = {}
