@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from core.jsonio import Record, Rejected
+from data.hub import hub_cache_dir, looks_like_repo_id
 from data.source_files import SourceError, check_file
 
 # the datasets builder for each data file extension
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 _SAVED = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
 
 
@@ -42,7 +41,7 @@ def has_glob(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def plan(path: Path | str, split: str | None) -> tuple[str, Any]:
+def plan(path: Path | str) -> tuple[str, Any]:
     """How `data.path` is read: ("files", [file, ...]) | ("disk", directory) | ("hub", id). Raises SourceError, naming
     data.path, for a glob matching nothing, a file of an unknown extension, or a path that is neither on disk nor a
     Hub id."""
@@ -63,7 +62,7 @@ def plan(path: Path | str, split: str | None) -> tuple[str, Any]:
         return "files", files
     if local.exists():
         return "files", _known([local], text)
-    if not text.startswith(("/", ".", "~")) and _HUB_ID.fullmatch(text) and not Path(text).suffix in BUILDERS:
+    if not text.startswith(("/", ".", "~")) and looks_like_repo_id(text) and Path(text).suffix not in BUILDERS:
         return "hub", text
     raise SourceError(f"data.path={text}: no such file or directory, and not a Hub dataset id (org/name) "
                       "(data.source=hf)")
@@ -82,7 +81,7 @@ def check(data) -> None:
     if data.path is None:
         raise SourceError("data.source=hf needs data.path=<parquet/arrow/json files or a glob, a dataset directory, "
                           "or a Hub dataset id>")
-    kind, what = plan(data.path, data.split)
+    kind, what = plan(data.path)
     if kind == "files":
         for f in what:
             check_file(f, "hf")
@@ -101,7 +100,7 @@ def _rows(data) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row of the source, in order."""
     import datasets
 
-    kind, what = plan(data.path, data.split)
+    kind, what = plan(data.path)
     split = data.split or "train"
     streaming = data.streaming
     if kind == "files":
@@ -135,8 +134,8 @@ def _rows(data) -> Iterator[tuple[str, Any]]:
     except Exception as e:
         files = snapshot_files(what, data.name, split)
         if not files:
-            cached = (f"its snapshot in the Hugging Face cache ({_hub_cache()}) has no data file for that split and "
-                      "config" if files is not None else f"the Hugging Face cache ({_hub_cache()}) holds no snapshot "
+            cached = (f"its snapshot in the Hugging Face cache ({hub_cache_dir()}) has no data file for that split and "
+                      "config" if files is not None else f"the Hugging Face cache ({hub_cache_dir()}) holds no snapshot "
                       "of it")
             raise SourceError(f"data.path={what} (a Hub dataset id, data.name={data.name}, data.split={split}): "
                               f"load_dataset failed ({type(e).__name__}: {_short(e)}), and {cached}. Check the id, "
@@ -156,17 +155,6 @@ _SPLIT_SEP = "-._ 0123456789"
 _KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 
 
-def _hub_cache() -> Path:
-    """The Hugging Face hub cache as the environment says now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE)
-
-
 def _names_split(rel: Path, split: str) -> bool:
     return split in rel.parts[:-1] or (rel.name.startswith(split) and rel.name[len(split):len(split) + 1] in
                                        _SPLIT_SEP)
@@ -180,7 +168,7 @@ def snapshot_files(repo: str, name: str | None, split: str) -> list[Path] | None
     from huggingface_hub import snapshot_download
 
     try:
-        root = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True, cache_dir=_hub_cache()))
+        root = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True, cache_dir=hub_cache_dir()))
     except Exception:  # not in the cache (LocalEntryNotFoundError) or an id the hub client refuses
         return None
     files = sorted(f for f in root.rglob("*") if f.suffix in BUILDERS and f.is_file())
@@ -216,7 +204,7 @@ def fingerprint(data) -> dict[str, Any] | None:
     pattern as the name); a directory or Hub id by name, split and config (information only, as for every source)."""
     from core.files import sha256_file
 
-    kind, what = plan(data.path, data.split)
+    kind, what = plan(data.path)
     if kind == "files":
         entries = [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in what]
         if len(entries) == 1:
