@@ -487,6 +487,8 @@ RULES: tuple[Rule, ...] = (
                                                             "target.path names (a string; quote one of digits only)"),
                                           "the repository's default branch")),
     Rule("pipeline.regenerate", (PIPELINE,), FLAG),
+    Rule("pipeline.head_modules", (PIPELINE,), whole(1, "modules", at_most=1, words=("auto", "all"),
+                                                     note="module 1 alone")),
     # the head's shapes (the head's config class checks its choices: check_head); the rows of keys a head type does
     # not have are skipped
     Rule("head.num_modules", (PRECOMPUTE, TRAIN), whole(1, "modules")),

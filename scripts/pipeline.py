@@ -1,6 +1,7 @@
 """The one-shot demo: [regenerate →] precompute → train → evaluate (trained vs untrained head) → export.
 
-`pipeline.regenerate: true` first replaces the data's assistant turns by the target's own replies
+`pipeline.head_modules` is the demo's training plan for a head of a module per draft depth (the default `mtp3`):
+on a CPU it trains module 1 alone (`plan_modules`). `pipeline.regenerate: true` first replaces the data's assistant turns by the target's own replies
 (data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
 
 Every setting the stages need is checked before the first one starts (scripts/checks.py). Last line:
@@ -14,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from core.timing import Paired
 from scripts.runtime import stage_main
@@ -34,6 +35,42 @@ def disk_use(root: str | Path) -> dict[str, int]:
                 total += sum(os.lstat(os.path.join(base, f)).st_size for f in files)
         out[entry.name] = total
     return out
+
+
+def plan_modules(cfg: DictConfig) -> str | None:
+    """`pipeline.head_modules`: whether the demo trains every per-depth module of its head (`head.num_modules`, 3 for
+    the default `mtp3`) or module 1 alone — set into `cfg` for every stage (`head.num_modules: 1`,
+    `train.module.depth: 1`, `deep_from_step: 0`); the line that says so, or None where the head trains as configured.
+
+    auto: every module where training runs on a GPU, module 1 alone on a CPU. A round's cost there grows with k (the
+    verify of k + 1 tokens is compute-bound on a few cores), so k=auto picks k ≤ 2 (docs/RESULTS.md: k = 1 on the
+    Xeon of record, k = 2 on an EPYC), where the deeper modules are worth ≈ 0.01 τ (τ(k = 2) 1.395 with 3 modules,
+    1.385 with one, whose module drafts every depth) for ≈ 2.4× the training time. Module 1 trains as it does among
+    the three (with `detach_depths` and clipping per module nothing of depths 2–3 reaches it), so τ at k = 1 is the
+    same; k=auto tries the k it would for the whole head (`evaluate.auto_max_k` capped at its modules). `all`: every
+    module; 1: module 1 alone anywhere. (Two of three modules would refuse the k = 3 of in-loop validation: not
+    offered.)"""
+    setting = (cfg.get("pipeline") or {}).get("head_modules", "auto")
+    have = cfg.head.get("num_modules")
+    if setting == "all" or have is None or int(have) <= 1:
+        return None
+    if setting == "auto":
+        from train.run import trains_on_cpu
+
+        if not trains_on_cpu(cfg.trainer.get("accelerator")):
+            return None
+        why = "auto: training runs on the CPU, where k=auto picks k ≤ 2 and module 1 drafts depth 2 nearly as well"
+    elif setting == 1:
+        why = "as set"
+    else:
+        raise ValueError(f"pipeline.head_modules={setting!r}: auto, all or 1 (module 1 alone)")
+    OmegaConf.update(cfg, "head.num_modules", 1, merge=False)
+    OmegaConf.update(cfg, "train.module.depth", 1, merge=False)
+    OmegaConf.update(cfg, "train.module.deep_from_step", 0, merge=False)  # no deeper depth to start later
+    if isinstance(cfg.evaluate.get("auto_max_k"), int):  # k=auto tries the k the whole head would (≤ its modules)
+        OmegaConf.update(cfg, "evaluate.auto_max_k", min(int(cfg.evaluate.auto_max_k), int(have)), merge=False)
+    return (f"[plan] pipeline.head_modules={setting}: training module 1 of the head's {have} per-depth modules, which "
+            f"drafts every depth ({why}; pipeline.head_modules=all trains all {have})")
 
 
 def speed_verdict(trained: dict) -> str | None:
@@ -90,6 +127,9 @@ def run_pipeline(cfg: DictConfig) -> dict:
 
     check_before_work(cfg, "pipeline")  # every stage's settings, before the first one loads anything
     t0 = time.perf_counter()
+    plan = plan_modules(cfg)
+    if plan:
+        print(plan)
     if cfg.get("pipeline", {}).get("regenerate"):  # self-distillation: train on the target's own replies
         from data.regenerate import use_regenerated
 

@@ -320,7 +320,12 @@ def stage_main(fn):
             if state == "failed" and is_refusal(err) and not show_tracebacks():
                 raise refused(stage, err, partial) from None
             raise
-        record_status(cfg, stage, "done")
+        try:
+            record_status(cfg, stage, "done")
+        except OSError as status_err:  # a full disk after the work: what the stage wrote stands, the status lags
+            log.warning("%s done, but %s could not be updated (%s): it still says `running` (shown as stale once "
+                        "this process is gone); what the stage wrote is complete", stage,
+                        Path(str(cfg.run_dir)) / "status.json", status_err)
         close_process_group()
         return out
 

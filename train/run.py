@@ -201,14 +201,18 @@ class SharedRunDir(Callback):
             check_run_dir_shared(self.run_dir, trainer.strategy)
 
 
+def trains_on_cpu(accelerator: Any) -> bool:
+    """Whether a trainer of this `trainer.accelerator` trains on the CPU (auto: where torch sees no CUDA)."""
+    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+
+
 def resolve_precision(precision: Any, accelerator: Any) -> Any:
     """`trainer.precision: auto`: bf16-mixed on an accelerator or a CPU with bf16 instructions, else
     32-true — without them a bf16 matrix product is ~170x slower than float32 (tests/README.md), so
     bf16 autocast makes training slower, not faster. Any other value is Lightning's, as given."""
     if precision != "auto":
         return precision
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-    if not on_cpu or cpu_has_fast_bf16():
+    if not trains_on_cpu(accelerator) or cpu_has_fast_bf16():
         return "bf16-mixed"
     log.info("train: trainer.precision=auto -> 32-true: this CPU has no bf16 matrix instructions "
              "(bf16 autocast would be slower); set trainer.precision=bf16-mixed to force it")

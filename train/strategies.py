@@ -1,4 +1,5 @@
-"""Sharded training strategies that need more than a preset: FSDP2 over every rank.
+"""Sharded training strategies that need more than a preset: FSDP2 over every rank, and DeepSpeed whose
+checkpoints are swapped in whole (`AtomicDeepSpeedStrategy`).
 
 `FSDP2Strategy` is Lightning's ModelParallelStrategy with the mesh fixed to pure data parallelism (every
 rank in one `data_parallel` dimension, tensor parallel 1); the sharding itself is applied by
@@ -15,9 +16,17 @@ tests/test_multiprocess.py executes it."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+from core.files import (apply_umask_modes, disk_full, disk_full_error, fsync_tree, recover_interrupted_save,
+                        remove_tree, swap_in_dir)
 
 from heads.registry import build_head
 
@@ -37,6 +46,53 @@ class FSDP2Strategy(ModelParallelStrategy):
         # every process of every node shards the head: one data-parallel dimension of world size
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+
+class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy (the 8xh100 presets) with its checkpoints written whole or not at all. A
+    DeepSpeed checkpoint is a directory every rank writes its partitions into (Lightning's checkpoint IO, and so
+    train/run.py `AtomicCheckpointIO`, is not used): written in place, a full disk or a kill mid-save left a
+    directory of some ranks' files over the last good checkpoint, which `train.resume=last` then failed on. Here
+    the ranks write into one temp directory beside it (rank 0 makes it and sends its name); when every rank has
+    written, rank 0 swaps it in for the old one (core/files.py `swap_in_dir`: an atomic exchange where the
+    filesystem has one) — else removes it, the previous checkpoint untouched, and every rank raises (a full disk
+    as `DiskFull` naming the checkpoint). A killed save's temp directory is removed by the next save. Remote paths
+    keep Lightning's writer."""
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(str(filepath)):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        out = Path(self.broadcast(str(filepath)))
+        tmp = None
+        if self.is_global_zero:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            recover_interrupted_save(out)  # a killed save's temp directory
+            tmp = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        tmp = Path(self.broadcast(tmp))
+        error: Exception | None = None
+        try:
+            super().save_checkpoint(checkpoint, tmp)
+        except Exception as err:  # this rank's part failed: the others are told before anything is swapped
+            error = err
+        everyone = self.reduce_boolean_decision(error is None, all=True)
+        if self.is_global_zero:
+            try:
+                if everyone:
+                    apply_umask_modes(tmp)
+                    fsync_tree(tmp)
+                    swap_in_dir(tmp, out)
+                else:
+                    remove_tree(tmp)
+            except Exception as err:
+                error = error or err
+        self.barrier("spechead_deepspeed_checkpoint")
+        if error is not None:
+            if (cause := disk_full(error)) is not None:
+                raise disk_full_error(out, cause) from error
+            raise error
+        if not everyone:
+            raise RuntimeError(f"{out}: another rank could not write its part of this checkpoint (its log names the "
+                               "error); the previous checkpoint there is kept")
 
 
 def fsdp_mixed_precision(precision: str | None):
