@@ -155,6 +155,9 @@ def _overrides(base: list[str], preset: str, record: Path, steps: int) -> list[s
            f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "train.data.batch_tokens=256",
            # a constant LR: a run configured for fewer steps then has the same schedule (resume below)
            "train.module.warmup_steps=0", "train.module.min_lr_ratio=1.0", "train.data.val_fraction=0.25",
+           # Muon's iteration in float32: bf16 (`auto` on a CPU with bf16 instructions) rounds the ranks' last-bit
+           # differences in the averaged gradients apart, and the comparison is to 1e-5
+           "train.module.ns_dtype=float32",
            "+trainer.callbacks=[{_target_: tests.test_multiprocess.RecordLosses, out_dir: " + str(record) + "}]"]
     return [*out, "trainer.strategy=ddp"] if preset == "ddp" else out
 

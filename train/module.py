@@ -28,7 +28,7 @@ from inference_eval.speculative import chain_tau
 from train.block_loss import block_terms
 from train.data import TokenBudgetBatches
 from train.losses import depth_terms, greedy_inputs
-from train.optim import build_optimizer, lr_multiplier, resolve_optimizer
+from train.optim import NS_DTYPES, build_optimizer, lr_multiplier, resolve_optimizer
 from train.settings import DEEP_FROM_AUTO, ModuleSettings, deepspeed_conflicts
 
 
@@ -381,7 +381,8 @@ class DraftHeadModule(L.LightningModule):
         # several ranks hold the same updates (DDP's averaged gradients, FSDP2's shards): each orthogonalises its share
         several = getattr(self._trainer, "world_size", 1) > 1
         opt = build_optimizer(self.head, name, hp.lr, hp.weight_decay, hp.betas, hp.muon_momentum,
-                              hp.muon_weight_decay, deep_lr_scale=hp.deep_lr_scale, divide_ns=several)
+                              hp.muon_weight_decay, ns_dtype=NS_DTYPES[hp.ns_dtype], deep_lr_scale=hp.deep_lr_scale,
+                              divide_ns=several)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warm = min(hp.warmup_steps, total // 2)
         lr_multiplier(0, total, warm, hp.schedule, hp.min_lr_ratio)  # a wrong name fails here, not at step 1

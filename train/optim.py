@@ -254,6 +254,10 @@ def split_deep_groups(head: torch.nn.Module, groups: list[dict[str, Any]], deep_
     return out
 
 
+# `train.module.ns_dtype`: the Newton–Schulz iteration's dtype (None: `default_ns_dtype`)
+NS_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def default_ns_dtype(on_cuda: bool) -> torch.dtype:
     """The Newton–Schulz iteration's dtype: bfloat16 (as torch's Muon) where the device multiplies it natively — a GPU,
     or a CPU with AVX-512-BF16 / AMX, where it runs the iteration ≈ 2.2× faster than float32 (0.15 s against 0.33 s

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.block_loss import BlockLossConfig
-from train.optim import SCHEDULES, SETTINGS
+from train.optim import NS_DTYPES, SCHEDULES, SETTINGS
 
 # whose gradient norm `trainer.gradient_clip_val` bounds: `all` = the head's whole gradient (Lightning's clipping);
 # `module` = each of the head's per-depth modules (head.depth_modules(): mtp with num_modules > 1, medusa's blocks)
@@ -79,6 +79,7 @@ class ModuleSettings:
     schedule: str = "cosine"
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.1
+    ns_dtype: str = "auto"
     loss_on: str = "assistant"
     kl_temperature: float = 1.0
     detach_depths: bool = False
@@ -121,6 +122,8 @@ class ModuleSettings:
     def _check_values(self) -> None:
         if self.optimizer not in SETTINGS:
             raise ValueError(f"train.module.optimizer={self.optimizer!r}: expected one of {SETTINGS}")
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"train.module.ns_dtype={self.ns_dtype!r}: expected one of {tuple(NS_DTYPES)}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"train.module.loss_on={self.loss_on!r}: expected one of {LOSS_ON}")
         if self.clip_scope not in CLIP_SCOPES:
