@@ -27,7 +27,9 @@ per token are the shard bytes of whole stores written by our path in bf16 and in
 tokens.
 Last line: `precompute speedup_vs_hf=<x> speedup_vs_hf_min=… speedup_vs_hf_max=… speedup_vs_hf_1t=<x>
 speedup_vs_hf_1t_min=… speedup_vs_hf_1t_max=… other_runnable=<n> bytes_per_token_bf16=<b>
-bytes_per_token_fp8=<f> hidden_size=<H>` (the `_1t` figures: both sides on one thread).
+bytes_per_token_fp8=<f> hidden_size=<H> store_wait_frac=<w> store_wait_frac_sync=<s>` (the `_1t` figures: both sides
+on one thread; the `store_wait` figures: the share of the main loop's time spent waiting on the store's writes with
+precompute's writer thread and with a synchronous writer, shards of a quarter of the samples' tokens).
 """
 
 from __future__ import annotations
@@ -216,8 +218,21 @@ def main() -> None:
                                                        for name, s in seconds[n].items()), flush=True)
         whole = {}
         for dtype in ("bfloat16", "fp8"):
-            writer = StoreWriter(tmp / f"ours-{dtype}", fingerprint, hidden_size, dtype=dtype)
+            writer = StoreWriter(tmp / f"ours-{dtype}", fingerprint, hidden_size, dtype=dtype, background=True)
             whole[dtype] = precompute(ours, samples, writer, args.batch_tokens, progress=False).seconds
+        # the store's writes beside the main loop: a synchronous writer and precompute's writer thread, alternated,
+        # shards of a quarter of the samples' tokens (a few per run): the seconds the main loop waited on them
+        shard = max(1, tokens // 4)
+        waited: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for background in (False, True, True, False):
+            writer = StoreWriter(tmp / f"writer-{int(background)}-{next(serial)}", fingerprint, hidden_size,
+                                 dtype="bfloat16", shard_tokens=shard, background=background)
+            st = precompute(ours, samples, writer, args.batch_tokens, progress=False)
+            waited[background].append((st.store_wait_s, st.seconds))
+        wait_frac = {bg: sum(w for w, _ in v) / sum(t for _, t in v) for bg, v in waited.items()}
+        print(f"store writes ({shard}-token bf16 shards, 2 runs each): the main loop waited "
+              f"{100 * wait_frac[False]:.1f} % of its time on a synchronous writer, {100 * wait_frac[True]:.1f} % "
+              "with the writer thread")
 
         # Same states from both paths (bf16 rounding only): ours vs HF on the first chunk's longest sample.
         a, b = (FeatureStore(next(tmp.glob(f"{name}-{budgets[0]}-0-*"))) for name in (best_ours[0], best_hf[0]))
@@ -259,7 +274,8 @@ def main() -> None:
     line = " ".join(figures[n].kv("speedup_vs_hf" + ("" if i == 0 else f"_{n}t"))
                     for i, n in enumerate(budgets))
     print(f"precompute {line} other_runnable={load.median:g} bytes_per_token_bf16={bpt_bf16:.2f} "
-          f"bytes_per_token_fp8={bpt_fp8:.2f} hidden_size={hidden_size}")
+          f"bytes_per_token_fp8={bpt_fp8:.2f} hidden_size={hidden_size} store_wait_frac={wait_frac[True]:.3f} "
+          f"store_wait_frac_sync={wait_frac[False]:.3f}")
 
 if __name__ == "__main__":
     main()

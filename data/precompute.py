@@ -115,6 +115,7 @@ class PrecomputeStats:
     skipped_done: int
     rejected: Counter
     seconds: float
+    store_wait_s: float = 0.0  # of `seconds`: the main loop waiting on the store's writer thread
 
     @property
     def tokens_per_s(self) -> float:
@@ -387,7 +388,7 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     writer.close()
     return PrecomputeStats(samples=out.count, tokens=out.tokens, loss_tokens=out.loss_tokens,
                            skipped_done=len(samples) - out.count, rejected=Counter(),
-                           seconds=time.perf_counter() - t0)
+                           seconds=time.perf_counter() - t0, store_wait_s=writer.wait_s)
 
 
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -468,7 +469,9 @@ def precompute_share(pc: PrecomputeConfig, target: TargetConfig, rank: int, worl
     if world_size > 1 and not samples:
         log.warning("precompute rank %d of %d: no usable sample hashes to this rank; its store stays empty",
                     rank, world_size)
-    writer = open_store_writer(pc, target, backend, model, pc.store_dir, (rank, world_size), rejected, examples)
+    # the shards are written on a thread of their own while the target computes the next batches
+    writer = open_store_writer(pc, target, backend, model, pc.store_dir, (rank, world_size), rejected, examples,
+                               background=True)
     out_dir = writer.root
     try:
         stats = precompute(model, samples, writer, batch_tokens=pc.batch_tokens, workers=pc.workers,
@@ -477,9 +480,9 @@ def precompute_share(pc: PrecomputeConfig, target: TargetConfig, rank: int, worl
         if hasattr(model, "release"):  # the vllm backend's worker process
             model.release()
     stats.rejected = rejected
-    log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s); rejected %s; store %s",
-             stats.samples, stats.tokens, stats.loss_tokens, stats.seconds, stats.tokens_per_s, dict(rejected),
-             out_dir)
+    log.info("precompute: %d samples, %d tokens (%d loss tokens) in %.1fs (%.0f tok/s; %.1fs of it waiting on the "
+             "store's writer); rejected %s; store %s", stats.samples, stats.tokens, stats.loss_tokens, stats.seconds,
+             stats.tokens_per_s, stats.store_wait_s, dict(rejected), out_dir)
     return stats
 
 
@@ -492,10 +495,12 @@ def vllm_target(pc: PrecomputeConfig, target: TargetConfig):
 
 
 def open_store_writer(pc: PrecomputeConfig, target: TargetConfig, backend: str, model, root: str | Path,
-                      rank: tuple[int, int], rejected: Counter, examples: list[dict]) -> StoreWriter:
+                      rank: tuple[int, int], rejected: Counter, examples: list[dict],
+                      background: bool = False) -> StoreWriter:
     """The StoreWriter of the store at `root` (`rank` = (rank, world_size) > 1: its rank directory) with
     the manifest precompute writes for `pc` — fingerprint, source, captured layers, rejections — so that
-    online training's write-through (train/online_store.py) writes the store this stage would."""
+    online training's write-through (train/online_store.py) writes the store this stage would. `background`: shards
+    written on the writer's own thread (StoreWriter), as precompute does."""
     r, world_size = rank
     source = store_source(pc, backend, model)
     out_dir = Path(root)
@@ -505,7 +510,7 @@ def open_store_writer(pc: PrecomputeConfig, target: TargetConfig, backend: str, 
     aux_layers = resolve_aux_layers(pc.aux_layers, pc.head_layers, model.args.num_hidden_layers)
     captured = {"hidden": "last_layer_pre_norm", **({"aux_layers": list(aux_layers)} if aux_layers else {})}
     writer = StoreWriter(out_dir, target.fingerprint, model.args.hidden_size, dtype=pc.store_dtype,
-                         shard_tokens=pc.shard_tokens, source=source, captured=captured)
+                         shard_tokens=pc.shard_tokens, source=source, captured=captured, background=background)
     # Outside `source`, which a resumed writer compares: a top-level key the writer keeps and writes.
     writer.manifest["rejected"] = {"total": sum(rejected.values()), "counts": dict(sorted(rejected.items())),
                                    "examples": examples,

@@ -67,7 +67,8 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from core.files import atomic_write, atomic_write_bytes, sha256_file
+from core.files import DiskFull, atomic_write, atomic_write_bytes, sha256_file
 from core.fingerprint import LEGACY_UNCOMPARABLE, compare_fingerprints, same_target_but_method
 from core.lock import live_holder
 from core.safetensors_io import SAFETENSORS_DTYPE, read_safetensors_header
@@ -242,11 +243,21 @@ class StoreWriter:
     by `done_ids` and skipped by the caller, which compares their content hashes (`stored_hashes`)
     with its own and removes the changed ones first (`drop_samples`). `previous_manifest` is the
     manifest found on opening (None for a new store).
+
+    `background=True` (precompute): a full shard is written on a thread of its own — concatenated, converted,
+    saved, fsynced, hashed, added to the manifest — while the caller goes on adding samples; at most one shard
+    waits behind the one being written (`add` waits for it otherwise: memory stays bounded). Shards are written in
+    order by that one thread, so the store is byte for byte the one a synchronous writer makes. A failed write
+    is raised by the next `add` or by `close` (a full disk as `DiskFull` naming the shard; anything else as a
+    StoreError naming it), and no later shard is written after it. `wait_s`: the seconds `add` and `close` spent
+    writing (synchronous) or waiting for the thread.
     """
+
+    QUEUED = 1  # full shards waiting behind the one being written (background)
 
     def __init__(self, root: str | Path, fingerprint: dict[str, Any], hidden_size: int,
                  dtype: str = "bfloat16", shard_tokens: int = 1 << 18, source: dict[str, Any] | None = None,
-                 captured: dict[str, Any] | None = None) -> None:
+                 captured: dict[str, Any] | None = None, background: bool = False) -> None:
         dtype = storage_dtype(dtype)
         self.root = Path(root)
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
@@ -292,6 +303,10 @@ class StoreWriter:
         self._remove_stale_temps()
         self._pending: list[Sample] = []
         self._pending_tokens = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="store-writer") if background else None
+        self._writing: deque[Future] = deque()
+        self._failed: BaseException | None = None
+        self.wait_s = 0.0
 
     def _drop_damaged_shards(self, manifest_bytes: bytes) -> None:
         """Resume trusts no finished shard blindly: each one's size and header are checked (no tensor
@@ -414,9 +429,7 @@ class StoreWriter:
         """Write a shard (atomically) under the next free name and return its manifest entry. The name is
         one past the highest index of the listed shards and `taken`: the number of shards while no shard
         has been rewritten, so a resumed run names its shards as an uninterrupted one does."""
-        used = [int(m.group(1)) for f in [*(s["file"] for s in self.manifest["shards"]), *taken]
-                if (m := SHARD_FILE.fullmatch(f))]
-        name = f"shards/shard-{max(used, default=-1) + 1:05d}.safetensors"
+        name = self._next_shard_name(taken)
         path = self.root / name
         offsets = tensors["offsets"]
         if hashes is None:
@@ -441,42 +454,84 @@ class StoreWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        lengths = [int(s.input_ids.numel()) for s in self._pending]
+        pending, self._pending, self._pending_tokens = self._pending, [], 0
+        t0 = time.perf_counter()
+        try:
+            if self._pool is None:
+                self._write_shard(pending)
+            else:
+                self._wait(self.QUEUED)  # bounded: the shard being written and at most QUEUED behind it
+                self._writing.append(self._pool.submit(self._write_shard, pending))
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _wait(self, keep: int) -> None:
+        """Wait until at most `keep` shards are being written or queued; a failed write is raised here."""
+        while len(self._writing) > keep:
+            self._writing.popleft().result()
+
+    def _write_shard(self, pending: list[Sample]) -> None:
+        """One shard of `pending`, then the manifest listing it (the writer thread's job, in order)."""
+        if self._failed is not None:  # an earlier shard failed: none after it may be written
+            raise StoreError(f"{self.root}: not written, an earlier shard's write failed ({self._failed})")
+        try:
+            self._flush_samples(pending)
+        except BaseException as err:
+            self._failed = err
+            if self._pool is None or isinstance(err, (DiskFull, StoreError)):
+                raise
+            raise StoreError(f"{self.root}: writing shard {self._next_shard_name()} failed: {type(err).__name__}: "
+                             f"{err}; the shards before it are complete — rerun the same command to resume") from err
+
+    def _next_shard_name(self, taken: list[str] | tuple[str, ...] = ()) -> str:
+        """The next free shard name: one past the highest index of the listed shards and `taken`."""
+        used = [int(m.group(1)) for f in [*(s["file"] for s in self.manifest["shards"]), *taken]
+                if (m := SHARD_FILE.fullmatch(f))]
+        return f"shards/shard-{max(used, default=-1) + 1:05d}.safetensors"
+
+    def _flush_samples(self, pending: list[Sample]) -> None:
+        lengths = [int(s.input_ids.numel()) for s in pending]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
         tensors = {
-            "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in self._pending]),
-            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in self._pending]),
+            "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in pending]),
+            "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in pending]),
             "offsets": offsets,
         }
         if self.dtype == FP8:
-            tensors["hidden"], tensors["hidden_scale"] = quantize_fp8(torch.cat([s.hidden for s in self._pending]))
+            tensors["hidden"], tensors["hidden_scale"] = quantize_fp8(torch.cat([s.hidden for s in pending]))
         else:
-            tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in self._pending])
+            tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in pending])
         if self.aux_layers:
-            missing = [s.sample_id for s in self._pending if s.aux_hidden is None]
+            missing = [s.sample_id for s in pending if s.aux_hidden is None]
             if missing:
                 raise StoreError(f"{self.root}: sample {missing[0]!r} has no aux_hidden, but the store captures "
                                  f"layers {self.aux_layers}")
-            aux = torch.cat([s.aux_hidden for s in self._pending])  # [T, K·H]
+            aux = torch.cat([s.aux_hidden for s in pending])  # [T, K·H]
             if self.dtype == FP8:  # one scale per token and layer: the layers' magnitudes differ
                 t, k = aux.shape[0], len(self.aux_layers)
                 q, scale = quantize_fp8(aux.reshape(t * k, -1))
                 tensors["aux_hidden"], tensors["aux_scale"] = q.reshape(t, -1), scale.reshape(t, k)
             else:
                 tensors["aux_hidden"] = aux.to(STORAGE_DTYPES[self.dtype])
-        ids = [s.sample_id for s in self._pending]
-        hashes = [sample_hash(s.input_ids, s.loss_mask) for s in self._pending]
+        ids = [s.sample_id for s in pending]
+        hashes = [sample_hash(s.input_ids, s.loss_mask) for s in pending]
         self.manifest["shards"].append(self._save_shard(tensors, ids, hashes))
         self._write_manifest()
-        self._pending, self._pending_tokens = [], 0
 
     def _write_manifest(self) -> None:
         atomic_write_bytes(self.root / "manifest.json", json.dumps(self.manifest, indent=1).encode())
 
     def close(self) -> None:
-        """Flush the last shard and mark the store complete."""
+        """Flush the last shard (waiting for the writer thread's) and mark the store complete."""
         self._flush()
+        t0 = time.perf_counter()
+        try:
+            self._wait(0)
+        finally:
+            self.wait_s += time.perf_counter() - t0
+            if self._pool is not None:
+                self._pool.shutdown()
         self.manifest["complete"] = True
         self._write_manifest()
 

@@ -275,3 +275,92 @@ def test_cli_verify_reports_a_truncated_shard(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.startswith("CORRUPT") and str(shard) in proc.stdout
+
+
+def _write_all(root, samples, **kw):
+    w = StoreWriter(root, FP, hidden_size=8, dtype="float32", shard_tokens=20, **kw)
+    for s in samples:
+        w.add(s)
+    w.close()
+    return w
+
+
+@pytest.mark.unit
+def test_the_background_writer_writes_the_same_store_byte_for_byte(tmp_path, monkeypatch):
+    """`background=True` (precompute's): the shards, written on the writer's thread while samples are added, are
+    the synchronous writer's byte for byte, manifest included; the caller never has more than the shard being
+    written and one more handed over (memory bounded), and what it waited is counted."""
+    import threading
+    import time
+
+    import data.store as store_mod
+
+    samples = _samples(n=12)
+    _write_all(tmp_path / "sync", samples)
+    real, seen = store_mod.save_file, []
+
+    def slow(tensors, path, metadata=None):  # a slow disk: the caller gets ahead of the writer
+        seen.append((threading.current_thread().name, len(w._writing)))
+        time.sleep(0.05)
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(store_mod, "save_file", slow)
+    w = StoreWriter(tmp_path / "bg", FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
+    for s in samples:
+        w.add(s)
+    w.close()
+    names = sorted(p.relative_to(tmp_path / "sync") for p in (tmp_path / "sync").rglob("*") if p.is_file())
+    assert len([n for n in names if n.suffix == ".safetensors"]) > 3
+    assert names == sorted(p.relative_to(tmp_path / "bg") for p in (tmp_path / "bg").rglob("*") if p.is_file())
+    for name in names:
+        assert (tmp_path / "sync" / name).read_bytes() == (tmp_path / "bg" / name).read_bytes(), name
+    assert all(thread.startswith("store-writer") for thread, _ in seen) and max(n for _, n in seen) <= 2
+    assert w.wait_s > 0.05  # the last shard, at least, was waited for
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("failure", ["full_disk", "crash"])
+def test_a_failed_background_write_names_its_shard_and_stops_the_later_ones(tmp_path, monkeypatch, failure):
+    """A write that fails on the writer's thread is raised in the caller by the next `add` or by `close` — a full
+    disk as DiskFull naming the shard, anything else as a StoreError naming it — and no later shard is written
+    after it: the store lists the shards before it, incomplete, and a rerun resumes from there."""
+    import errno
+
+    import data.store as store_mod
+    from core.files import DiskFull
+
+    real, calls = store_mod.save_file, []
+
+    def failing(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            if failure == "full_disk":
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            raise ValueError("a bug in the writer")
+        return real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(store_mod, "save_file", failing)
+    w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
+    expected = DiskFull if failure == "full_disk" else StoreError
+    with pytest.raises(expected, match=r"shard-00001\.safetensors") as err:
+        for s in _samples(n=12):
+            w.add(s)
+        w.close()
+    if failure == "crash":
+        assert "writing shard shards/shard-00001.safetensors failed: ValueError: a bug in the writer" in str(err.value)
+    while w._writing:  # the shards queued behind the failed one refuse to write
+        with pytest.raises(StoreError, match="an earlier shard's write failed"):
+            w._writing.popleft().result()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == ["shards/shard-00000.safetensors"] and not manifest["complete"]
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["shard-00000.safetensors"]
+    monkeypatch.setattr(store_mod, "save_file", real)
+    samples = _samples(n=12)
+    again = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
+    for s in samples:
+        if s.sample_id not in again.done_ids:
+            again.add(s)
+    again.close()
+    _write_all(tmp_path / "whole", samples)
+    for name in ("manifest.json", *(f"shards/{p.name}" for p in (tmp_path / "whole" / "shards").iterdir())):
+        assert (tmp_path / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
