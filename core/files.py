@@ -265,17 +265,12 @@ def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
     the swap (a directory may not be replaced: it raises). A full disk is raised as `DiskFull` naming the file
     of `out_dir` being written, the temp dir removed."""
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_save(out_dir)
-    if check is not None:
-        check(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    tmp = temp_dir_for(out_dir, check)
     try:
         yield tmp
         if finish is not None:
             finish(tmp)
-        apply_umask_modes(tmp)
-        fsync_tree(tmp)
+        seal_temp_dir(tmp)
         if check is not None:
             check(out_dir)  # in case something appeared there while we wrote
     except BaseException as err:
@@ -284,6 +279,23 @@ def atomic_dir(out_dir: str | Path, check: Callable[[Path], None] | None = None,
             raise disk_full_error(_destination(err, tmp, out_dir), cause) from err
         raise
     swap_in_dir(tmp, out_dir)
+
+
+def temp_dir_for(out_dir: Path, check: Callable[[Path], None] | None = None) -> Path:
+    """A new temp dir beside `out_dir` to build its next version in, after recovering what an interrupted save
+    left there (`recover_interrupted_save`) and `check(out_dir)`; `seal_temp_dir`, then `swap_in_dir`, put it in
+    place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(out_dir)
+    if check is not None:
+        check(out_dir)
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+
+
+def seal_temp_dir(tmp: Path) -> None:
+    """A temp dir built completely, made ready to swap in: the umask's modes, every file and directory fsynced."""
+    apply_umask_modes(tmp)
+    fsync_tree(tmp)
 
 
 def _destination(err: BaseException, tmp: Path, out_dir: Path) -> Path:

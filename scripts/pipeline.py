@@ -1,8 +1,8 @@
 """The one-shot demo: [regenerate →] precompute → train → evaluate (trained vs untrained head) → export.
 
 `pipeline.head_modules` is the demo's training plan for a head of a module per draft depth (the default `mtp3`):
-on a CPU it trains module 1 alone (`plan_modules`). `pipeline.regenerate: true` first replaces the data's assistant turns by the target's own replies
-(data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
+on a CPU it trains module 1 alone (`plan_modules`). `pipeline.regenerate: true` first replaces the data's
+assistant turns by the target's own replies (data/regenerate.py, cached per machine by prompt set, target and settings) and trains on those.
 
 Every setting the stages need is checked before the first one starts (scripts/checks.py). Last line:
 `demo tau_trained=<x> tau_untrained=<y> speedup=<s> speedup_min=<a> speedup_max=<b> verdict=<faster|not_faster|within_noise>

@@ -260,9 +260,9 @@ NS_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def default_ns_dtype(on_cuda: bool) -> torch.dtype:
     """The Newton–Schulz iteration's dtype: bfloat16 (as torch's Muon) where the device multiplies it natively — a GPU,
-    or a CPU with AVX-512-BF16 / AMX, where it runs the iteration ≈ 2.2× faster than float32 (0.15 s against 0.33 s
-    per step for the matrices of one SmolLM2-sized module on 2 EPYC cores, a third of the demo's training step) —
-    else float32 (a CPU without bf16 instructions runs bf16 products ~170× slower)."""
+    or a CPU with AVX-512-BF16 / AMX, where the demo's 1-module training steps ran at 1.04 step/s against 0.91 with
+    the iteration in float32 (2 EPYC cores, docs/RESULTS.md "The demo in under 20 minutes") — else float32 (a CPU
+    without bf16 instructions runs bf16 products ~170× slower)."""
     from inference_eval.model import cpu_has_fast_bf16
 
     return torch.bfloat16 if on_cuda or cpu_has_fast_bf16() else torch.float32
@@ -272,8 +272,8 @@ def build_optimizer(head: torch.nn.Module, optimizer: str, lr: float, weight_dec
                     betas: tuple[float, float], momentum: float = 0.95, muon_weight_decay: float = 0.1,
                     ns_dtype: torch.dtype | None = None, deep_lr_scale: float = 1.0,
                     divide_ns: bool = False) -> torch.optim.Optimizer:
-    """`train.module.optimizer`: adamw | muon (module docstring). `ns_dtype` None: `default_ns_dtype`. `deep_lr_scale`: the peak lr of the per-depth modules of depth ≥ 2
-    (`head.depth_modules()[1:]`) is `deep_lr_scale × lr`, each group split in two (the schedule scales both).
+    """`train.module.optimizer`: adamw | muon (module docstring). `ns_dtype` None: `default_ns_dtype`.
+    `deep_lr_scale`: the peak lr of the per-depth modules of depth ≥ 2 (`head.depth_modules()[1:]`) is `deep_lr_scale × lr`, each group split in two (the schedule scales both).
     `divide_ns`: over several ranks, each orthogonalises its share of Muon's matrices (`orthogonalise`)."""
     groups = parameter_groups(head, optimizer, weight_decay, muon_weight_decay)
     if deep_lr_scale != 1.0:

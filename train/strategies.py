@@ -16,7 +16,6 @@ tests/test_multiprocess.py executes it."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-from core.files import (apply_umask_modes, disk_full, disk_full_error, fsync_tree, recover_interrupted_save,
-                        remove_tree, swap_in_dir)
+from core.files import disk_full, disk_full_error, remove_tree, seal_temp_dir, swap_in_dir, temp_dir_for
 
 from heads.registry import build_head
 
@@ -53,21 +51,17 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
     DeepSpeed checkpoint is a directory every rank writes its partitions into (Lightning's checkpoint IO, and so
     train/run.py `AtomicCheckpointIO`, is not used): written in place, a full disk or a kill mid-save left a
     directory of some ranks' files over the last good checkpoint, which `train.resume=last` then failed on. Here
-    the ranks write into one temp directory beside it (rank 0 makes it and sends its name); when every rank has
-    written, rank 0 swaps it in for the old one (core/files.py `swap_in_dir`: an atomic exchange where the
-    filesystem has one) — else removes it, the previous checkpoint untouched, and every rank raises (a full disk
-    as `DiskFull` naming the checkpoint). A killed save's temp directory is removed by the next save. Remote paths
+    the ranks write into one temp directory beside it (rank 0 makes it, core/files.py `temp_dir_for` as
+    `atomic_dir` does, and sends its name); when every rank has written, rank 0 swaps it in for the old one
+    (`swap_in_dir`: an atomic exchange where the filesystem has one) — else removes it, the previous checkpoint
+    untouched, and every rank raises (a full disk as `DiskFull` naming the checkpoint). A killed save's temp directory is removed by the next save. Remote paths
     keep Lightning's writer."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(str(filepath)):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         out = Path(self.broadcast(str(filepath)))
-        tmp = None
-        if self.is_global_zero:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            recover_interrupted_save(out)  # a killed save's temp directory
-            tmp = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        tmp = str(temp_dir_for(out)) if self.is_global_zero else None  # a killed save's leftovers removed first
         tmp = Path(self.broadcast(tmp))
         error: Exception | None = None
         try:
@@ -78,8 +72,7 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             try:
                 if everyone:
-                    apply_umask_modes(tmp)
-                    fsync_tree(tmp)
+                    seal_temp_dir(tmp)
                     swap_in_dir(tmp, out)
                 else:
                     remove_tree(tmp)
