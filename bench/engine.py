@@ -14,6 +14,17 @@
   τ (emitted tokens / target passes). Other k and vocabularies (`--ks`), and at k = 1 the generic
   chain round that reads drafts and acceptance on the host, are printed above the summary.
 
+- vLLM's CPU build (`make vllm-env`; `--vllm auto`: when `.venv-vllm` is there and not `--quick`) as a side of
+  the same pairs: plain decoding at batch 1 and 8 beside the engine's, and speculative decoding at batch 1 with the
+  same head exported in the format vLLM serves it (our plugin for an `mtp` head) at the configured k, beside the
+  engine's configured proposer. vLLM runs in its best CPU configuration: its engine core in the worker process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), eager (the CPU build), its OpenMP threads bound to the budget's cores
+  (`VLLM_CPU_OMP_THREADS_BIND`), one kept worker per configuration and thread budget
+  (inference_eval/vllm_generate_worker.py), greedy, every reply `--new-tokens` long, no prefix caching; a side's
+  seconds are vLLM's `generate` call (the request's JSON round trip excluded, as the engine's side excludes its
+  loading). Its start (the process, the target, the draft) is timed apart and printed, not in any ratio. τ of both
+  sides is printed (vLLM's from its own counters: (accepted + drafts) / drafts).
+
 Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
 `--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
 whole machine, then one thread per side — the per-core figure, the one that stays put on a shared
@@ -23,15 +34,19 @@ prediction that load does not move: the cost of a round in plain-step units (`in
 round_cost`: plain steps and rounds interleaved, medians), and τ ÷ cost. Models are warmed up first;
 loading and tokenization are not timed.
 Last line: `engine plain_vs_hf_b1=<x> plain_vs_hf_b1_min=… _max=… plain_vs_hf_b8=<y> … spec_speedup_b1=<s> …
-spec_speedup_b1_1t=<s> … predicted_speedup_b1=<p> round_cost=<c> tau=<t> k=<k> draft_vocab=<n> other_runnable=<n>`
-(the `_1t` figures: every side on one thread).
+spec_speedup_b1_1t=<s> … plain_vs_vllm_b1=… plain_vs_vllm_b8=… spec_vs_vllm_b1=… predicted_speedup_b1=<p>
+round_cost=<c> tau=<t> tau_vllm=<t> k=<k> draft_vocab=<n> other_runnable=<n>` (the `_1t` figures: every side on one
+thread; `*_vs_vllm_*`: vLLM's seconds / the engine's, > 1 = the engine faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.timing import Load, Paired, measure_pairs, thread_budget, thread_settings, warn_if_unstable  # noqa: E402
 from inference_eval.engine import engine_generate, round_cost  # noqa: E402
 
-DEFAULT_HEAD = Path(__file__).resolve().parents[1] / "runs/ablation/heads/mtp"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_HEAD = ROOT / "runs/ablation/heads/mtp"
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def hf_generate(model, tokenizer, prompts: list[list[int]], new: int) -> float:
@@ -67,6 +84,55 @@ def ours(target, prompts: list[list[int]], new: int, proposer=None, k: int = 1, 
     seconds = time.perf_counter() - t0
     assert all(len(o) == new for o in out)
     return seconds, eng.stats
+
+
+def vllm_bind(threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a budget of `threads`: the first cores this process may run on."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))[:max(int(threads), 1)]
+    return ",".join(str(c) for c in cores)
+
+
+class VllmSides:
+    """vLLM's two workers for one thread budget: the target alone, and the target with the exported head (k drafts);
+    started side by side, the start timed apart."""
+
+    def __init__(self, target_dir: Path, dtype: str, longest: int, threads: int, served: tuple[Path, str] | None,
+                 k: int) -> None:
+        from inference_eval.vllm_backend import VllmSettings, VLLMGenerator
+
+        settings = VllmSettings("bench.vllm", python=str(VLLM_PYTHON),
+                                env={"VLLM_CPU_OMP_THREADS_BIND": vllm_bind(threads),
+                                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"})
+        t0 = time.perf_counter()
+        spec = None if served is None else {"method": served[1], "model": str(served[0]), "num_speculative_tokens": k}
+        self.plain = VLLMGenerator.for_target(settings, target_dir, getattr(torch, dtype), longest)
+        self.spec = (VLLMGenerator.for_target(settings, target_dir, getattr(torch, dtype), longest, spec)
+                     if spec else None)
+        self.start_s = time.perf_counter() - t0
+        self.counts = {"num_drafts": 0, "num_accepted_tokens": 0}
+
+    def plain_s(self, prompts: list[list[int]], new: int) -> float:
+        reply = self.plain.generate_timed(prompts, new)
+        assert all(len(t) == new for t in reply["tokens"])
+        return float(reply["generate_s"])
+
+    def spec_s(self, prompts: list[list[int]], new: int) -> float:
+        reply = self.spec.generate_timed(prompts, new)
+        assert all(len(t) == new for t in reply["tokens"])
+        for key in self.counts:
+            self.counts[key] += int(reply["spec"][key])
+        return float(reply["generate_s"])
+
+    def tau(self) -> float:
+        """vLLM's τ over the timed speculative requests: (accepted + drafts) / drafts, from its counters."""
+        return (self.counts["num_accepted_tokens"] + self.counts["num_drafts"]) / max(self.counts["num_drafts"], 1)
+
+    def close(self) -> None:
+        for gen in (self.plain, self.spec):
+            if gen is not None:
+                gen.close()
 
 
 def assistant_counts(tokenizer, vocab_size: int, conversations: int = 300) -> torch.Tensor:
@@ -101,8 +167,13 @@ def main() -> None:
                     help="the configured proposer drafts over the N most frequent tokens (0: the whole vocabulary)")
     ap.add_argument("--threads", default="all,1",
                     help="thread budgets, every path alike, measured in turn (default all,1: whole machine, per core)")
+    ap.add_argument("--vllm", default="auto", choices=["auto", "on", "off"],
+                    help="vLLM's build in .venv-vllm as a side (auto: when installed and not --quick)")
     args = ap.parse_args()
     budgets = thread_settings(args.threads)
+    if args.vllm == "on" and not VLLM_PYTHON.exists():
+        ap.error(f"--vllm on: {VLLM_PYTHON} is missing (`make vllm-env`)")
+    with_vllm = args.vllm == "on" or (args.vllm == "auto" and VLLM_PYTHON.exists() and not args.quick)
     if args.quick:
         args.new_tokens, args.rounds, args.ks = 24, 2, ""  # the configured k only
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -132,20 +203,28 @@ def main() -> None:
 
     load = Load()
     head_dir = Path(args.head)
-    head = vocab = None
+    head = vocab = served = None
     if (head_dir / "config.json").exists():
         tied, targs, _ = tied_target(path, dtype, device)
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
         vocab = (frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)
                  if args.draft_vocab else None)
+        if with_vllm:  # the same head in the format vLLM serves (an export of one is served as it is)
+            from evaluation.vllm_eval import served_export
+
+            exported = Path(tempfile.mkdtemp(prefix="spechead-bench-engine-"))
+            atexit.register(shutil.rmtree, exported, True)
+            served_path, method, _ = served_export("head", head_dir, *tied_target(path)[:2], Path(path), None, exported)
+            served = (served_path, method)
     else:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
     nprompts = 2 if args.quick else 4
 
-    def measure(k: int, draft_vocab, **engine_kw) -> tuple[Paired, float]:
-        """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ."""
-        plain_s, spec_s, counts = [], [], {"emitted": 0, "steps": 0}
+    def measure(k: int, draft_vocab, sides: VllmSides | None = None, **engine_kw) -> tuple[Paired, float, Paired | None]:
+        """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ; with `sides`, vLLM's
+        speculative decoding of the same prompts in the same pairs (vLLM's seconds / the engine's)."""
+        plain_s, spec_s, vllm_s, counts = [], [], [], {"emitted": 0, "steps": 0}
 
         def spec(p):
             t, st = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
@@ -154,11 +233,15 @@ def main() -> None:
             return t
 
         for p in prompts[:nprompts]:
-            got = measure_pairs({"plain": lambda p=p: ours(target, [p], new)[0], "spec": lambda p=p: spec(p)},
-                                args.rounds, warmup=0, load=load)
+            runs = {"plain": lambda p=p: ours(target, [p], new)[0], "spec": lambda p=p: spec(p)}
+            if sides is not None:
+                runs["vllm_spec"] = lambda p=p: sides.spec_s([p], new)
+            got = measure_pairs(runs, args.rounds, warmup=0, load=load)
             plain_s += got.seconds["plain"]
             spec_s += got.seconds["spec"]
-        return Paired.of(plain_s, spec_s), counts["emitted"] / counts["steps"]
+            vllm_s += got.seconds.get("vllm_spec", [])
+        return (Paired.of(plain_s, spec_s), counts["emitted"] / counts["steps"],
+                Paired.of(vllm_s, spec_s) if sides is not None else None)
 
     figures: dict[str, Paired] = {}
 
@@ -168,34 +251,61 @@ def main() -> None:
         if warning:
             print(warning)
 
+    spec_tau_vllm = None
     for n in budgets:
         tag = "" if n == budgets[0] else f"_{n}t"
+        sides = None
+        if with_vllm:
+            sides = VllmSides(Path(path), args.dtype, max(len(p) for p in prompts) + new + 8, n, served, args.k)
+            sides.plain_s(prompts[:2], 4)  # warm-up, as the other sides
+            if sides.spec is not None:
+                sides.spec_s(prompts[:2], 4)
+                sides.counts = dict.fromkeys(sides.counts, 0)
+            print(f"{n} thread(s): vLLM {sides.plain.info.get('vllm')} started in {sides.start_s:.1f} s "
+                  f"(plain{' and ' + served[1] + f' k={args.k} with ' + str(served[0]) if served else ''}, side by side; "
+                  f"OMP bound to cores {vllm_bind(n)}), not timed below", flush=True)
         with thread_budget(n):
-            # plain decoding: the engine vs HF generate in each dtype, back to back in alternation
+            # plain decoding: the engine vs HF generate in each dtype (and vLLM), back to back in alternation
             for name, batch in (("b1", prompts[:1]), ("b8", prompts)):
                 runs = {"engine": lambda batch=batch: ours(target, batch, new)[0],
                         **{f"hf_{d}": (lambda m=m, batch=batch: hf_generate(m, tok, batch, new)) for d, m in hf.items()}}
+                if sides is not None:
+                    runs["vllm"] = lambda batch=batch: sides.plain_s(batch, new)
                 t = measure_pairs(runs, args.rounds, warmup=0, load=load).seconds
                 best = [min(a, b) for a, b in zip(t["hf_float32"], t["hf_bfloat16"])]
                 keep(f"plain_vs_hf_{name}{tag}", Paired.of(best, t["engine"]), n)
                 same = Paired.of(t[f"hf_{args.dtype}"], t["engine"])
                 tok_s = {key: len(batch) * new * len(v) / sum(v) for key, v in t.items()}
+                text = ""
+                if sides is not None:
+                    keep(f"plain_vs_vllm_{name}{tag}", Paired.of(t["vllm"], t["engine"]), n)
+                    text = (f"; vLLM {tok_s['vllm']:.1f} tok/s, vLLM's seconds / the engine's per pair "
+                            f"{figures[f'plain_vs_vllm_{name}{tag}'].text()}")
                 print(f"{n} thread(s) {name}: engine {tok_s['engine']:.1f} tok/s, HF float32 {tok_s['hf_float32']:.1f}, "
                       f"HF bfloat16 {tok_s['hf_bfloat16']:.1f}; vs HF's best dtype per pair "
-                      f"{figures[f'plain_vs_hf_{name}{tag}'].text()}, same dtype ({args.dtype}) {same.text()}", flush=True)
+                      f"{figures[f'plain_vs_hf_{name}{tag}'].text()}, same dtype ({args.dtype}) {same.text()}{text}",
+                      flush=True)
             if head is None:
+                if sides is not None:
+                    sides.close()
                 continue
             for k in sorted({int(x) for x in args.ks.split(",") if x.strip()} - {args.k}):
                 for nv, v in ({0: None, args.draft_vocab: vocab} if vocab is not None else {0: None}).items():
-                    sp, tau = measure(k, v)
+                    sp, tau, _ = measure(k, v)
                     print(f"{n} thread(s) other: speculative b1 k={k} draft_vocab={nv or 'all'}: speedup {sp.text()}, "
                           f"tau {tau:.3f}", flush=True)
             if args.k == 1 and not args.quick:
-                sp, tau = measure(1, vocab, k1_schedule=False)
+                sp, tau, _ = measure(1, vocab, k1_schedule=False)
                 print(f"{n} thread(s): k=1 through the generic chain round (drafts and acceptance read on the host): "
                       f"speedup {sp.text()}, tau {tau:.3f}")
-            sp, tau = measure(args.k, vocab)
+            sp, tau, vs_vllm = measure(args.k, vocab, sides if sides is not None and sides.spec is not None else None)
             keep(f"spec_speedup_b1{tag}", sp, n)
+            if vs_vllm is not None:
+                keep(f"spec_vs_vllm_b1{tag}", vs_vllm, n)
+                print(f"{n} thread(s): speculative b1 k={args.k}, vLLM ({served[1]}, {served[0].name}, its whole "
+                      f"vocabulary) τ {sides.tau():.3f} vs the engine's configured proposer (draft_vocab="
+                      f"{args.draft_vocab or 'all'}) τ {tau:.3f}: vLLM's seconds / the engine's per pair {vs_vllm.text()}",
+                      flush=True)
             cost = round_cost(target, PagedHeadProposer(head, vocab), args.k, prompts[:nprompts], new)
             print(f"{n} thread(s) configured: speculative b1 k={args.k} draft_vocab={args.draft_vocab or 'all'}"
                   f"{' (the k = 1 schedule)' if args.k == 1 else ''}: measured speedup {sp.text()}, tau {tau:.3f}; "
@@ -204,11 +314,16 @@ def main() -> None:
                   f"{cost['predicted_speedup']:.3f}x (τ {cost['tau']:.3f} / cost)", flush=True)
             if n == budgets[0]:
                 spec_tau, spec_cost = tau, cost
+                spec_tau_vllm = sides.tau() if vs_vllm is not None else None
+            if sides is not None:
+                sides.close()
     print(f"load while timing: {load.text()}")
     line = " ".join(p.kv(key) for key, p in figures.items())
     if head is not None:
         line += (f" predicted_speedup_b1={spec_cost['predicted_speedup']:.3f} round_cost={spec_cost['cost']:.3f} "
                  f"tau={spec_tau:.3f}")
+        if spec_tau_vllm is not None:
+            line += f" tau_vllm={spec_tau_vllm:.3f}"
     print(f"engine {line} k={args.k} draft_vocab={args.draft_vocab} other_runnable={load.median:g}")
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Imports nothing of spechead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,45 @@ def read_safetensors_header(path: Path, validate: bool = True,
         raise error(f"{path}: the header describes {8 + n + pos} bytes, the file has {size} "
                          f"({'truncated' if size < 8 + n + pos else 'trailing bytes'})")
     return header, size, raw
+
+
+# safetensors' own order of dtypes (its Rust `Dtype` enum): a file lists its tensors by this rank, highest first,
+# then by name — the order `write_safetensors` must follow to write the bytes `safetensors.torch.save_file` writes
+_DTYPE_RANK = {name: i for i, name in enumerate(["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16",
+                                                  "BF16", "I32", "U32", "F32", "F64", "I64", "U64"])}
+_TORCH_CODES = {getattr(torch, name): code for code, name in DTYPE_NAMES.items()}
+WRITE_CHUNK = 64 << 20  # bytes written and hashed at a time: a chunk is hashed while it is still in cache
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> str:
+    """Write `tensors` (CPU, any layout) to `path` as a safetensors file and return its sha256, computed from the
+    bytes as they are written (the file is not read back). The bytes are `safetensors.torch.save_file`'s for the
+    same tensors and metadata: its header (the metadata first, the tensors by dtype rank then name, compact JSON,
+    padded with spaces to 8 bytes) and the tensors' little-endian bytes back to back."""
+    if not all(t.device.type == "cpu" for t in tensors.values()):
+        raise ValueError(f"{path}: write_safetensors takes CPU tensors")
+    order = sorted(tensors, key=lambda name: (-_DTYPE_RANK[_TORCH_CODES[tensors[name].dtype]], name))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _TORCH_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for part in (len(raw).to_bytes(8, "little"), raw):
+            f.write(part)
+            digest.update(part)
+        for name in order:
+            data = memoryview(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), WRITE_CHUNK):
+                chunk = data[start:start + WRITE_CHUNK]
+                f.write(chunk)
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def open_safetensors(path: Path, device: str = "cpu"):

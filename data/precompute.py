@@ -51,12 +51,14 @@ from data.conversations import chat_template_sha256, load_tokenizer, tokenize_sa
 from data.sources import (EXAMPLES_PER_REASON, MAX_EXAMPLES, DataConfig, load_conversations, record_rejection,
                           target_config)
 from data.store import (
+    FP8,
     IncompleteRanksError,
     Sample,
     StoreError,
     StoreWriter,
     check_rank_layout,
     merge_rank_manifests,
+    quantize_states,
     rank_dir,
     sample_hash,
 )
@@ -252,10 +254,12 @@ def packed_forward(model, input_ids: torch.Tensor, lengths: list[int], aux_layer
 
 
 def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: list[int],
-                 aux_layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                 aux_layers: tuple[int, ...], fp8: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """(H_i [n, H], aux [n, K·H] or None) of each sample of `batch` (indices into `samples`), in batch
     order, on the CPU: one packed row where the model packs (each sample attends to itself only), else
-    right-padded rows; an out-of-process backend (`hidden_states`, vLLM) computes them itself."""
+    right-padded rows; an out-of-process backend (`hidden_states`, vLLM) computes them itself. `fp8` (an fp8
+    store): quantised where they were computed, before the copy to the host (a quarter of an fp32 copy), each
+    with its scales — (H_i fp8, aux fp8, hidden_scale, aux_scale), data/store.py `Sample`."""
     if hasattr(model, "hidden_states"):
         return model.hidden_states([samples[i][1] for i in batch], aux_layers)
     device = model.device
@@ -272,6 +276,13 @@ def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: 
                 input_ids[row, :lengths[row]] = torch.tensor(samples[i][1])
             out = model(input_ids.to(device), logits="none", capture_layers=aux_layers)
             spans = [(row, 0, n) for row, n in enumerate(lengths)]
+        if fp8:  # the samples' rows only (no padding), quantised per token on the device, then copied
+            rows = [b - a for _, a, b in spans]
+            hidden = torch.cat([out.hidden[r, a:b] for r, a, b in spans])
+            joined = torch.cat(out.aux, dim=-1) if aux_layers else None  # [B, T, K·H]
+            aux = torch.cat([joined[r, a:b] for r, a, b in spans]) if aux_layers else None
+            parts = [t.cpu() if t is not None else None for t in quantize_states(hidden, aux, len(aux_layers))]
+            return list(zip(*[p.split(rows) if p is not None else [None] * len(rows) for p in parts]))
         hidden = out.hidden.cpu()  # pre-norm
         aux = torch.cat(out.aux, dim=-1).cpu() if aux_layers else None  # [B, T, K·H]
         return [(hidden[r, a:b], aux[r, a:b] if aux is not None else None) for r, a, b in spans]
@@ -370,7 +381,8 @@ def precompute(model, samples: list[tuple[str, list[int], list[int]]], writer: S
     try:
         hidden: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         current = None
-        forward = lambda job: batch_states(model, samples, job[1], aux_layers)  # noqa: E731
+        fp8 = writer.dtype == FP8 and not remote
+        forward = lambda job: batch_states(model, samples, job[1], aux_layers, fp8)  # noqa: E731
         for (w, batch), states in _in_order(forward, jobs, pool, in_flight=2 * workers):
             bar.update(sum(lengths[i] for i in batch if samples[i][0] not in done))  # computed, written at the window's end
             if w != current:  # a window's samples go to the store together, in input order

@@ -20,7 +20,7 @@ the manifest, so an fp8 store reads like a store written in that dtype. Bytes pe
 over the shard.
 
 Writes: every file is written to a dot-prefixed temp name, fsynced, renamed, and the directory is
-fsynced; the manifest is rewritten the same way after each shard. A kill at any point leaves the
+fsynced (a shard hashed as its bytes are written, `write_safetensors`); the manifest is rewritten the same way after each shard. A kill at any point leaves the
 manifest listing only finished shards: a shard renamed into place but not yet in the manifest is
 removed when a writer resumes and written again (identically) by the resumed run, and leftover temp
 files are removed when a writer opens the directory.
@@ -76,12 +76,11 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from core.files import DiskFull, atomic_write, atomic_write_bytes, sha256_file
 from core.fingerprint import LEGACY_UNCOMPARABLE, compare_fingerprints, same_target_but_method
 from core.lock import live_holder
-from core.safetensors_io import SAFETENSORS_DTYPE, read_safetensors_header
+from core.safetensors_io import SAFETENSORS_DTYPE, read_safetensors_header, write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -228,11 +227,29 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 @dataclass
 class Sample:
+    """One sample's stored tensors. For an fp8 store the states may come quantised already (`quantize_sample`,
+    where they were computed, before the copy to the host): `hidden` then is float8_e4m3fn with `hidden_scale`,
+    `aux_hidden` with `aux_scale`, as `quantize_fp8` makes them — the writer stores them as they are."""
+
     sample_id: str
     input_ids: torch.Tensor  # [T] int
     loss_mask: torch.Tensor  # [T] 0/1
     hidden: torch.Tensor  # [T, H]
     aux_hidden: torch.Tensor | None = None  # [T, K·H]: inputs of the captured aux layers (EAGLE-3)
+    hidden_scale: torch.Tensor | None = None  # [T] fp32: `hidden` is fp8 already
+    aux_scale: torch.Tensor | None = None  # [T, K] fp32: `aux_hidden` is fp8 already
+
+
+def quantize_states(hidden: torch.Tensor, aux: torch.Tensor | None, num_aux: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(hidden fp8, aux fp8, hidden_scale [T], aux_scale [T, K]) of `hidden` [T, H] and `aux` [T, K·H] on whatever
+    device they are: one scale per token and, for the aux states, per layer (the layers' magnitudes differ)."""
+    q, scale = quantize_fp8(hidden)
+    if aux is None:
+        return q, None, scale, None
+    t = aux.shape[0]
+    aq, ascale = quantize_fp8(aux.reshape(t * num_aux, -1))
+    return q, aq.reshape(t, -1), scale, ascale.reshape(t, num_aux)
 
 
 class StoreWriter:
@@ -435,11 +452,13 @@ class StoreWriter:
         if hashes is None:
             hashes = [sample_hash(tensors["input_ids"][a:b], tensors["loss_mask"][a:b])
                       for a, b in zip(offsets.tolist(), offsets[1:].tolist())]
-        # save_file streams the tensors to disk (no second in-memory copy of a multi-GB shard)
-        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"sample_ids": json.dumps(ids)}))
+        # streamed to disk (no second in-memory copy of a multi-GB shard) and hashed as it is written, not re-read:
+        # the bytes are safetensors' save_file's
+        digest: list[str] = []
+        atomic_write(path, lambda tmp: digest.append(write_safetensors(tensors, tmp, {"sample_ids": json.dumps(ids)})))
         return {"file": name, "num_samples": len(ids), "num_tokens": int(offsets[-1]),
                 "num_loss_tokens": int(tensors["loss_mask"].sum()), "bytes": path.stat().st_size,
-                "sha256": sha256_file(path), "sample_ids": ids, "sample_hashes": hashes}
+                "sha256": digest[-1], "sample_ids": ids, "sample_hashes": hashes}
 
     @property
     def complete(self) -> bool:
@@ -498,22 +517,27 @@ class StoreWriter:
             "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in pending]),
             "offsets": offsets,
         }
-        if self.dtype == FP8:
-            tensors["hidden"], tensors["hidden_scale"] = quantize_fp8(torch.cat([s.hidden for s in pending]))
-        else:
-            tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in pending])
         if self.aux_layers:
             missing = [s.sample_id for s in pending if s.aux_hidden is None]
             if missing:
                 raise StoreError(f"{self.root}: sample {missing[0]!r} has no aux_hidden, but the store captures "
                                  f"layers {self.aux_layers}")
-            aux = torch.cat([s.aux_hidden for s in pending])  # [T, K·H]
-            if self.dtype == FP8:  # one scale per token and layer: the layers' magnitudes differ
-                t, k = aux.shape[0], len(self.aux_layers)
-                q, scale = quantize_fp8(aux.reshape(t * k, -1))
-                tensors["aux_hidden"], tensors["aux_scale"] = q.reshape(t, -1), scale.reshape(t, k)
-            else:
-                tensors["aux_hidden"] = aux.to(STORAGE_DTYPES[self.dtype])
+        quantized = [s.sample_id for s in pending if s.hidden_scale is not None]
+        if quantized and self.dtype != FP8:
+            raise StoreError(f"{self.root}: sample {quantized[0]!r} comes quantised to fp8, but the store holds "
+                             f"{self.dtype}")
+        if self.dtype == FP8:  # per token (and per aux layer): a sample quantised alone is quantised as in a shard
+            parts = [(s.hidden, s.aux_hidden, s.hidden_scale, s.aux_scale) if s.hidden_scale is not None
+                     else quantize_states(s.hidden, s.aux_hidden if self.aux_layers else None, len(self.aux_layers))
+                     for s in pending]
+            tensors["hidden"], tensors["hidden_scale"] = torch.cat([p[0] for p in parts]), torch.cat([p[2] for p in parts])
+            if self.aux_layers:
+                tensors["aux_hidden"] = torch.cat([p[1] for p in parts])
+                tensors["aux_scale"] = torch.cat([p[3] for p in parts])
+        else:
+            tensors["hidden"] = torch.cat([s.hidden.to(STORAGE_DTYPES[self.dtype]) for s in pending])
+            if self.aux_layers:
+                tensors["aux_hidden"] = torch.cat([s.aux_hidden for s in pending]).to(STORAGE_DTYPES[self.dtype])
         ids = [s.sample_id for s in pending]
         hashes = [sample_hash(s.input_ids, s.loss_mask) for s in pending]
         self.manifest["shards"].append(self._save_shard(tensors, ids, hashes))

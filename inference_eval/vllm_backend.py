@@ -467,11 +467,12 @@ class VLLMGenerator(VLLMBackend):
     stage = "regenerate.backend=vllm"
 
     @classmethod
-    def for_target(cls, vllm: VllmSettings, target_dir: str | Path, dtype: torch.dtype, longest: int
-                   ) -> "VLLMGenerator":
+    def for_target(cls, vllm: VllmSettings, target_dir: str | Path, dtype: torch.dtype, longest: int,
+                   speculative_config: dict | None = None) -> "VLLMGenerator":
         """The generator for `regenerate.vllm` (`vllm`: python, tensor_parallel_size, memory, env) and the target at
-        `target_dir` in `dtype`, for sequences of at most `longest` tokens (a prompt and its reply)."""
-        python = vllm_python(vllm.python, "regenerate.vllm.python", cls.stage)
+        `target_dir` in `dtype`, for sequences of at most `longest` tokens (a prompt and its reply);
+        `speculative_config`: vLLM's, a draft served beside the target (each reply then carries vLLM's counters)."""
+        python = vllm_python(vllm.python, f"{vllm.setting}.python", cls.stage)
         hf = _hf_config(target_dir)
         tp = vllm.tensor_parallel_size
         init = {"model": str(Path(target_dir).resolve()), "dtype": str(dtype).removeprefix("torch."),
@@ -479,7 +480,7 @@ class VLLMGenerator(VLLMBackend):
                 "tensor_parallel_size": tp,
                 "gpu_memory_utilization": gpu_memory_utilization(
                     vllm.gpu_memory_utilization, checkpoint_parameters(target_dir), dtype, tp, _gpu_bytes()),
-                "llm_kwargs": vllm.llm_kwargs}
+                "llm_kwargs": vllm.llm_kwargs, "speculative_config": speculative_config}
         replicas = vllm.data_parallel_size
         if replicas == 1:
             return cls(python, init, worker_env(vllm), float(vllm.startup_timeout_s))
@@ -492,6 +493,11 @@ class VLLMGenerator(VLLMBackend):
                      top_p: float = 1.0, top_k: int = 0, seeds: list[int] | None = None) -> list[list[int]]:
         """Each prompt's reply token ids (its stop token last when it stopped on one), in prompt order."""
         return self.submit_generation(prompts, max_tokens, stop_ids, temperature, top_p, top_k, seeds).result()["tokens"]
+
+    def generate_timed(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """Greedy replies of exactly `max_tokens` tokens (no stop ids): the worker's reply — `tokens`, `generate_s`
+        (vLLM's generate call alone) and `spec` (vLLM's counters of this request, with a draft served)."""
+        return self.submit_generation(prompts, max_tokens, set(), 0.0, 1.0, 0, None).result()
 
     def submit_generation(self, prompts: list[list[int]], max_tokens: int, stop_ids: set[int], temperature: float,
                           top_p: float, top_k: int, seeds: list[int] | None) -> Future:

@@ -142,18 +142,20 @@ def test_an_absurd_header_length_is_refused_by_every_reader_naming_the_file(mtp,
 
 
 # ---- a full disk -------------------------------------------------------------------------------------------
-def full_disk(flavour: str, after: int = 1):
-    """A stand-in for safetensors' save_file on a disk that fills: the first `after` writes succeed, the next
-    writes some bytes and fails as the OS (an OSError ENOSPC) or safetensors (its own error, the OS's words in its
-    text) reports it."""
+def full_disk(flavour: str, after: int = 1, real=None):
+    """A stand-in for safetensors' save_file (or `real`, e.g. the store's `write_safetensors`) on a disk that fills:
+    the first `after` writes succeed, the next writes some bytes and fails as the OS (an OSError ENOSPC) or
+    safetensors (its own error, the OS's words in its text) reports it."""
     from safetensors.torch import save_file
+
+    real = real or (lambda tensors, path, metadata=None: save_file(tensors, path, metadata=metadata))
 
     calls = []
 
     def write(tensors, path, metadata=None):
         calls.append(path)
         if len(calls) <= after:
-            return save_file(tensors, path, metadata=metadata)
+            return real(tensors, path, metadata)
         Path(path).write_bytes(b"\0" * 64)
         if flavour == "os":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -200,7 +202,7 @@ def test_a_full_disk_while_writing_a_store_shard_names_it_and_the_store_resumes(
     import data.store
 
     samples = _samples()
-    monkeypatch.setattr(data.store, "save_file", full_disk(flavour, after=1))
+    monkeypatch.setattr(data.store, "write_safetensors", full_disk(flavour, after=1, real=data.store.write_safetensors))
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20)
     with pytest.raises(DiskFull) as e:
         for s in samples:

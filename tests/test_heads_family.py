@@ -1,6 +1,8 @@
 """eagle3, medusa and multi-module mtp: shapes and frozen tensors, training unroll == the engine's
 draft loop, greedy speculative == greedy plain, the sub-vocabulary KL, and training on a store."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -411,6 +413,31 @@ def test_store_holds_aux_layers_in_fp8(tiny_overrides, tiny_target):
         x, y = a[i]["aux_hidden"].float(), b[i]["aux_hidden"].float()
         assert ((x - y).abs().amax(-1) <= x.abs().amax(-1) / 8 + 1e-6).all()  # e4m3: 3 mantissa bits
         assert not torch.equal(x, y)
+
+
+def test_fp8_states_are_quantised_where_computed_and_store_the_same_bytes(tiny_overrides, tiny_target, monkeypatch):
+    """An fp8 store's states are quantised on the device that computed them, before the copy to the host
+    (data/precompute.py `batch_states`): its shards are byte for byte those of quantising in the writer."""
+    import data.precompute as pre
+    from data.precompute import run_precompute
+    from tests.conftest import compose_config
+
+    over = tiny_overrides + ["precompute.aux_layers=[1]", "precompute.store_dtype=fp8"]
+    real_quantize, real_states, calls = pre.quantize_states, pre.batch_states, []
+
+    def counting(*a, **kw):
+        calls.append(a[0].device)
+        return real_quantize(*a, **kw)
+
+    monkeypatch.setattr(pre, "quantize_states", counting)
+    on_device = Path(run_precompute(compose_config(over))[0])
+    assert calls and all(d.type == "cpu" for d in calls)  # the tiny target's device
+    monkeypatch.setattr(pre, "batch_states", lambda *a: real_states(*a[:4], False))  # the writer quantises
+    in_writer = Path(run_precompute(compose_config(over + [f"store_dir={on_device.parent / 'in_writer'}"]))[0])
+    shards = sorted(p.name for p in (on_device / "shards").iterdir())
+    assert shards and shards == sorted(p.name for p in (in_writer / "shards").iterdir())
+    for name in shards:
+        assert (on_device / "shards" / name).read_bytes() == (in_writer / "shards" / name).read_bytes(), name
 
 
 def test_training_refuses_a_store_without_the_heads_aux_layers(tiny_overrides, tiny_target):

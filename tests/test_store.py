@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from data.store import FeatureStore, Sample, StoreError, StoreWriter
+from safetensors import safe_open
 
 FP = {"name": "tiny", "config_sha256": "c", "weights_sha256": "w", "tokenizer_sha256": "t"}
 
@@ -297,14 +298,14 @@ def test_the_background_writer_writes_the_same_store_byte_for_byte(tmp_path, mon
 
     samples = _samples(n=12)
     _write_all(tmp_path / "sync", samples)
-    real, seen = store_mod.save_file, []
+    real, seen = store_mod.write_safetensors, []
 
     def slow(tensors, path, metadata=None):  # a slow disk: the caller gets ahead of the writer
         seen.append((threading.current_thread().name, len(w._writing)))
         time.sleep(0.05)
-        return real(tensors, path, metadata=metadata)
+        return real(tensors, path, metadata)
 
-    monkeypatch.setattr(store_mod, "save_file", slow)
+    monkeypatch.setattr(store_mod, "write_safetensors", slow)
     w = StoreWriter(tmp_path / "bg", FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
     for s in samples:
         w.add(s)
@@ -329,7 +330,7 @@ def test_a_failed_background_write_names_its_shard_and_stops_the_later_ones(tmp_
     import data.store as store_mod
     from core.files import DiskFull
 
-    real, calls = store_mod.save_file, []
+    real, calls = store_mod.write_safetensors, []
 
     def failing(tensors, path, metadata=None):
         calls.append(path)
@@ -337,9 +338,9 @@ def test_a_failed_background_write_names_its_shard_and_stops_the_later_ones(tmp_
             if failure == "full_disk":
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
             raise ValueError("a bug in the writer")
-        return real(tensors, path, metadata=metadata)
+        return real(tensors, path, metadata)
 
-    monkeypatch.setattr(store_mod, "save_file", failing)
+    monkeypatch.setattr(store_mod, "write_safetensors", failing)
     w = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
     expected = DiskFull if failure == "full_disk" else StoreError
     with pytest.raises(expected, match=r"shard-00001\.safetensors") as err:
@@ -354,7 +355,7 @@ def test_a_failed_background_write_names_its_shard_and_stops_the_later_ones(tmp_
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] == ["shards/shard-00000.safetensors"] and not manifest["complete"]
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["shard-00000.safetensors"]
-    monkeypatch.setattr(store_mod, "save_file", real)
+    monkeypatch.setattr(store_mod, "write_safetensors", real)
     samples = _samples(n=12)
     again = StoreWriter(tmp_path, FP, hidden_size=8, dtype="float32", shard_tokens=20, background=True)
     for s in samples:
@@ -364,3 +365,64 @@ def test_a_failed_background_write_names_its_shard_and_stops_the_later_ones(tmp_
     _write_all(tmp_path / "whole", samples)
     for name in ("manifest.json", *(f"shards/{p.name}" for p in (tmp_path / "whole" / "shards").iterdir())):
         assert (tmp_path / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
+def test_shards_are_hashed_as_written_and_are_save_files_bytes(tmp_path, monkeypatch, dtype):
+    """A shard is written by core/safetensors_io.py `write_safetensors`, which hashes the bytes as it writes them: the
+    manifest's sha256 is the file's, the file is never read back to hash it, and its bytes are what safetensors'
+    own `save_file` writes for the same tensors (aux layers and fp8 scales included), so stores stay the same."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    import data.store as store_mod
+
+    def no_reread(path, *a, **kw):
+        raise AssertionError(f"{path} was read back to hash it")
+
+    monkeypatch.setattr(store_mod, "sha256_file", no_reread)
+    g = torch.Generator().manual_seed(3)
+    samples = [Sample(s.sample_id, s.input_ids, s.loss_mask, s.hidden, torch.randn(s.hidden.shape[0], 16, generator=g))
+               for s in _samples(n=9)]
+    w = StoreWriter(tmp_path, FP, hidden_size=8, dtype=dtype, shard_tokens=20,
+                    captured={"hidden": "last_layer_pre_norm", "aux_layers": [1, 2]})
+    for s in samples:
+        w.add(s)
+    w.close()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 2
+    for shard in manifest["shards"]:
+        path = tmp_path / shard["file"]
+        data = path.read_bytes()
+        assert shard["sha256"] == hashlib.sha256(data).hexdigest() and shard["bytes"] == len(data)
+        with safe_open(str(path), "pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+        assert {"aux_hidden", "hidden"} <= set(tensors) and (dtype != "fp8" or "aux_scale" in tensors)
+        save_file(tensors, tmp_path / "ref.safetensors", metadata=metadata)
+        assert (tmp_path / "ref.safetensors").read_bytes() == data, shard["file"]
+    monkeypatch.undo()
+    FeatureStore(tmp_path, FP, verify="full")  # and the reader's own sha256 check agrees
+
+
+@pytest.mark.unit
+def test_write_safetensors_writes_save_files_bytes_for_any_metadata(tmp_path):
+    """The header as safetensors writes it: metadata with quotes, backslashes, control and non-ASCII characters,
+    empty and 0-d tensors, every dtype a store or a head uses, the tensors ordered by dtype and then name."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from core.safetensors_io import write_safetensors
+
+    tensors = {"b": torch.arange(6, dtype=torch.int64).reshape(2, 3), "a": torch.tensor(1.5), "z": torch.ones(0, 4),
+               "m": torch.randn(3, 5).bfloat16(), "h": torch.randn(4).half(), "q": torch.randn(7).to(torch.float8_e4m3fn),
+               "u": torch.arange(5, dtype=torch.uint8), "i": torch.arange(3, dtype=torch.int32), "t": torch.randn(2, 3).t()}
+    for metadata in (None, {"sample_ids": json.dumps(["a\"b\\c", "é\n\t\x01", "/"])}, {"x": "é" * 5, "y": ""}):
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "ref.safetensors", metadata=metadata)
+        digest = write_safetensors(tensors, tmp_path / "ours.safetensors", metadata)
+        ref = (tmp_path / "ref.safetensors").read_bytes()
+        assert (tmp_path / "ours.safetensors").read_bytes() == ref and digest == hashlib.sha256(ref).hexdigest()
+    with pytest.raises(ValueError, match="CPU tensors"):
+        write_safetensors({"x": torch.ones(1, device="meta")}, tmp_path / "meta.safetensors")

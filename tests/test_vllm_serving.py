@@ -283,6 +283,36 @@ def test_a_zeroed_eh_proj_loads_silently_but_fails_the_acceptance_comparison(ser
     assert sum(got["spec"]["accepted_per_pos"]) < sum(served["engine"]["mtp1"]["accepted_per_pos"])
 
 
+def test_the_bench_vllm_side_serves_the_export_with_the_engines_acceptance(served):
+    """bench/engine.py's vLLM side (`VllmSides`: kept generate workers, inference_eval/vllm_generate_worker.py, one
+    with the mtp1 export as its draft, the engine core in process, OpenMP bound to this machine's cores): one request
+    of every prompt decodes plain vLLM's tokens with vLLM's counters equal to the engine's per position; a second
+    request's counters are its own (not the running totals), and the plain worker's tokens are plain vLLM's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from bench.engine import VllmSides, vllm_bind
+    from data.assets import ensure_smollm2_checkpoint
+
+    prompts, plain = served["prompts"], served["vllm"]["plain"]["tokens"]
+    out, _, method, k = served["exports"]["mtp1"]
+    cores = len(os.sched_getaffinity(0))
+    assert vllm_bind(1) == str(min(os.sched_getaffinity(0))) and len(vllm_bind(cores).split(",")) == cores
+    sides = VllmSides(ensure_smollm2_checkpoint(), "float32", 1024, cores, (out, method), k)
+    try:
+        whole = sides.spec.generate_timed(prompts, MAX_TOKENS)
+        assert whole["tokens"] == plain and whole["generate_s"] > 0
+        assert acceptance_matches(whole["spec"], served["engine"]["mtp1"]), (whole["spec"], served["engine"]["mtp1"])
+        two = sides.spec.generate_timed(prompts[:2], MAX_TOKENS)
+        assert two["tokens"] == plain[:2]
+        assert 0 < two["spec"]["num_drafts"] < whole["spec"]["num_drafts"]
+        sides.spec_s(prompts[:2], MAX_TOKENS)
+        assert sides.tau() == (two["spec"]["num_accepted_tokens"] + two["spec"]["num_drafts"]) / two["spec"]["num_drafts"]
+        assert sides.plain.generate_timed(prompts[:3], MAX_TOKENS)["tokens"] == plain[:3]
+    finally:
+        sides.close()
+
+
 def test_vllm_cpu_build_refuses_dspark_with_its_own_error(tmp_path):
     """vLLM 0.32's CPU build serves no DSpark draft (its V1 runner lists dspark as unsupported; the V2 runner that
     has it needs Triton): the worker fails with vLLM's own message, which docs/export.md quotes. The dspark-vllm
