@@ -25,6 +25,11 @@
   loading). Its start (the process, the target, the draft) is timed apart and printed, not in any ratio. τ of both
   sides is printed (vLLM's from its own counters: (accepted + drafts) / drafts).
 
+- `--compile`: the engine's plain decoding through its compiled static step (`Engine(compile="on")`,
+  inference_eval/engine/static.py) as one more side of the plain-decoding pairs, every shape bucket compiled in the
+  warm-up (the compile seconds printed apart): `compiled_vs_eager_b1=… compiled_vs_eager_b8=…` (the eager step's
+  seconds / the compiled one's, > 1 = compiling pays).
+
 Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
 `--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
 whole machine, then one thread per side — the per-core figure, the one that stays put on a shared
@@ -78,12 +83,13 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], new: int) -> float:
 
 
 def ours(target, prompts: list[list[int]], new: int, proposer=None, k: int = 1, **engine_kw):
+    """(seconds, the engine's stats, the compiled step or None) of one engine generating `new` tokens per prompt."""
     t0 = time.perf_counter()
     out, eng = engine_generate(target, prompts, new, proposer=proposer, k=k, max_batch=len(prompts),
                                max_seq_len=max(len(p) for p in prompts) + new + 8, **engine_kw)
     seconds = time.perf_counter() - t0
     assert all(len(o) == new for o in out)
-    return seconds, eng.stats
+    return seconds, eng.stats, eng.static
 
 
 def vllm_bind(threads: int) -> str:
@@ -167,6 +173,8 @@ def main() -> None:
                     help="the configured proposer drafts over the N most frequent tokens (0: the whole vocabulary)")
     ap.add_argument("--threads", default="all,1",
                     help="thread budgets, every path alike, measured in turn (default all,1: whole machine, per core)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the engine's compiled static decode step as a side of the plain-decoding pairs")
     ap.add_argument("--vllm", default="auto", choices=["auto", "on", "off"],
                     help="vLLM's build in .venv-vllm as a side (auto: when installed and not --quick)")
     args = ap.parse_args()
@@ -198,6 +206,11 @@ def main() -> None:
     print(f"SmolLM2-135M, engine {args.dtype} on {device}, HF generate in float32 and bfloat16, "
           f"{torch.get_num_threads()} threads, {new} new tokens, prompts {[len(p) for p in prompts]}")
     ours(target, prompts[:2], 4)  # warm-up
+    if args.compile:  # every bucket the timed runs meet, compiled before them
+        t0 = time.perf_counter()
+        compile_s = sum(ours(target, batch, new, compile="on")[2].compile_s for batch in (prompts[:1], prompts))
+        print(f"the engine's static decode step compiled in {compile_s:.1f} s ({time.perf_counter() - t0:.1f} s "
+              "with its two warm-up runs), not timed below", flush=True)
     for model in hf.values():
         hf_generate(model, tok, prompts[:2], 4)
 
@@ -227,7 +240,7 @@ def main() -> None:
         plain_s, spec_s, vllm_s, counts = [], [], [], {"emitted": 0, "steps": 0}
 
         def spec(p):
-            t, st = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
+            t, st, _ = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
             counts["emitted"] += st.emitted
             counts["steps"] += st.steps
             return t
@@ -269,6 +282,8 @@ def main() -> None:
             for name, batch in (("b1", prompts[:1]), ("b8", prompts)):
                 runs = {"engine": lambda batch=batch: ours(target, batch, new)[0],
                         **{f"hf_{d}": (lambda m=m, batch=batch: hf_generate(m, tok, batch, new)) for d, m in hf.items()}}
+                if args.compile:
+                    runs["engine_compiled"] = lambda batch=batch: ours(target, batch, new, compile="on")[0]
                 if sides is not None:
                     runs["vllm"] = lambda batch=batch: sides.plain_s(batch, new)
                 t = measure_pairs(runs, args.rounds, warmup=0, load=load).seconds
@@ -277,10 +292,14 @@ def main() -> None:
                 same = Paired.of(t[f"hf_{args.dtype}"], t["engine"])
                 tok_s = {key: len(batch) * new * len(v) / sum(v) for key, v in t.items()}
                 text = ""
+                if args.compile:
+                    keep(f"compiled_vs_eager_{name}{tag}", Paired.of(t["engine"], t["engine_compiled"]), n)
+                    text += (f"; the compiled step {tok_s['engine_compiled']:.1f} tok/s, the eager step's seconds / its "
+                             f"per pair {figures[f'compiled_vs_eager_{name}{tag}'].text()}")
                 if sides is not None:
                     keep(f"plain_vs_vllm_{name}{tag}", Paired.of(t["vllm"], t["engine"]), n)
-                    text = (f"; vLLM {tok_s['vllm']:.1f} tok/s, vLLM's seconds / the engine's per pair "
-                            f"{figures[f'plain_vs_vllm_{name}{tag}'].text()}")
+                    text += (f"; vLLM {tok_s['vllm']:.1f} tok/s, vLLM's seconds / the engine's per pair "
+                             f"{figures[f'plain_vs_vllm_{name}{tag}'].text()}")
                 print(f"{n} thread(s) {name}: engine {tok_s['engine']:.1f} tok/s, HF float32 {tok_s['hf_float32']:.1f}, "
                       f"HF bfloat16 {tok_s['hf_bfloat16']:.1f}; vs HF's best dtype per pair "
                       f"{figures[f'plain_vs_hf_{name}{tag}'].text()}, same dtype ({args.dtype}) {same.text()}{text}",

@@ -27,7 +27,8 @@ On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (th
    peak GPU memory;
 3. the in-loop engine validation at the end of training, on the GPU (τ, engine-vs-training gap);
 4. evaluation of the trained head through the engine on CUDA (τ, α_d, greedy, k = `--k`);
-5. plain decoding in the paged engine at batch 1 and 8 — tokens/s (CUDA-synchronised wall time).
+5. plain decoding in the paged engine at batch 1 and 8 — tokens/s (CUDA-synchronised wall time), eager and through
+   the compiled static step (its CUDA graphs; `Engine(compile="on")`), and the share of sequences the two agree on.
 6. where `precompute.vllm.python` exists, the same precompute through `precompute.backend=vllm`
    (tokens/s and its largest difference from the engine's store).
 
@@ -37,7 +38,8 @@ cannot install them pass `--gguf`, `--data` (ShareGPT-style JSONL) and `--prompt
 
 Then the losslessness contract on the device: greedy speculative output (batch 8) == greedy plain output.
 
-Last line: `gpu_check precompute_tok_s=<x> train_tok_s=<y> tau=<t> decode_tok_s_b1=<d> lossless=<fraction>`.
+Last line: `gpu_check precompute_tok_s=<x> train_tok_s=<y> tau=<t> decode_tok_s_b1=<d> decode_compiled_tok_s_b1=<c>
+lossless=<fraction>`.
 """
 
 from __future__ import annotations
@@ -87,20 +89,24 @@ class TrainTimer(L.Callback):
         return self.tokens / (self.t1 - self.t0) if self.t0 and self.t1 else float("nan")
 
 
-def decode_tok_s(target, prompts: list[list[int]], new: int, device: torch.device) -> float:
+def decode_tok_s(target, prompts: list[list[int]], new: int, device: torch.device, compile: str = "off"
+                 ) -> tuple[float, list[list[int]]]:
+    """(the engine's best plain-decoding tokens/s of two runs after a warm-up, its tokens); `compile`: the engine's
+    switch (on: the compiled static step, its CUDA graphs captured in the warm-up)."""
     from inference_eval.engine import engine_generate
 
-    def run() -> float:
+    def run() -> tuple[float, list[list[int]]]:
         sync(device)
         t0 = time.perf_counter()
         out, _ = engine_generate(target, prompts, new, max_batch=len(prompts),
-                                 max_seq_len=max(len(p) for p in prompts) + new + 8)
+                                 max_seq_len=max(len(p) for p in prompts) + new + 8, compile=compile)
         sync(device)
         assert all(len(o) == new for o in out)
-        return len(prompts) * new / (time.perf_counter() - t0)
+        return len(prompts) * new / (time.perf_counter() - t0), out
 
-    run()  # warm-up
-    return max(run() for _ in range(2))
+    run()  # warm-up (and the compile, once per shape bucket)
+    runs = [run() for _ in range(2)]
+    return max(r[0] for r in runs), runs[-1][1]
 
 
 def vllm_precompute(cfg, engine_store: Path, out: Path) -> float:
@@ -108,7 +114,7 @@ def vllm_precompute(cfg, engine_store: Path, out: Path) -> float:
     the largest difference from the engine's store relative to the largest state (printed)."""
     from omegaconf import open_dict
 
-    from data.precompute import run_precompute
+    from scripts.stages import run_precompute
     from data.store import FeatureStore
     from inference_eval.vllm_backend import vllm_python
 
@@ -172,10 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     from hydra import compose, initialize_config_dir
 
     from data.assets import ensure_smollm2_checkpoint
-    from data.precompute import run_precompute
-    from evaluation.evaluate import run_evaluation
     from inference_eval.model import LlamaForCausalLM, resolve_device
-    from train.run import run_training
+    from scripts.stages import run_evaluation, run_precompute, run_training
 
     t_all = time.perf_counter()
     device = resolve_device(args.device)
@@ -246,10 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [p["ids"] for p in (jsonl_prompts(tok, args.prompts, 8) if args.prompts else mtbench_prompts(tok, 8))]
     target = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16, device=device)
     new = 32 if args.quick else 128
-    figures["decode_tok_s_b1"] = decode_tok_s(target, prompts[:1], new, device)
-    figures["decode_tok_s_b8"] = decode_tok_s(target, prompts, new, device)
+    figures["decode_tok_s_b1"], eager_b1 = decode_tok_s(target, prompts[:1], new, device)
+    figures["decode_tok_s_b8"], eager_b8 = decode_tok_s(target, prompts, new, device)
     print(f"[5/5] plain engine decoding, bf16, {new} new tokens: batch 1 {figures['decode_tok_s_b1']:.1f} tok/s, "
           f"batch 8 {figures['decode_tok_s_b8']:.1f} tok/s", flush=True)
+    # the compiled static step (CUDA graphs on CUDA); in bf16 a near tie may round otherwise: agreement is counted
+    t0 = time.perf_counter()
+    figures["decode_compiled_tok_s_b1"], compiled_b1 = decode_tok_s(target, prompts[:1], new, device, "on")
+    figures["decode_compiled_tok_s_b8"], compiled_b8 = decode_tok_s(target, prompts, new, device, "on")
+    pairs = list(zip(eager_b1 + eager_b8, compiled_b1 + compiled_b8))
+    figures["compiled_same"] = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"      the compiled step ({time.perf_counter() - t0:.0f} s with its compile): batch 1 "
+          f"{figures['decode_compiled_tok_s_b1']:.1f} tok/s, batch 8 {figures['decode_compiled_tok_s_b8']:.1f}; "
+          f"the eager step's tokens in {figures['compiled_same']:.2f} of the sequences", flush=True)
     # the contract on this device: greedy speculative output == greedy plain output, same dtype
     from artifacts.checkpoint import load_native
     from inference_eval.engine import PagedHeadProposer, engine_generate
@@ -269,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
                                                    indent=1))
     print(f"total {time.perf_counter() - t_all:.0f} s")
     print(f"gpu_check precompute_tok_s={figures['precompute_tok_s']:.0f} train_tok_s={figures['train_tok_s']:.0f} "
-          f"tau={figures['tau']:.3f} decode_tok_s_b1={figures['decode_tok_s_b1']:.1f} lossless={figures['lossless']:.2f}")
+          f"tau={figures['tau']:.3f} decode_tok_s_b1={figures['decode_tok_s_b1']:.1f} "
+          f"decode_compiled_tok_s_b1={figures['decode_compiled_tok_s_b1']:.1f} lossless={figures['lossless']:.2f}")
 
 
 if __name__ == "__main__":

@@ -158,6 +158,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_ready = False  # _lib is loaded (a plain bool: what a traced graph reads)
 _tried = False
 _error = ""
 
@@ -192,7 +193,7 @@ def _build(cc: str, cache: Path) -> Path:
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None when it is disabled or cannot be built
     (the reason is logged once and kept in `error()`)."""
-    global _lib, _tried, _error
+    global _lib, _ready, _tried, _error
     if _tried:
         return _lib
     with _lock:
@@ -208,7 +209,7 @@ def load() -> ctypes.CDLL | None:
             fn = lib.skinny_linear
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
             fn.restype = None
-            _lib = lib
+            _lib, _ready = lib, True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
             log.warning("native few-row linear kernel unavailable, using torch's GEMM: %s", e)
@@ -218,6 +219,11 @@ def load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def loaded() -> bool:
+    """Whether the kernel was loaded already (no build, no lock: what a compiled graph may ask while tracing)."""
+    return _ready
 
 
 def error() -> str:
@@ -244,6 +250,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if t is not None and not accepts(t):
             raise ValueError(f"{name}: a contiguous fp32 CPU tensor is required, got {t.dtype} on {t.device}")
     return call(lib, x, weight, bias)
+
+
+@torch.library.custom_op("spechead::skinny_linear", mutates_args=())
+def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel as one opaque torch operator, for a `torch.compile`d graph (a ctypes call would break the graph
+    there): x [rows, k] contiguous fp32 on the CPU, as `call` takes it; the kernel must be loaded (`available()`)."""
+    return call(load(), x, weight, bias)
+
+
+@skinny_linear_op.register_fake
+def _skinny_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -104,7 +104,7 @@ WRITE_CHUNK = 64 << 20  # bytes written and hashed at a time: a chunk is hashed 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> str:
     """Write `tensors` (CPU, any layout) to `path` as a safetensors file and return its sha256, computed from the
     bytes as they are written (the file is not read back). The bytes are `safetensors.torch.save_file`'s for the
-    same tensors and metadata: its header (the metadata first, the tensors by dtype rank then name, compact JSON,
+    same tensors and metadata of one key (several keys it orders by its hash map, differently per process): its header (the metadata first, the tensors by dtype rank then name, compact JSON,
     padded with spaces to 8 bytes) and the tensors' little-endian bytes back to back."""
     if not all(t.device.type == "cpu" for t in tensors.values()):
         raise ValueError(f"{path}: write_safetensors takes CPU tensors")

@@ -46,10 +46,9 @@ import torch
 
 from core.files import sha256_file
 from core.lock import check_free, writer_lock
-from core.progress import DEFAULT_EVERY_S, Progress, log_interval
+from core.progress import DEFAULT_EVERY_S, Progress
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_sample
-from data.sources import (EXAMPLES_PER_REASON, MAX_EXAMPLES, DataConfig, load_conversations, record_rejection,
-                          target_config)
+from data.sources import EXAMPLES_PER_REASON, MAX_EXAMPLES, DataConfig, load_conversations, record_rejection
 from data.store import (
     FP8,
     IncompleteRanksError,
@@ -62,7 +61,7 @@ from data.store import (
     rank_dir,
     sample_hash,
 )
-from heads.registry import head_config, resolve_aux_layers
+from heads.registry import resolve_aux_layers
 from inference_eval.paged import PackedRows
 from inference_eval.targets import TargetConfig, load_target, resolve_backend
 
@@ -72,8 +71,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrecomputeConfig:
     """What a store is computed from and how (`precompute.*`, the `data` section, `store_dir`, the head's target
-    layers), built once at the stage's entry (`PrecomputeConfig.of`): precompute, and online training's write-through
-    of the store precompute would write, take it instead of the hydra config."""
+    layers), built once at the stage's entry (scripts/stages.py `precompute_config`): precompute, and online training's
+    write-through of the store precompute would write, take it instead of the hydra config."""
 
     data: DataConfig
     data_path: str | None  # data.path as written: the store's `source` records it so (a resumed store compares it)
@@ -91,22 +90,6 @@ class PrecomputeConfig:
     vllm: Any = None  # VllmSettings of precompute.vllm (backend=vllm)
     progress: bool = True
     every_s: float | None = DEFAULT_EVERY_S
-
-    @classmethod
-    def of(cls, cfg: Any) -> "PrecomputeConfig":
-        from inference_eval.vllm_backend import VllmSettings
-
-        pcfg = cfg.get("precompute") or {}
-        path = (cfg.get("data") or {}).get("path")
-        return cls(data=DataConfig.of(cfg.get("data")), data_path=None if path is None else str(path),
-                   store_dir=Path(str(cfg.store_dir)), store_dtype=str(pcfg.get("store_dtype", "bfloat16")),
-                   shard_tokens=int(pcfg.get("shard_tokens", 262144)), aux_layers=pcfg.get("aux_layers", "auto"),
-                   head_layers=head_config(cfg.get("head") or {})[1], backend=pcfg.get("backend"),
-                   batch_tokens=int(pcfg.get("batch_tokens", 8192)), workers=pcfg.get("workers"),
-                   on_changed=str(pcfg.get("on_changed", "recompute")), rank=pcfg.get("rank"),
-                   world_size=pcfg.get("world_size"), vllm=VllmSettings.of(pcfg.get("vllm"), "precompute.vllm"),
-                   progress=bool(cfg.get("progress", True)),
-                   every_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)))
 
 
 @dataclass
@@ -433,8 +416,8 @@ def tokenize_source(data: DataConfig, target_dir: str | Path) -> tuple[list[tupl
     return tokenized, rejected, examples
 
 
-def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
-    """The precompute entry point's body: target + data config → a complete store at cfg.store_dir.
+def precompute_stage(pc: PrecomputeConfig, target: TargetConfig) -> tuple[Path, PrecomputeStats]:
+    """The precompute stage: the target over `pc`'s data → a complete store at pc.store_dir.
 
     With world_size > 1 (`resolve_rank`), this rank precomputes its share of the samples (`rank_of`)
     into `<store_dir>/ranks/rank-<rank>/`, a store of its own, resumable like any; the rank that finds
@@ -444,7 +427,6 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
     One writer per directory (core/lock.py): the store directory's lock, or under several ranks this rank
     directory's, is held while it is written; a second precompute into it is refused at once, naming the
     first. The merge runs after the release, so the rank that finishes last sees every rank released."""
-    pc = PrecomputeConfig.of(cfg)
     rank, world_size = resolve_rank(pc.rank, pc.world_size)
     check_rank_layout(pc.store_dir, world_size)
     writes = rank_dir(pc.store_dir, rank) if world_size > 1 else pc.store_dir
@@ -452,7 +434,7 @@ def run_precompute(cfg: Any) -> tuple[Path, PrecomputeStats]:
         if world_size > 1:
             check_free(pc.store_dir)  # a single-rank precompute writing the whole directory
         check_rank_layout(pc.store_dir, world_size)  # again, under the lock: a layout another writer made meanwhile
-        stats = precompute_share(pc, target_config(cfg.target), rank, world_size)
+        stats = precompute_share(pc, target, rank, world_size)
     if world_size > 1:
         merge_if_last(pc.store_dir, rank, world_size)
     return pc.store_dir, stats

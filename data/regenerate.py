@@ -76,10 +76,10 @@ import torch
 from core.files import atomic_write_bytes
 from core.jsonio import read_jsonl
 from core.paths import cache_dir
-from core.progress import DEFAULT_EVERY_S, Progress, log_interval
+from core.progress import DEFAULT_EVERY_S, Progress
 from data.conversations import chat_template_sha256, load_tokenizer, tokenize_prompt
 from data.prompts import stop_token_ids
-from data.sources import DataConfig, load_conversations, target_config
+from data.sources import DataConfig, load_conversations
 from inference_eval.engine import engine_generate
 from inference_eval.model import LlamaForCausalLM
 from inference_eval.speculative import GREEDY, Sampling
@@ -386,7 +386,7 @@ def key_file(path: Path) -> Path:
 @dataclass(frozen=True)
 class RegenerateConfig:
     """The `regenerate` section and what else a regeneration reads (the conversations of `data`, progress), built
-    once at the stage's entry (`RegenerateConfig.of`)."""
+    once at the stage's entry (scripts/stages.py `regenerate_config`)."""
 
     settings: GenerationSettings
     data: DataConfig
@@ -403,19 +403,6 @@ class RegenerateConfig:
         if self.batch_size < 1 or self.settings.max_new_tokens < 1:
             raise ValueError(f"regenerate.batch_size ({self.batch_size}) and max_new_tokens "
                              f"({self.settings.max_new_tokens}) must be at least 1")
-
-    @classmethod
-    def of(cls, cfg: Any) -> "RegenerateConfig":
-        from inference_eval.vllm_backend import VllmSettings
-
-        rcfg = cfg.regenerate
-        out = rcfg.get("out")
-        return cls(settings=GenerationSettings.of(rcfg), data=DataConfig.of(cfg.get("data")),
-                   batch_size=int(rcfg.batch_size), max_prompt_tokens=int(rcfg.max_prompt_tokens),
-                   backend=rcfg.get("backend"), out=None if out in (None, "auto") else Path(str(out)).expanduser(),
-                   device=rcfg.get("device") or None, vllm=VllmSettings.of(rcfg.get("vllm"), "regenerate.vllm"),
-                   progress=bool(cfg.get("progress", True)),
-                   every_s=log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S)))
 
 
 @dataclass(frozen=True)
@@ -453,14 +440,13 @@ def plan_regeneration(rc: RegenerateConfig, target: TargetConfig) -> Plan:
                 cache_path(meta) if keyed else rc.out, keyed)
 
 
-def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
-    """The regenerate entry point's body: target + data config + `regenerate:` → the JSONL at
-    `regenerate.out` (`auto`: the cache's file for these settings). A file that already holds every
-    conversation is returned as it is, before the target is loaded."""
+def regenerate_stage(rc: RegenerateConfig, target: TargetConfig) -> tuple[Path, RegenerateStats]:
+    """The regenerate stage: the target + `rc` (its data, `regenerate:`) → the JSONL at `rc.out` (None: the
+    cache's file for these settings). A file that already holds every conversation is returned as it is, before
+    the target is loaded."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    rc = RegenerateConfig.of(cfg)
-    plan = plan_regeneration(rc, target_config(cfg.target))
+    plan = plan_regeneration(rc, target)
     convs, meta, out = plan.conversations, plan.meta, plan.out
     done = finished_ids(out, meta, repair=False)  # no lock taken yet: read only
     if all(sid in done for sid, _ in convs.items):
@@ -498,15 +484,3 @@ def regenerate(cfg: Any) -> tuple[Path, RegenerateStats]:
              stats.skipped_done, stats.replies, stats.cut, stats.tokens, stats.seconds, stats.tokens_per_s,
              stats.rejected, out)
     return out, stats
-
-
-def use_regenerated(cfg: Any) -> tuple[Path, RegenerateStats]:
-    """Regenerate the configured conversations (or reuse their cached regeneration) and point `cfg.data`
-    at the result (a JSONL source, every record of it): what `pipeline.regenerate: true` and the recipe
-    study's `regen` variants precompute and train on."""
-    from omegaconf import open_dict
-
-    path, stats = regenerate(cfg)
-    with open_dict(cfg):
-        cfg.data.source, cfg.data.path, cfg.data.skip, cfg.data.max_samples = "jsonl", str(path), 0, None
-    return path, stats

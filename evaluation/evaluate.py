@@ -18,7 +18,6 @@ from core.progress import Progress
 from core.timing import Paired, measure_pairs
 from data.conversations import load_tokenizer
 from data.prompts import load_prompts, stop_token_ids
-from data.sources import target_config
 from data.store import DTYPES, FeatureStore
 from evaluation.settings import EvalConfig
 from evaluation.tau_stats import tau_standard_error
@@ -513,17 +512,15 @@ def evaluate_plans(ec: EvalConfig, et, rs: "RunSettings", plans: dict[str, tuple
         report["results"][label] = entry
 
 
-def run_evaluation(cfg: Any) -> dict[str, Any]:
-    """The evaluation stage: its settings built once (`EvalConfig.of`, the target's `target_config`), then
-    `evaluate` (or `evaluation/vllm_eval.py` with `evaluate.engine=vllm`); the report written and, with the wandb
-    logger, logged."""
-    ec = EvalConfig.of(cfg)
+def evaluation_stage(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
+    """The evaluation stage: `evaluate` (or `evaluation/vllm_eval.py` with `evaluate.engine=vllm`); the report
+    written and, with the wandb logger, logged."""
     if ec.engine == "vllm":  # the target and the heads served by real vLLM (evaluation/vllm_eval.py)
         from evaluation.vllm_eval import run_vllm_evaluation
 
-        report = run_vllm_evaluation(ec, target_config(cfg.target))
+        report = run_vllm_evaluation(ec, tc)
     else:
-        report = evaluate(ec, target_config(cfg.target))
+        report = evaluate(ec, tc)
     report_to_wandb(ec.logger, report, write_report(report, ec.report))
     return report
 

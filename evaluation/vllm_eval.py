@@ -102,8 +102,8 @@ def probe_k(runner: VLLMRunner, prompts: list[dict], served: Path, method: str, 
 
 
 def run_vllm_evaluation(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
-    """evaluation/evaluate.py `run_evaluation` with `evaluate.engine=vllm` (module docstring): the report (which
-    `run_evaluation` writes) has the same shape, each entry's figures from vLLM's counters."""
+    """evaluation/evaluate.py `evaluation_stage` with `evaluate.engine=vllm` (module docstring): the report (which
+    `evaluation_stage` writes) has the same shape, each entry's figures from vLLM's counters."""
     check_vllm_evaluation(ec)
     target_dir = tc.dir
     tokenizer = load_tokenizer(target_dir, ec.prompts.data.chat_template)

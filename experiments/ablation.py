@@ -25,12 +25,12 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.files import atomic_write_bytes
-from data.precompute import run_precompute
 from data.sources import target_config
 from data.store import FeatureStore
 from experiments.runner import apply_overrides, head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args
+from scripts.stages import run_precompute
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:

@@ -23,10 +23,10 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from core.files import atomic_write_bytes
-from data.precompute import run_precompute
 from data.sources import target_config
 from data.store import FeatureStore
 from experiments.runner import run_point
+from scripts.stages import run_precompute
 
 
 def run_fp8_study(cfg: DictConfig) -> dict:

@@ -46,6 +46,7 @@ class LlamaForCausalLM(nn.Module):
     """Target model. Module names mirror HF's, so `model.layers.3.self_attn.q_proj.weight` loads as is."""
 
     supports_packing = True  # forward takes packed samples (`cache=PackedRows`, per-sample positions)
+    static_step = True  # its decode step has no value-dependent shape: the engine may compile it (engine/static.py)
     args_class = LlamaArgs
     keep_fp32: tuple[str, ...] = ()  # name suffixes of tensors loaded in fp32 whatever the dtype (a router's)
 

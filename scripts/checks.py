@@ -76,10 +76,10 @@ def check_before_work(cfg: Any, stage: str) -> None:
         check_training_strategy(cfg)
     if "evaluate" in needs or "evaluate_settings" in needs:
         from evaluation.evaluate import check_evaluation_config
-        from evaluation.settings import EvalConfig
+        from scripts.stages import eval_config
 
         try:
-            check_evaluation_config(EvalConfig.of(cfg), heads_must_exist="evaluate" in needs)
+            check_evaluation_config(eval_config(cfg), heads_must_exist="evaluate" in needs)
         except ValueError as e:  # a setting: refused in one line like the others
             raise ConfigError(str(e)) from e
 
@@ -316,8 +316,9 @@ def check_head(head_cfg: Any) -> None:
 # Settings that a typed config checks are built there instead of repeated here: train.module.* (train/settings.py
 # ModuleSettings, `check_training_strategy`), target.dtype and target.fingerprint (inference_eval/targets.py
 # TargetConfig, `check_target_settings`), data.* (data/sources.py DataConfig: the source, the range of records, the
-# tokens per sample, the bounds on a record); so are evaluate.k (evaluation/settings.py `EvalConfig`) and
-# the files that must exist (data.path, target.path, evaluate.prompts_path, the heads).
+# tokens per sample, the bounds on a record); so are evaluate.k (scripts/stages.py `eval_config`, which builds
+# evaluation/settings.py `EvalConfig`) and the files that must exist (data.path, target.path, evaluate.prompts_path,
+# the heads).
 
 PRECOMPUTE, REGENERATE, TRAIN, EVALUATE, EXPORT = "precompute", "regenerate", "train", "evaluate", "export"
 ONLINE = "online"  # training with train.data.source=online: it reads data.* and writes a store as precompute does

@@ -120,10 +120,8 @@ def main(cfg: DictConfig) -> None:
 def run_pipeline(cfg: DictConfig) -> dict:
     """The demo's stages in order (main's body); returns the evaluation report."""
     from scripts.checks import check_before_work
-    from data.precompute import run_precompute
-    from evaluation.evaluate import run_evaluation
     from scripts.export import run_export
-    from train.run import run_training
+    from scripts.stages import run_evaluation, run_precompute, run_training
 
     check_before_work(cfg, "pipeline")  # every stage's settings, before the first one loads anything
     t0 = time.perf_counter()
@@ -131,7 +129,7 @@ def run_pipeline(cfg: DictConfig) -> dict:
     if plan:
         print(plan)
     if cfg.get("pipeline", {}).get("regenerate"):  # self-distillation: train on the target's own replies
-        from data.regenerate import use_regenerated
+        from scripts.stages import use_regenerated
 
         path, rstats = use_regenerated(cfg)
         print(f"[0/4] regenerate: {rstats.conversations + rstats.skipped_done} conversations "

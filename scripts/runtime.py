@@ -175,10 +175,11 @@ def status_entry(cfg, stage: str, state: str, error: BaseException | None, previ
             partial = _select(cfg, key)
             if stage == "regenerate" and partial in (None, "auto"):  # the per-machine cache file
                 try:
-                    from data.regenerate import RegenerateConfig, plan_regeneration
+                    from data.regenerate import plan_regeneration
                     from data.sources import target_config
+                    from scripts.stages import regenerate_config
 
-                    partial = plan_regeneration(RegenerateConfig.of(cfg), target_config(cfg.target)).out
+                    partial = plan_regeneration(regenerate_config(cfg), target_config(cfg.target)).out
                 except Exception:  # noqa: BLE001 — the status line must not hide the stage's own error
                     partial = None
             if partial and Path(str(partial)).exists():

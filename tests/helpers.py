@@ -238,17 +238,18 @@ def data_module_of(cfg):
     target."""
     from omegaconf import OmegaConf
 
-    from data.precompute import PrecomputeConfig
     from data.sources import target_config
+    from scripts.stages import precompute_config
     from train.run import data_module
 
-    return data_module(OmegaConf.to_container(cfg.train.data, resolve=True), PrecomputeConfig.of(cfg),
+    return data_module(OmegaConf.to_container(cfg.train.data, resolve=True), precompute_config(cfg),
                        target_config(cfg.target))
 
 
 def regenerated_path(cfg):
-    """Where `data.regenerate.regenerate(cfg)` writes its JSONL, known without loading the target."""
-    from data.regenerate import RegenerateConfig, plan_regeneration
+    """Where scripts/stages.py `regenerate(cfg)` writes its JSONL, known without loading the target."""
+    from data.regenerate import plan_regeneration
     from data.sources import target_config
+    from scripts.stages import regenerate_config
 
-    return plan_regeneration(RegenerateConfig.of(cfg), target_config(cfg.target)).out
+    return plan_regeneration(regenerate_config(cfg), target_config(cfg.target)).out

@@ -321,11 +321,9 @@ def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overr
     """precompute (the store captures the head's target layers: `precompute.aux_layers: auto`) → training with
     in-loop engine validation (the engine's block pass and the training forward score the same held-out rows: equal
     KL and top-1 per draft position, float32) → evaluation in the engine, k = 3 drafts per block."""
-    from data.precompute import run_precompute
     from data.store import FeatureStore
-    from evaluation.evaluate import run_evaluation
+    from scripts.stages import run_evaluation, run_precompute, run_training
     from tests.conftest import compose_config
-    from train.run import run_training
 
     cfg = compose_config([*tiny_overrides, f"head={kind}", "head.num_layers=1", "head.block_size=4",
                           "trainer.max_epochs=1", "train.module.block.anchors=8"])

@@ -24,13 +24,11 @@ def _target(kind: str, path):
 
 @pytest.mark.parametrize("kind", ["gemma3", "deepseek_v2"])
 def test_family_goes_precompute_train_evaluate_export(kind, tiny_overrides, tmp_path):
-    from data.precompute import run_precompute
     from data.store import FeatureStore
     from artifacts.export import load_export
-    from evaluation.evaluate import run_evaluation
     from inference_eval.model import tied_target
     from scripts.export import run_export
-    from train.run import run_training
+    from scripts.stages import run_evaluation, run_precompute, run_training
 
     path = _target(kind, tmp_path / kind)
     cfg = compose_config([*tiny_overrides, f"target.path={path}", f"target.name=tiny-{kind}",

@@ -80,19 +80,19 @@ def run_stage(stage, cfg):
     from scripts.runtime import run_checked
 
     if stage == "precompute":
-        from data.precompute import run_precompute
+        from scripts.stages import run_precompute
         return run_checked(stage, run_precompute, cfg)
     if stage == "train":
-        from train.run import run_training
+        from scripts.stages import run_training
         return run_checked(stage, run_training, cfg)
     if stage == "evaluate":
-        from evaluation.evaluate import run_evaluation
+        from scripts.stages import run_evaluation
         return run_checked(stage, run_evaluation, cfg)
     if stage == "export":
         from scripts.export import run_export
         return run_checked(stage, run_export, cfg)
     if stage == "regenerate":
-        from data.regenerate import regenerate
+        from scripts.stages import regenerate
         return run_checked(stage, regenerate, cfg)
     return check_before_work(cfg, stage)
 
@@ -206,9 +206,7 @@ def test_a_failed_stage_is_marked_with_its_partial_artifacts(tiny_overrides, tmp
 
 # ---- k=auto over k and draft vocabularies --------------------------------------------------------
 def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
-    from data.precompute import run_precompute
-    from evaluation.evaluate import run_evaluation
-    from train.run import run_training
+    from scripts.stages import run_evaluation, run_precompute, run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
                           "evaluate.heads.untrained=null", "evaluate.k=auto", "evaluate.auto_max_k=2",
@@ -260,10 +258,8 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     runs at its k and draft vocabulary (the vocabulary really applied, not just reported), in the report's
     configured order. auto_probe=all probes both; a label list naming no configured proposer probes all."""
     import inference_eval.engine as engine
-    from data.precompute import run_precompute
-    from evaluation.evaluate import check_evaluation_config, run_evaluation
-    from evaluation.settings import EvalConfig
-    from train.run import run_training
+    from evaluation.evaluate import check_evaluation_config
+    from scripts.stages import eval_config, run_evaluation, run_precompute, run_training
 
     base = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false", "evaluate.k=auto",
             "evaluate.auto_max_k=2", "evaluate.auto_prompts=1", "evaluate.auto_draft_vocab=[64]"]
@@ -292,7 +288,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     fallback = run_evaluation(compose_config([*base, "evaluate.auto_probe=[nope]", "evaluate.auto_max_k=1"]))
     assert all([r["k"] for r in e["k_auto"]["table"]] == [1] for e in fallback["results"].values())
     with pytest.raises(ValueError, match="evaluate.auto_probe"):
-        check_evaluation_config(EvalConfig.of(compose_config([*base, "evaluate.auto_probe=trained"])),
+        check_evaluation_config(eval_config(compose_config([*base, "evaluate.auto_probe=trained"])),
                                 heads_must_exist=False)
 
 

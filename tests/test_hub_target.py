@@ -281,8 +281,8 @@ def test_precompute_runs_on_a_hub_id(cached_tiny, tiny_overrides, tiny_target, t
     the local target's store (it opens against that fingerprint and resumes from it)."""
     import datasets
 
-    from data.precompute import run_precompute
     from data.store import FeatureStore
+    from scripts.stages import run_precompute
 
     cache, commit = cached_tiny
     store_dir = tmp_path / "store"

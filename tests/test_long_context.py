@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from data.precompute import run_precompute
 from data.store import FeatureStore
+from scripts.stages import run_precompute
 from tests.conftest import compose_config, make_hf_model
 
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from data.precompute import run_precompute
+from scripts.stages import run_precompute
 from tests.conftest import ROOT, compose_config
 
 STEPS = 10
@@ -347,9 +347,10 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     from inference_eval.model import tied_target
     from train.data import FeatureDataModule
     from train.module import DraftHeadModule
+    from scripts.stages import validation_settings
     from tests.test_strategies import _Loss
     from train.strategies import whole_head_state
-    from train.validation import EngineValidation, EngineValidationSettings
+    from train.validation import EngineValidation
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 90 s JIT build, not needed on gloo
     deepspeed.init_distributed(dist_backend="gloo")
@@ -380,7 +381,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     dm.setup("fit")
     loader = dm._loader(dm.train_idx, shuffle=True, num_replicas=2, rank=rank)
     trainer = _StubTrainer(rank, 2, dm, out_dir)
-    validation = EngineValidation(EngineValidationSettings.from_run_config(cfg, cfg.target.path))
+    validation = EngineValidation(validation_settings(cfg, cfg.target.path))
     validation.setup(trainer, module, "fit")  # the waiting ranks' gloo group (its timeout: wait_timeout_s)
 
     def batches():

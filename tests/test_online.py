@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.precompute import run_precompute
 from data.store import FeatureStore
+from scripts.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.helpers import data_module_of
 from train.data import collate, collate_packed
 from train.online import OnlineSamples, TargetStates
-from train.run import run_training
 
 # Offline states come from precompute's packed batches (other samples beside them), online ones from the
 # training batch's real tokens packed into one row: the same float32 arithmetic over other matrix shapes, so

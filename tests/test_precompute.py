@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from data.conversations import tokenize_conversation
-from data.precompute import run_precompute
 from data.store import FeatureStore
 from inference_eval.model import target_fingerprint
 from tests.conftest import CONVERSATIONS, compose_config
 from scripts.runtime import run_checked
+from scripts.stages import run_precompute
 from tests.numerics import assert_same_states
 
 

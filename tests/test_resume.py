@@ -11,10 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data.precompute import run_precompute
+from scripts.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from train.data import TokenBudgetBatches
-from train.run import run_training
 
 # 10 training samples of ~200-240 tokens, 2 per 512-token batch: 5 steps per epoch
 STEPS = ["train.data.batch_tokens=512", "trainer.log_every_n_steps=1"]

@@ -14,8 +14,8 @@ import torch
 
 import data.store as store_mod
 from core.files import sha256_file
-from data.precompute import run_precompute
 from data.store import STAMP, FeatureStore, Sample, StoreError, StoreWriter, sample_hash
+from scripts.stages import run_precompute
 from tests.conftest import CONVERSATIONS, compose_config
 from tests.numerics import assert_same_states
 

@@ -18,13 +18,13 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
-from data.precompute import run_precompute
 from artifacts.checkpoint import load_native
 from artifacts.export import probe_logits
 from inference_eval.model import tied_target
+from scripts.stages import run_precompute, run_training
 from tests.conftest import ROOT, compose_config
 from train.data import TokenBudgetBatches
-from train.run import resolve_precision, run_training
+from train.run import resolve_precision
 
 
 class RecordBatches(L.Callback):

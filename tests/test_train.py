@@ -3,15 +3,14 @@
 import torch
 import pytest
 
-from data.precompute import run_precompute
 from artifacts.checkpoint import load_native
 from artifacts.export import probe_logits
 from inference_eval.model import tied_target
+from scripts.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.helpers import init_head_of, train_on_batch
 from train.data import TokenBudgetBatches, collate
 from train.module import DraftHeadModule
-from train.run import run_training
 
 
 @pytest.mark.unit
@@ -63,7 +62,7 @@ def test_train_entry_trains_and_saves(tiny_overrides, tiny_target):
 
 
 def test_training_with_packed_rows(tiny_overrides):
-    from data.precompute import run_precompute
+    from scripts.stages import run_precompute
     from tests.conftest import compose_config
     from train.data import FeatureDataModule
 

@@ -18,13 +18,12 @@ from safetensors.torch import load_file
 
 from artifacts.checkpoint import load_native
 from core.files import DiskFull
-from data.precompute import run_precompute
 from inference_eval.model import tied_target
+from scripts.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.test_resume import STEPS  # 5 steps per epoch on the tiny store
 from train.data import FeatureDataModule
 from train.module import DraftHeadModule, heldout_agreement
-from train.run import run_training
 from train.settings import ModuleSettings
 
 

@@ -150,13 +150,12 @@ def served(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from data.assets import ensure_smollm2_checkpoint
-    from data.precompute import run_precompute
     from artifacts.export import export_head, load_any, load_export
     from artifacts.formats.speculators import SPECULATORS_EAGLE3
     from artifacts.integrity import write_manifest
     from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
-    from train.run import run_training
+    from scripts.stages import run_precompute, run_training
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -352,7 +351,7 @@ def test_the_plugin_is_registered_in_the_vllm_environment():
 
 
 def _evaluate(served, engine: str, heads: dict[str, Path], k: int, *extra: str) -> dict:
-    from evaluation.evaluate import run_evaluation
+    from scripts.stages import run_evaluation
 
     over = [*served["base"], f"run_dir={served['root'] / ('eval_' + engine + '_' + '_'.join(heads))}",
             "evaluate.heads.trained=null", "evaluate.heads.untrained=null", f"evaluate.num_prompts={NUM_PROMPTS}",

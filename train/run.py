@@ -1,8 +1,10 @@
-"""Wiring of the train entry point: target parts + head + data module + trainer from the config."""
+"""The training stage's parts: the head initialised and tied to the target, the data module (the store, or online
+states), Lightning's checkpoint callback and atomic checkpoint writer, the run directory every rank must see, the
+precision, the locks' check, the fit and the saves. scripts/stages.py `run_training` assembles them, with the
+trainer, logger and callbacks the config names."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import secrets
@@ -14,31 +16,25 @@ from typing import Any
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from omegaconf import OmegaConf
 
 from artifacts.checkpoint import save_native
 from core.files import atomic_write, atomic_write_bytes
 from core.launch import env_rank_zero
-from core.lock import check_free, same_launch, writer_locks
-from core.progress import DEFAULT_EVERY_S, log_interval
+from core.lock import check_free, same_launch
 from data.precompute import PrecomputeConfig, open_store_writer, tokenize_source
-from data.sources import target_config
 from heads.base import DraftHead
-from heads.registry import build_head, head_config, resolve_aux_layers
+from heads.registry import build_head, resolve_aux_layers
 from inference_eval.model import cpu_has_fast_bf16, first_input_norm, tied_from_model, tied_target
 from inference_eval.targets import TargetConfig, load_target
 from train.data import FeatureDataModule, heldout_ids_digest
 from train.module import DraftHeadModule
 from train.online import OnlineDataModule, OnlineSamples, TargetStates
 from train.online_store import WriteThrough
-from train.progress import ProgressLog
-from train.settings import ModuleSettings
 from train.strategies import whole_head_state
-from train.validation import EngineValidation, EngineValidationSettings
+from train.validation import EngineValidation
 
 log = logging.getLogger(__name__)
 
@@ -280,57 +276,6 @@ def data_module(train_data: dict[str, Any], pc: PrecomputeConfig, target: Target
     return dm, model
 
 
-def run_training(cfg: Any, extra_callbacks: list | None = None) -> tuple[Path, dict[str, float]]:
-    """Train the head on the store at cfg.store_dir; write the native checkpoint to cfg.head_dir.
-    Returns that directory and the final logged metrics.
-
-    Lightning checkpoints (`last.ckpt`, written at each epoch end or every
-    train.checkpoint_every_n_steps steps, and when max_steps stops training) go to
-    cfg.train.checkpoint_dir; `train.resume=<ckpt>` (or `last`) continues exactly, mid-epoch included
-    (the train loader is stateful, train/data.py). The LR schedule spans the configured run
-    (trainer.max_steps / max_epochs), so a resumed run reproduces an uninterrupted one only when
-    both have the same schedule horizon.
-
-    Only global rank 0 writes files, holding the locks of the checkpoint, head and untrained directories while
-    it does (core/lock.py: a second training into one of them is refused). With `ddp` (and DeepSpeed) every rank
-    runs this function; with
-    `ddp_spawn` / `ddp_fork` only the parent does, and Lightning loads rank 0's final weights back
-    into the parent's module after fit — so `head` below is the trained head in every case."""
-    L.seed_everything(int(cfg.seed), workers=True)
-    settings = ModuleSettings.from_config(cfg.train.module)  # checked before the data and the target load
-    paths = TrainingPaths.from_config(cfg)
-    check_training_dirs_free(paths)  # another training writing here: refused before anything loads
-    tc = target_config(cfg.target)
-    target_dir, fingerprint = tc.dir, tc.fingerprint
-    dm, target = data_module(OmegaConf.to_container(cfg.train.data, resolve=True), PrecomputeConfig.of(cfg), tc)
-    dm.setup("fit")
-    head = init_head(OmegaConf.to_container(cfg.head, resolve=True), cfg.seed, target_dir, dm, target)
-    module = DraftHeadModule(head, settings)
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    checkpoints = Checkpoints(dirpath=cfg.train.checkpoint_dir, save_last=True,  # at epoch ends, or:
-                              every_n_train_steps=cfg.train.get("checkpoint_every_n_steps"))
-    every_s = log_interval(cfg.get("progress_log_s", DEFAULT_EVERY_S))
-    validated = LastValidation()
-    callbacks = [SharedRunDir(cfg.run_dir), *(instantiate(cfg.trainer.get("callbacks")) or []),
-                 *(extra_callbacks or []), checkpoints, ProgressLog(every_s), validated]
-    if getattr(dm, "write_through", None) is not None:
-        callbacks.append(dm.write_through)
-    ev = cfg.train.get("engine_validation")
-    engine_val = None
-    if ev is not None and ev.get("enabled"):
-        engine_val = EngineValidation(EngineValidationSettings.from_run_config(cfg, target_dir, every_s),
-                                      target)  # online: the target already loaded, not a second copy
-        callbacks.append(engine_val)
-    # the data module shards batches over ranks itself; Lightning cannot inject its sampler there
-    trainer: L.Trainer = instantiate(cfg.trainer, logger=logger, default_root_dir=cfg.run_dir, callbacks=callbacks,
-                                     use_distributed_sampler=False, plugins=[AtomicCheckpointIO()],
-                                     precision=resolve_precision(cfg.trainer.get("precision"), cfg.trainer.get("accelerator")))
-    place_tied(head, trainer, shared_with_target=target is not None)
-    # rank 0 alone writes files, so it alone holds the locks (the ranks Lightning starts itself come later)
-    with writer_locks(paths.written, "train") if trainer.is_global_zero else contextlib.nullcontext():
-        return fit_and_save(paths, trainer, module, dm, head, engine_val, fingerprint, validated)
-
-
 @dataclass(frozen=True)
 class TrainingPaths:
     """Where a training reads and writes: the run directory (the held-out split), Lightning's checkpoints, the head,
@@ -341,13 +286,6 @@ class TrainingPaths:
     head_dir: Path
     untrained_dir: Path | None = None
     resume: str | None = None
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> TrainingPaths:
-        """From a run config's `run_dir`, `head_dir` and `train.checkpoint_dir` / `untrained_dir` / `resume`."""
-        untrained = cfg.train.get("untrained_dir")
-        return cls(Path(str(cfg.run_dir)), Path(str(cfg.train.checkpoint_dir)), Path(str(cfg.head_dir)),
-                   Path(str(untrained)) if untrained else None, cfg.train.get("resume"))
 
     @property
     def written(self) -> list[Path]:
@@ -360,7 +298,8 @@ def check_training_dirs_free(paths: TrainingPaths) -> None:
     """Refuse at once (`LockHeld`, naming the holder) when another training writes one of this one's directories.
     Every rank checks, rank 0 by the launcher's variables strictly, the others passing a holder of their own launch
     (`same_launch`): a second multi-process training then stops on every rank, not on rank 0 alone while the others
-    wait for it in the process group's rendezvous. Rank 0 takes the locks once its trainer exists (`run_training`)."""
+    wait for it in the process group's rendezvous. Rank 0 takes the locks once its trainer exists
+    (scripts/stages.py `run_training`)."""
     same_writer = (lambda holder: False) if env_rank_zero() else same_launch
     for d in paths.written:
         check_free(d, same_writer)

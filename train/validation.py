@@ -271,7 +271,7 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
 @dataclass(frozen=True)
 class EngineValidationSettings:
     """What `EngineValidation` does and with which target: `train.engine_validation` (conf/config.yaml)
-    plus the loss weights of `train.module`, typed and fixed for the run (`from_run_config`)."""
+    plus the loss weights of `train.module`, typed and fixed for the run (scripts/stages.py `validation_settings`)."""
 
     target_dir: Path
     target_dtype: str = "float32"
@@ -308,21 +308,6 @@ class EngineValidationSettings:
     @property
     def is_strict(self) -> bool:
         return str(self.target_dtype) == "float32" if self.strict is None else bool(self.strict)
-
-    @classmethod
-    def from_run_config(cls, cfg: Any, target_dir: str | Path, progress_log_s: float | None = None
-                        ) -> "EngineValidationSettings":
-        """From a run's config: `train.engine_validation`, `train.module`'s loss weights, the target."""
-        ev, m = cfg.train.engine_validation, cfg.train.module
-        return cls(target_dir, cfg.target.dtype, ev.get("every_n_steps"), int(ev.conversations), ev.get("max_rows"),
-                   int(ev.depth), int(ev.prompts), int(ev.k), int(ev.max_new_tokens), float(ev.tolerance),
-                   bool(m.normed_regression), float(m.w_hidden), float(m.w_kl), float(m.depth_decay),
-                   plot_dir=Path(cfg.run_dir) / "engine_val", temperature=float(ev.get("temperature", 0.0)),
-                   top_p=float(ev.get("top_p", 1.0)), top_k=int(ev.get("top_k", 0)), seed=int(cfg.seed),
-                   device=cfg.target.get("device", "auto"), strict=ev.get("strict"),
-                   wait_timeout_s=float(ev.get("wait_timeout_s", 86400)), progress_log_s=progress_log_s,
-                   engine=str(ev.get("engine", "spechead")),
-                   vllm=VllmSettings.of((cfg.get("evaluate") or {}).get("vllm"), "evaluate.vllm"))
 
 
 def on_device(head: torch.nn.Module, device: torch.device) -> torch.nn.Module:

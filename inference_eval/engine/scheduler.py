@@ -42,6 +42,7 @@ import torch
 
 from inference_eval.engine.base import Proposer, Request, Result, target_logits, target_state
 from inference_eval.engine.proposers import engine_proposer
+from inference_eval.engine.static import StaticDecode, compile_enabled
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection
 
@@ -80,7 +81,7 @@ class Engine:
 
     def __init__(self, target, proposer=None, k: int = 1, block_size: int = 16, num_blocks: int | None = None,
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_tokens: int = 8192,
-                 k1_schedule: bool = True) -> None:
+                 k1_schedule: bool = True, compile: str = "off") -> None:
         self.target = target
         # the seed's k = 1 MTP schedule (`_k1_round`) for chain heads at k = 1; False: the generic chain round
         self.k1_schedule = k1_schedule
@@ -92,7 +93,18 @@ class Engine:
             num_blocks = max_batch * math.ceil((max_seq_len or min(a.max_position_embeddings, 4096)) / block_size)
         self.num_blocks = num_blocks
         self.alloc = BlockAllocator(num_blocks)
-        self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, target.dtype, self.device)
+        # plain decoding through the compiled static step (static.py): the pool gets one more block, its scratch
+        self.static = None
+        if compile_enabled(compile, self.device) and not target.static_step:
+            if compile == "on":
+                raise ValueError(f"engine compile=on: {type(target).__name__}'s decode step reads values on the host "
+                                 "(its MoE routing) and cannot be one graph; set compile=auto or off")
+            compile = "off"
+        if compile_enabled(compile, self.device):
+            self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks + 1, block_size, target.dtype, self.device)
+            self.static = StaticDecode(target, self.pool, block_size, scratch_block=num_blocks)
+        else:
+            self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, target.dtype, self.device)
         self.proposer: Proposer | None = engine_proposer(proposer) if proposer is not None else None
         self.k = k
         if self.proposer is not None:
@@ -259,9 +271,12 @@ class Engine:
 
     def _decode(self) -> None:
         reqs = list(self.running)
-        out = self.forward(self.target, self.pool, [[r.tokens[-1]] for r in reqs], [[r.m] for r in reqs],
-                           [SeqSlice(r.table, r.m, 1) for r in reqs])
-        logits = target_logits(self.target, out.hidden[0])
+        if self.static is not None:
+            logits = self.static.logits([r.tokens[-1] for r in reqs], [r.m for r in reqs], [r.table.blocks for r in reqs])
+        else:
+            out = self.forward(self.target, self.pool, [[r.tokens[-1]] for r in reqs], [[r.m] for r in reqs],
+                               [SeqSlice(r.table, r.m, 1) for r in reqs])
+            logits = target_logits(self.target, out.hidden[0])
         for i, r in enumerate(reqs):
             r.cached = r.m + 1
             r.output.append(r.sampling.pick(logits[i])[0])

@@ -353,6 +353,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     layers; a cache of latents (`new_cache`, and the engine's pool through `DeepseekV2Args.kv_layout`)."""
 
     args_class = DeepseekV2Args
+    static_step = False  # the MoE layers loop over the experts the rows chose, read on the host
     keep_fp32 = ("mlp.gate.weight",)  # the router runs in fp32, as HF keeps it (`_keep_in_fp32_modules_strict`)
 
     def __init__(self, args: DeepseekV2Args) -> None:

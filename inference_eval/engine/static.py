@@ -1,0 +1,164 @@
+"""A static-shape decode step for the engine's plain decoding, compiled with `torch.compile` (`Engine(compile=...)`).
+
+The eager decode step (scheduler.py `_decode`) builds its attention metadata with the batch's own shapes — a
+key index as long as the longest sequence, a mask as wide — so every step has new shapes and a compiler would
+trace again each time. Here every shape is fixed by a bucket:
+
+- the batch is padded to a power of two (`batch_bucket`); a padding row feeds token 0 at position 0, writes its
+  key and value to a scratch slot that no sequence owns (the pool's extra block, `Engine` allocates it) and reads
+  only that slot;
+- the keys a row may see are its sequence's first K slots, K its block table's length rounded up to a power of
+  two of blocks (`key_bucket`) — position i of a sequence is column i, so the mask is `column ≤ position` (and
+  inside the window of a sliding-window layer), computed in the graph from the positions;
+- the host builds the metadata once per step — tokens, positions, write slots, the [B, K] key slots — and hands
+  it over as one int64 tensor (one transfer on an accelerator); nothing inside the step depends on a value.
+
+One compiled graph per (batch bucket, key bucket), compiled on first use (the seconds logged once per bucket and
+summed in `compile_s`), the target's final norm and lm_head in it: the step returns the logits. The engine's
+few-row fp32 linears stay the native kernel, as one operator of the graph (core/native.py `skinny_linear_op`).
+On CUDA the compiled graph is captured as a CUDA graph (`mode="reduce-overhead"`, the pool's tensors marked static):
+one launch per step instead of one per kernel — the engine's decode there is bound by launches (bench/gpu_check.py
+measures both steps). Greedy tokens equal the eager step's in fp32 (tests/test_engine_compile.py). On a CPU the
+compiled step is about 1.2x faster per step but takes minutes to compile its buckets (docs/engine.md "Compiled decode
+step"), so `compile: auto` compiles on CUDA only; `on` compiles anywhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from inference_eval.engine.base import target_logits
+from inference_eval.paged import KVPool
+
+log = logging.getLogger(__name__)
+
+COMPILE = ("auto", "on", "off")
+
+
+def compile_enabled(setting: str, device: torch.device) -> bool:
+    """`compile`: on, off, or auto (on CUDA, whose per-kernel launch cost a graph removes; off on a CPU, where a
+    step's 1.2x gain repays minutes of compiling only on long jobs — docs/engine.md)."""
+    if setting not in COMPILE:
+        raise ValueError(f"engine compile={setting!r}: expected one of {', '.join(COMPILE)}")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def batch_bucket(n: int) -> int:
+    """The padded batch of `n` rows: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def key_bucket(blocks: int, block_size: int) -> int:
+    """Key columns for sequences of at most `blocks` blocks: the next power of two of blocks, in slots."""
+    return batch_bucket(max(blocks, 1)) * block_size
+
+
+class StaticLayer:
+    """Layer i's attention over the step's fixed metadata (a model's `cache.layer(i)`): writes the rows' keys and
+    values to their slots, then attends over each row's K key columns."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, step: "StaticBatch") -> None:
+        self.k_pool, self.v_pool, self.step = k_pool, v_pool, step
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, gqa: bool, window: int | None = None,
+               scale: float | None = None, value_dim: int | None = None) -> torch.Tensor:
+        """q [1, nH, B, d], k/v [1, nKV, B, d] (one row per sequence) → [1, nH, B, dv]."""
+        st = self.step
+        self.k_pool.index_copy_(0, st.write_slots, k[0].transpose(0, 1))
+        if v is not None:
+            self.v_pool.index_copy_(0, st.write_slots, v[0].transpose(0, 1))
+        b, n_heads, d = st.key_slots.shape[0], q.shape[1], q.shape[3]
+        kb = _gather(self.k_pool, st.key_slots)  # [B, nKV, K, d]
+        vb = kb[..., :value_dim] if v is None else _gather(self.v_pool, st.key_slots)
+        g = n_heads // kb.shape[1]
+        visible = st.columns <= st.positions[:, None]  # [B, K]
+        if window is not None:
+            visible = visible & (st.positions[:, None] - st.columns < window)
+        qb = q[0].transpose(0, 1).reshape(b, kb.shape[1], g, d)  # the g query heads of a key head as its rows
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible[:, None, None, :], scale=scale)
+        return out.reshape(b, n_heads, out.shape[-1]).transpose(0, 1)[None]
+
+
+def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Slots `idx` [B, K] of a pool [S, nKV, d] → [B, nKV, K, d]."""
+    return pool.index_select(0, idx.reshape(-1)).view(*idx.shape, *pool.shape[1:]).transpose(1, 2)
+
+
+class StaticBatch:
+    """A step's metadata, unpacked in the graph from the one host tensor (`StaticDecode.pack`): the rows' tokens,
+    positions and write slots, each row's key slots, and the key columns."""
+
+    def __init__(self, meta: torch.Tensor, pool: KVPool) -> None:
+        self.ids, self.positions, self.write_slots = meta[:, 0], meta[:, 1], meta[:, 2]
+        self.key_slots = meta[:, 3:]
+        self.columns = torch.arange(self.key_slots.shape[1], device=meta.device)
+        self.pool = pool
+
+    def layer(self, i: int) -> StaticLayer:
+        return StaticLayer(self.pool.k[i], self.pool.v[i], self)
+
+
+class StaticDecode:
+    """The compiled plain-decode step of `target` over `pool`, whose last block (`scratch_block`) no sequence owns."""
+
+    def __init__(self, target, pool: KVPool, block_size: int, scratch_block: int) -> None:
+        self.target, self.pool, self.block_size = target, pool, block_size
+        self.scratch = scratch_block * block_size
+        self.device = target.model.embed_tokens.weight.device
+        self.compiled: dict[tuple[int, int], object] = {}
+        self.compile_s = 0.0
+        self.steps = 0
+        # on CUDA the graph is also captured as a CUDA graph (one launch a step); the pool it writes must then keep
+        # its address, which marking it static promises the capture
+        self.mode = "reduce-overhead" if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            for t in (*pool.k, *pool.v):
+                torch._dynamo.mark_static_address(t)
+        # one graph per bucket: dynamo keeps them all (its default of 8 per function would start evicting)
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+
+    def pack(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """The step's metadata as one int64 tensor [B', 3 + K] (B' the batch bucket, K the key bucket of the longest
+        block table), built on the host from the block tables' ids and put on the device in one copy."""
+        n, bs = len(ids), self.block_size
+        width = key_bucket(max(len(b) for b in blocks), bs)
+        meta = torch.full((batch_bucket(n), 3 + width), self.scratch, dtype=torch.long)
+        meta[n:, :2] = 0  # padding rows: token 0 at position 0, keys and values in the scratch slot
+        meta[:n, 0] = torch.tensor(ids, dtype=torch.long)
+        meta[:n, 1] = torch.tensor(positions, dtype=torch.long)
+        offsets = torch.arange(bs)
+        for i, (p, table) in enumerate(zip(positions, blocks)):
+            meta[i, 2] = table[p // bs] * bs + p % bs
+            slots = (torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets).flatten()
+            meta[i, 3:3 + len(slots)] = slots
+        return meta.to(self.device, non_blocking=True)
+
+    def _step(self, meta: torch.Tensor) -> torch.Tensor:
+        batch = StaticBatch(meta, self.pool)
+        out = self.target(batch.ids[None], batch.positions[None], cache=batch, logits="none")
+        return target_logits(self.target, out.hidden[0])
+
+    def logits(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """[len(ids), V]: the target's logits for each sequence's next token (row i: token ids[i] at positions[i],
+        its sequence's block table `blocks[i]`)."""
+        meta = self.pack(ids, positions, blocks)
+        key = (meta.shape[0], meta.shape[1] - 3)
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = torch.compile(self._step, dynamic=False, fullgraph=True, mode=self.mode)
+            t0 = time.perf_counter()
+            out = fn(meta)
+            seconds = time.perf_counter() - t0
+            self.compile_s += seconds
+            self.compiled[key] = fn
+            log.info("engine: decode step compiled for batch %d × %d key slots in %.1f s", *key, seconds)
+        else:
+            out = fn(meta)
+        self.steps += 1
+        # a CUDA graph's output is overwritten by its next replay: the caller gets its own copy
+        return out[:len(ids)].clone() if self.mode else out[:len(ids)]
