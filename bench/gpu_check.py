@@ -114,7 +114,7 @@ def vllm_precompute(cfg, engine_store: Path, out: Path) -> float:
     the largest difference from the engine's store relative to the largest state (printed)."""
     from omegaconf import open_dict
 
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from data.store import FeatureStore
     from inference_eval.vllm_backend import vllm_python
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from data.assets import ensure_smollm2_checkpoint
     from inference_eval.model import LlamaForCausalLM, resolve_device
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
 
     t_all = time.perf_counter()
     device = resolve_device(args.device)

@@ -60,7 +60,7 @@ def main() -> None:
     new = args.new_tokens or (16 if args.quick else 64)
     pairs = args.pairs or (1 if args.quick else 2)
     logging.basicConfig(level=logging.WARNING)
-    from scripts.stages import regenerate, run_evaluation
+    from experiments.stages import regenerate, run_evaluation
 
     with tempfile.TemporaryDirectory(prefix="spechead-bench-vllm-") as tmp:
         reports: dict[str, list[dict]] = {"eval_engine": [], "eval_vllm": [], "regen_engine": [], "regen_vllm": []}

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PrecomputeConfig:
     """What a store is computed from and how (`precompute.*`, the `data` section, `store_dir`, the head's target
-    layers), built once at the stage's entry (scripts/stages.py `precompute_config`): precompute, and online training's
+    layers), built once at the stage's entry (experiments/stages.py `precompute_config`): precompute, and online training's
     write-through of the store precompute would write, take it instead of the hydra config."""
 
     data: DataConfig

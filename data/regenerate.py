@@ -386,7 +386,7 @@ def key_file(path: Path) -> Path:
 @dataclass(frozen=True)
 class RegenerateConfig:
     """The `regenerate` section and what else a regeneration reads (the conversations of `data`, progress), built
-    once at the stage's entry (scripts/stages.py `regenerate_config`)."""
+    once at the stage's entry (experiments/stages.py `regenerate_config`)."""
 
     settings: GenerationSettings
     data: DataConfig

@@ -1,7 +1,7 @@
 """The evaluation stage's settings as one checked object: `EvalConfig`, the config's `evaluate` section and the
 run-wide settings an evaluation uses (the seed, the training store whose token frequencies give k=auto's draft
 vocabularies, progress, the data range whose held-out part `evaluate.dataset=sharegpt` reads, the logger for wandb),
-built once at the stage's entry (scripts/stages.py `eval_config`); evaluation/evaluate.py and evaluation/vllm_eval.py
+built once at the stage's entry (experiments/stages.py `eval_config`); evaluation/evaluate.py and evaluation/vllm_eval.py
 take it instead of the hydra config. The numeric ranges are `RULES` rows (scripts/checks.py) checked before work;
 what is refused here are the choices and the combinations (the dataset, k, the engine, the proposer and what it
 needs)."""

@@ -30,7 +30,7 @@ from data.store import FeatureStore
 from experiments.runner import apply_overrides, head_preset, run_point
 from heads.eagle3 import default_aux_layers
 from inference_eval.model import target_args
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 
 
 def head_config(cfg: DictConfig, name: str) -> DictConfig:

@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from core.files import atomic_write_bytes, sha256_file
-from scripts.stages import run_evaluation, run_training
+from experiments.stages import run_evaluation, run_training
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def record(result: str | Path, key: dict[str, Any], **meta: Any) -> Path:
 
 
 def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[dict[str, float], float | None, bool]:
-    """Train the head of `cfg` (scripts/stages.py `run_training`) unless `cfg.head_dir` holds one made from the same
+    """Train the head of `cfg` (experiments/stages.py `run_training`) unless `cfg.head_dir` holds one made from the same
     key; (final metrics, training seconds, reused) — on reuse, the figures of the run that made it."""
     import time
 
@@ -196,7 +196,7 @@ def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[
 
 
 def cached_evaluation(cfg: DictConfig, what: str, target_fingerprint: dict[str, Any] | None) -> tuple[dict, bool]:
-    """The evaluation report of `cfg` (scripts/stages.py `run_evaluation`) at `cfg.evaluate.report`, computed
+    """The evaluation report of `cfg` (experiments/stages.py `run_evaluation`) at `cfg.evaluate.report`, computed
     unless the one there was made from the same key; (report, reused)."""
     path, key = Path(cfg.evaluate.report), evaluation_key(cfg, target_fingerprint)
     if lookup(path, key, what) is not None:

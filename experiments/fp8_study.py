@@ -26,7 +26,7 @@ from core.files import atomic_write_bytes
 from data.sources import target_config
 from data.store import FeatureStore
 from experiments.runner import run_point
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 
 
 def run_fp8_study(cfg: DictConfig) -> dict:

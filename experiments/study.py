@@ -51,7 +51,7 @@ from experiments.cache import config_sections, digest
 from experiments.runner import apply_overrides, flatten, head_preset, run_point
 from heads.registry import head_aux_layers, head_config
 from inference_eval.model import target_args
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from train.data import FeatureDataModule
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def data_config(cfg: DictConfig, variant: dict[str, Any], where: str) -> DictCon
     with open_dict(out):
         apply_overrides(out, split_overrides(variant)[0], where)
     if variant["data"] == "regen":
-        from scripts.stages import use_regenerated
+        from experiments.stages import use_regenerated
 
         path, stats = use_regenerated(out)
         log.info("study: regenerated data %s (%d conversations, %d new tokens%s)", path,

@@ -76,7 +76,7 @@ def check_before_work(cfg: Any, stage: str) -> None:
         check_training_strategy(cfg)
     if "evaluate" in needs or "evaluate_settings" in needs:
         from evaluation.evaluate import check_evaluation_config
-        from scripts.stages import eval_config
+        from experiments.stages import eval_config
 
         try:
             check_evaluation_config(eval_config(cfg), heads_must_exist="evaluate" in needs)
@@ -316,7 +316,7 @@ def check_head(head_cfg: Any) -> None:
 # Settings that a typed config checks are built there instead of repeated here: train.module.* (train/settings.py
 # ModuleSettings, `check_training_strategy`), target.dtype and target.fingerprint (inference_eval/targets.py
 # TargetConfig, `check_target_settings`), data.* (data/sources.py DataConfig: the source, the range of records, the
-# tokens per sample, the bounds on a record); so are evaluate.k (scripts/stages.py `eval_config`, which builds
+# tokens per sample, the bounds on a record); so are evaluate.k (experiments/stages.py `eval_config`, which builds
 # evaluation/settings.py `EvalConfig`) and the files that must exist (data.path, target.path, evaluate.prompts_path,
 # the heads).
 

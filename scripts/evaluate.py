@@ -7,7 +7,7 @@ from scripts.runtime import stage_main
 
 @stage_main
 def main(cfg: DictConfig) -> None:
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
 
     report = run_evaluation(cfg)
     for label, r in report["results"].items():

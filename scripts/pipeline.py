@@ -121,7 +121,7 @@ def run_pipeline(cfg: DictConfig) -> dict:
     """The demo's stages in order (main's body); returns the evaluation report."""
     from scripts.checks import check_before_work
     from scripts.export import run_export
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
 
     check_before_work(cfg, "pipeline")  # every stage's settings, before the first one loads anything
     t0 = time.perf_counter()
@@ -129,7 +129,7 @@ def run_pipeline(cfg: DictConfig) -> dict:
     if plan:
         print(plan)
     if cfg.get("pipeline", {}).get("regenerate"):  # self-distillation: train on the target's own replies
-        from scripts.stages import use_regenerated
+        from experiments.stages import use_regenerated
 
         path, rstats = use_regenerated(cfg)
         print(f"[0/4] regenerate: {rstats.conversations + rstats.skipped_done} conversations "

@@ -7,7 +7,7 @@ from scripts.runtime import stage_main
 
 @stage_main
 def main(cfg: DictConfig) -> None:
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     store, stats = run_precompute(cfg)
     print(f"precompute store={store} samples={stats.samples} tokens={stats.tokens} "

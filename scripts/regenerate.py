@@ -10,7 +10,7 @@ from scripts.runtime import stage_main
 
 @stage_main
 def main(cfg: DictConfig) -> None:
-    from scripts.stages import regenerate
+    from experiments.stages import regenerate
 
     out, stats = regenerate(cfg)
     print(f"regenerate conversations={stats.conversations} tokens={stats.tokens} "

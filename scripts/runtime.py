@@ -177,7 +177,7 @@ def status_entry(cfg, stage: str, state: str, error: BaseException | None, previ
                 try:
                     from data.regenerate import plan_regeneration
                     from data.sources import target_config
-                    from scripts.stages import regenerate_config
+                    from experiments.stages import regenerate_config
 
                     partial = plan_regeneration(regenerate_config(cfg), target_config(cfg.target)).out
                 except Exception:  # noqa: BLE001 — the status line must not hide the stage's own error

@@ -8,7 +8,7 @@ from scripts.runtime import stage_main
 
 @stage_main
 def main(cfg: DictConfig) -> None:
-    from scripts.stages import run_training
+    from experiments.stages import run_training
 
     head_dir, metrics = run_training(cfg)
     shown = " ".join(f"{k.replace('/', '_')}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("val/"))

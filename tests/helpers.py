@@ -239,7 +239,7 @@ def data_module_of(cfg):
     from omegaconf import OmegaConf
 
     from data.sources import target_config
-    from scripts.stages import precompute_config
+    from experiments.stages import precompute_config
     from train.run import data_module
 
     return data_module(OmegaConf.to_container(cfg.train.data, resolve=True), precompute_config(cfg),
@@ -247,9 +247,9 @@ def data_module_of(cfg):
 
 
 def regenerated_path(cfg):
-    """Where scripts/stages.py `regenerate(cfg)` writes its JSONL, known without loading the target."""
+    """Where experiments/stages.py `regenerate(cfg)` writes its JSONL, known without loading the target."""
     from data.regenerate import plan_regeneration
     from data.sources import target_config
-    from scripts.stages import regenerate_config
+    from experiments.stages import regenerate_config
 
     return plan_regeneration(regenerate_config(cfg), target_config(cfg.target)).out

@@ -471,7 +471,7 @@ def test_export_refuses_another_target_before_writing(tiny_target, other_target,
 @pytest.mark.unit
 def test_scripts_export_and_evaluate_refuse_another_target(tiny_overrides, tiny_target, other_target, fp, tmp_path):
     from scripts.export import run_export
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
     from tests.conftest import compose_config
 
     eagle = _head(tiny_target, "eagle1", 0)

@@ -16,7 +16,7 @@ from scripts.checks import ConfigError, check_before_work
 from data.conversations import MissingTemplateError, normalize_record
 from data.precompute import tokenize_all
 from data.store import FeatureStore, StoreError
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import CONVERSATIONS, compose_config
 from tests.test_first_hour import foreign_target, no_work, run_stage  # noqa: F401  (no_work: a fixture)
 
@@ -103,7 +103,7 @@ def test_plain_text_end_to_end_on_a_base_model(tiny_target, tiny_overrides, tmp_
     from artifacts.checkpoint import load_native
     from inference_eval.model import tied_target
     from artifacts.export import probe_logits
-    from scripts.stages import run_evaluation, run_training
+    from experiments.stages import run_evaluation, run_training
 
     base = base_target(tiny_target, tmp_path)
     data = tmp_path / "texts.jsonl"

@@ -322,7 +322,7 @@ def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overr
     in-loop engine validation (the engine's block pass and the training forward score the same held-out rows: equal
     KL and top-1 per draft position, float32) → evaluation in the engine, k = 3 drafts per block."""
     from data.store import FeatureStore
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
     from tests.conftest import compose_config
 
     cfg = compose_config([*tiny_overrides, f"head={kind}", "head.num_layers=1", "head.block_size=4",

@@ -334,7 +334,7 @@ def test_hydra_training_run(tiny_overrides, tiny_target):
     """conf/head/draft_lm.yaml through the real train entry: init from the target's first layer, trained
     by the Lightning trainer (engine validation on: teacher-forced scores and lossless speculative decoding
     with the draft-model proposer), saved natively; the trained draft differs from its initialisation."""
-    from scripts.stages import run_precompute, run_training
+    from experiments.stages import run_precompute, run_training
 
     cfg = compose_config(tiny_overrides + ["head=draft_lm", "head.num_layers=1", "trainer.max_epochs=2",
                                            "train.engine_validation.every_n_steps=null"])
@@ -359,7 +359,7 @@ def test_evaluation_native_export_and_draft_model_path(tiny_overrides, tiny_targ
     as `evaluate.heads`, the export as `evaluate.draft_models.<label>.path`. Untrained with init: target
     it is the layer-skip draft `{layers: 1}`, so all four rows have the same τ and α."""
     from artifacts.export import export_head
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
 
     head = _draft(tiny_target, num_layers=1)
     written = export_head(head, {"native": tmp_path / "native", "draft-hf": tmp_path / "draft-hf"}, tiny_target)

@@ -12,7 +12,7 @@ from artifacts.checkpoint import load_native, read_config
 from heads.eagle1 import Eagle1Head
 from artifacts.export import export_native, probe_logits
 from inference_eval.model import LlamaForCausalLM, tied_target
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.helpers import engine_plain, engine_speculative
 from tests.conftest import compose_config
 from tests.helpers import assert_cached_steps_equal_full_forward, train_on_batch

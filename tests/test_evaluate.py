@@ -7,7 +7,7 @@ import pytest
 
 from evaluation.evaluate import write_report
 from inference_eval.model import LlamaForCausalLM
-from scripts.stages import run_evaluation
+from experiments.stages import run_evaluation
 from tests.conftest import compose_config
 from tests.helpers import StubHead
 from tests.reference_decoding import evaluate_head
@@ -101,7 +101,7 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     from artifacts.checkpoint import save_native
     from artifacts.export import detect_format, export_head
     from inference_eval.model import tied_target
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
     from tests.conftest import compose_config
 
     tied, args, parts = tied_target(tiny_target)
@@ -206,7 +206,7 @@ def test_prompt_sources_refuse_or_normalise(tiny_overrides, tiny_target, tmp_pat
 
 
 def test_report_goes_to_wandb_offline(tiny_overrides, tiny_target, tmp_path, monkeypatch):
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
     from tests.conftest import compose_config
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -296,7 +296,7 @@ def test_k_auto_picks_the_fastest_measured_setting():
 
 
 def test_k_auto_in_the_evaluation(tiny_overrides, tmp_path):
-    from scripts.stages import run_precompute, run_training
+    from experiments.stages import run_precompute, run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
                           "evaluate.heads.untrained=null", "evaluate.k=auto", "evaluate.auto_max_k=2"])

@@ -28,7 +28,7 @@ def test_family_goes_precompute_train_evaluate_export(kind, tiny_overrides, tmp_
     from artifacts.export import load_export
     from inference_eval.model import tied_target
     from scripts.export import run_export
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
 
     path = _target(kind, tmp_path / kind)
     cfg = compose_config([*tiny_overrides, f"target.path={path}", f"target.name=tiny-{kind}",

@@ -80,19 +80,19 @@ def run_stage(stage, cfg):
     from scripts.runtime import run_checked
 
     if stage == "precompute":
-        from scripts.stages import run_precompute
+        from experiments.stages import run_precompute
         return run_checked(stage, run_precompute, cfg)
     if stage == "train":
-        from scripts.stages import run_training
+        from experiments.stages import run_training
         return run_checked(stage, run_training, cfg)
     if stage == "evaluate":
-        from scripts.stages import run_evaluation
+        from experiments.stages import run_evaluation
         return run_checked(stage, run_evaluation, cfg)
     if stage == "export":
         from scripts.export import run_export
         return run_checked(stage, run_export, cfg)
     if stage == "regenerate":
-        from scripts.stages import regenerate
+        from experiments.stages import regenerate
         return run_checked(stage, regenerate, cfg)
     return check_before_work(cfg, stage)
 
@@ -206,7 +206,7 @@ def test_a_failed_stage_is_marked_with_its_partial_artifacts(tiny_overrides, tmp
 
 # ---- k=auto over k and draft vocabularies --------------------------------------------------------
 def test_k_auto_tries_draft_vocabularies_from_the_store(tiny_overrides):
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
                           "evaluate.heads.untrained=null", "evaluate.k=auto", "evaluate.auto_max_k=2",
@@ -259,7 +259,7 @@ def test_k_auto_probes_the_trained_head_and_the_untrained_one_follows(tiny_overr
     configured order. auto_probe=all probes both; a label list naming no configured proposer probes all."""
     import inference_eval.engine as engine
     from evaluation.evaluate import check_evaluation_config
-    from scripts.stages import eval_config, run_evaluation, run_precompute, run_training
+    from experiments.stages import eval_config, run_evaluation, run_precompute, run_training
 
     base = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false", "evaluate.k=auto",
             "evaluate.auto_max_k=2", "evaluate.auto_prompts=1", "evaluate.auto_draft_vocab=[64]"]

@@ -127,7 +127,7 @@ def _torchrun(args: list[str], timeout: int = 600) -> subprocess.CompletedProces
 def test_gpu_correct_fsdp_bf16_policy_trains_on_two_processes(tiny_overrides, tmp_path):
     """The FSDP2 preset under bf16-mixed on 2 CPU processes (gloo): the policy is applied (bf16 gathers, fp32 shards
     and reduction), the loss falls over 8 steps, and both ranks see the same loss — the bf16 path trains."""
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     record = tmp_path / "record"
     record.mkdir()

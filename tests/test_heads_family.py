@@ -370,7 +370,7 @@ def test_sub_vocabulary_kl_equals_naive_values_and_gradients():
                                              ("mtp", ["head.aux_layers=[1]", "train.module.w_hidden=0.0"])])
 def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
     from tests.helpers import train_on_batch
     from train.data import FeatureDataModule, collate
@@ -402,7 +402,7 @@ def test_training_on_a_store(tiny_overrides, tiny_target, head_name, extra):
 
 def test_store_holds_aux_layers_in_fp8(tiny_overrides, tiny_target):
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
 
     base = compose_config(tiny_overrides + ["precompute.aux_layers=[1]"])
@@ -419,7 +419,7 @@ def test_fp8_states_are_quantised_where_computed_and_store_the_same_bytes(tiny_o
     """An fp8 store's states are quantised on the device that computed them, before the copy to the host
     (data/precompute.py `batch_states`): its shards are byte for byte those of quantising in the writer."""
     import data.precompute as pre
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
 
     over = tiny_overrides + ["precompute.aux_layers=[1]", "precompute.store_dtype=fp8"]
@@ -441,7 +441,7 @@ def test_fp8_states_are_quantised_where_computed_and_store_the_same_bytes(tiny_o
 
 
 def test_training_refuses_a_store_without_the_heads_aux_layers(tiny_overrides, tiny_target):
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
     from train.data import FeatureDataModule
     from tests.helpers import init_head_of
@@ -555,7 +555,7 @@ def test_loss_on_all_trains_every_real_token(tiny_overrides, tiny_target):
     tokens too — the same loss as the store's loss mask replaced by `valid`; `assistant` (the default) keeps
     the mask; an unknown value is refused naming the setting."""
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
     from train.data import FeatureDataModule, collate
     from train.module import DraftHeadModule

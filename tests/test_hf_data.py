@@ -193,7 +193,7 @@ def test_refusals_name_the_setting(tmp_path):
 
 def test_precompute_of_parquet_and_arrow_equals_the_jsonl_store(tiny_overrides, tmp_path):
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     paths = _formats(tmp_path, CONVERSATIONS)
     stores = {}

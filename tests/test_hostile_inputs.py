@@ -29,7 +29,7 @@ from core.jsonio import json_array_records, jsonl_records, read_jsonl
 from data.precompute import tokenize_all
 from data.sources import MAX_EXAMPLES, DataConfig, SourceError, check_source, load_conversations, record_rejection
 from data.store import FeatureStore
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import compose_config, make_hf_model
 from tests.tiny_tokenizer import CHATML_TEMPLATE, make_tiny_tokenizer
 from tests.numerics import assert_same_states

@@ -282,7 +282,7 @@ def test_precompute_runs_on_a_hub_id(cached_tiny, tiny_overrides, tiny_target, t
     import datasets
 
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     cache, commit = cached_tiny
     store_dir = tmp_path / "store"

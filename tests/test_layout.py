@@ -1,10 +1,9 @@
 """The code's rooms and the direction of its imports (docs/design.md §11): every product file's imports,
 function-level ones included, go downward only —
 
-    core ← heads ← engine ← artifacts ← targets and vLLM pieces ← data ← train, evaluation ← stages
-        ← experiments ← scripts, bench
+    core ← heads ← engine ← artifacts ← targets and vLLM pieces ← data ← train, evaluation ← experiments ← scripts, bench
 
-(stages: scripts/stages.py, the stage entries experiments/ and scripts/ call) — no module imports one above it, nor
+(experiments/stages.py holds the stage entries the studies and scripts/ call) — no module imports one above it, nor
 one of another package on its own level, and no two modules import each other through any chain. heads/ holds
 networks only and opens no file; core/ imports nothing of spechead."""
 
@@ -28,13 +27,11 @@ ENGINE = ("inference_eval.engine", "inference_eval.paged", "inference_eval.model
 TARGETS_AND_VLLM = ("inference_eval.targets", "inference_eval.vllm_backend", "inference_eval.vllm_worker", "inference_eval.vllm_spec",
                     "inference_eval.vllm_serve_worker", "inference_eval.vllm_generate_worker", "inference_eval.vllm_plugin",
                     "inference_eval.vllm_mtp")
-# modules with a room of their own below the rest of their package: the longest prefix decides a module's room
-STAGES = ("scripts.stages",)
 # (layer, room): a module may import its own room at its own layer, and any room below
 LAYERS = [(("core",), 0, "core"), (("heads",), 1, "heads"), (ENGINE, 2, "engine"), (("artifacts",), 3, "artifacts"),
           (TARGETS_AND_VLLM, 4, "targets"), (("data",), 5, "data"), (("train",), 6, "train"),
-          (("evaluation",), 6, "evaluation"), (STAGES, 7, "stages"), (("experiments",), 8, "experiments"),
-          (("scripts",), 9, "scripts"), (("bench",), 9, "bench")]
+          (("evaluation",), 6, "evaluation"), (("experiments",), 7, "experiments"),
+          (("scripts",), 8, "scripts"), (("bench",), 8, "bench")]
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -124,18 +121,12 @@ def cycles(graph: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
     return out
 
 
-def package_of(module: str) -> str:
-    """A module's top-level package, or the module of `STAGES` it is (a package of its own: below experiments/,
-    which the rest of scripts/ imports)."""
-    return next((p for p in STAGES if module == p or module.startswith(p + ".")), module.split(".")[0])
-
-
 def package_graph(graph: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
     """The same imports between top-level packages (a package's rooms merged)."""
     out: dict[str, set] = {}
     for m, deps in graph.items():
-        out.setdefault(package_of(m), set()).update((package_of(d), 0) for d, _ in deps
-                                                    if package_of(d) != package_of(m))
+        out.setdefault(m.split(".")[0], set()).update((d.split(".")[0], 0) for d, _ in deps
+                                                     if d.split(".")[0] != m.split(".")[0])
     return {p: sorted(ds) for p, ds in out.items()}
 
 
@@ -159,12 +150,9 @@ def test_the_checks_catch_an_upward_import_and_a_circle():
                                  "inference_eval.evaluate": [("data.prompts", 2)]})) == [["data", "inference_eval"]]
     # a same-layer import across rooms (train and evaluate share a layer) is refused too
     assert direction_violations({"train.validation": [("evaluation.evaluate", 4)]})
-    # the stage entries sit below experiments/, the rest of scripts/ above it: no circle between the packages
-    stages = {"experiments.study": [("scripts.stages", 1)], "scripts.study": [("experiments.study", 1)],
-              "scripts.stages": [("train.run", 1)]}
-    assert direction_violations(stages) == [] and cycles(package_graph(stages)) == []
-    assert direction_violations({"scripts.stages": [("experiments.cache", 2)]}) == [
-        "scripts/stages.py:2 imports experiments.cache (experiments, layer 8) from stages (layer 7)"]
+    # scripts/ importing experiments/ and back is the package circle the checks refuse
+    assert cycles(package_graph({"experiments.study": [("scripts.stages", 1)],
+                                 "scripts.study": [("experiments.study", 1)]})) == [["experiments", "scripts"]]
 
 
 @pytest.mark.parametrize("pkg", ["heads"])
@@ -264,7 +252,7 @@ def test_the_pointer_check_catches_a_stale_pointer(tmp_path, monkeypatch):
 
 
 # Library functions that take the hydra config (or a section of it) instead of a typed stage config: none. The stage
-# entries (scripts/stages.py) build the typed configs — PrecomputeConfig, RegenerateConfig, EvalConfig,
+# entries (experiments/stages.py) build the typed configs — PrecomputeConfig, RegenerateConfig, EvalConfig,
 # TrainingPaths, EngineValidationSettings, the target's TargetConfig, the training module's ModuleSettings — and the
 # library takes those; a new function that takes the config fails the test below.
 TAKES_THE_CONFIG: set[tuple[str, str]] = set()
@@ -297,7 +285,7 @@ def test_no_new_library_function_takes_the_hydra_config():
     found = config_takers()
     new = sorted(found - TAKES_THE_CONFIG)
     assert not new, (f"{new}: a library function takes the hydra config; give it a typed config built at the entry "
-                     "point (scripts/stages.py), as TargetConfig and EvalConfig are")
+                     "point (experiments/stages.py), as TargetConfig and EvalConfig are")
     gone = sorted(TAKES_THE_CONFIG - found)
     assert not gone, f"{gone}: no longer take the config — remove them from TAKES_THE_CONFIG"
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from core.lock import LockHeld, acquire, lock_path, process_identity, same_launch, writer_lock
 from data.store import FeatureStore, IncompleteRanksError, merge_rank_manifests, rank_dir
 from scripts.runtime import interrupted, read_status, record_status, status_lines
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import CONVERSATIONS, ROOT, compose_config
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -240,7 +240,7 @@ class Pause(Callback):
 
 @pytest.mark.unit
 def test_two_trainings_into_one_checkpoint_dir_one_refuses(tiny_overrides, tmp_path):
-    from scripts.stages import run_training
+    from experiments.stages import run_training
 
     common = [*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false"]
     run_precompute(compose_config(common))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data.store import FeatureStore
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import compose_config, make_hf_model
 
 

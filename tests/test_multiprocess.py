@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import ROOT, compose_config
 
 STEPS = 10
@@ -347,7 +347,7 @@ def deepspeed_job(overrides: list[str], steps: int, out_dir: str, resume: str | 
     from inference_eval.model import tied_target
     from train.data import FeatureDataModule
     from train.module import DraftHeadModule
-    from scripts.stages import validation_settings
+    from experiments.stages import validation_settings
     from tests.test_strategies import _Loss
     from train.strategies import whole_head_state
     from train.validation import EngineValidation

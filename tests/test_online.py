@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from data.store import FeatureStore
-from scripts.stages import run_precompute, run_training
+from experiments.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.helpers import data_module_of
 from train.data import collate, collate_packed

@@ -66,7 +66,7 @@ def test_the_demo_plan_trains_module_one_of_the_default_head_on_a_cpu(tiny_overr
 
     from scripts.checks import ConfigError, check_before_work
     from scripts.pipeline import plan_modules
-    from scripts.stages import run_precompute, run_training
+    from experiments.stages import run_precompute, run_training
     from tests.conftest import compose_config
 
     base = [*tiny_overrides, "head=mtp3", f"store_dir={tmp_path / 'store'}", "trainer.max_steps=6",

@@ -66,13 +66,13 @@ def test_every_stage_places_the_target_by_target_device(stage, tiny_overrides, r
                           "evaluate.heads.untrained=null"])  # evaluation checks the head path exists first
     with pytest.raises(_Placed):
         if stage == "precompute":
-            from scripts.stages import run_precompute
+            from experiments.stages import run_precompute
             run_precompute(cfg)
         elif stage == "evaluate":
-            from scripts.stages import run_evaluation
+            from experiments.stages import run_evaluation
             run_evaluation(cfg)
         elif stage == "regenerate":
-            from scripts.stages import regenerate
+            from experiments.stages import regenerate
             regenerate(cfg)
         else:
             from train.validation import EngineValidation, EngineValidationSettings
@@ -175,7 +175,7 @@ def test_evaluation_heads_share_the_targets_tensors(tiny_target):
 
 def test_evaluation_does_not_copy_the_shared_tensors(tiny_overrides, monkeypatch):
     """With head_dtype unset (the target's dtype), evaluation never reads E / W_lm a second time."""
-    from scripts.stages import run_evaluation, run_precompute, run_training
+    from experiments.stages import run_evaluation, run_precompute, run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
                           "evaluate.heads.untrained=null"])
@@ -194,7 +194,7 @@ def test_hf_backend_with_a_device_map_stores_the_same_states(tiny_overrides, tmp
     equal the plain HF backend's, bit for bit."""
     from safetensors.torch import load_file
 
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     stores = {}
     for label, extra in (("plain", []), ("mapped", ["target.device_map=cpu"])):

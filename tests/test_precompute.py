@@ -9,7 +9,7 @@ from data.store import FeatureStore
 from inference_eval.model import target_fingerprint
 from tests.conftest import CONVERSATIONS, compose_config
 from scripts.runtime import run_checked
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.numerics import assert_same_states
 
 

@@ -13,7 +13,7 @@ import torch
 from data.precompute import rank_of, resolve_rank
 from data.store import FeatureStore, IncompleteRanksError, StoreError, merge_rank_manifests, rank_dir
 from inference_eval.model import target_fingerprint
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import CONVERSATIONS, ROOT, compose_config
 from tests.numerics import assert_same_states
 

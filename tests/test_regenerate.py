@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.regenerate import GenerationSettings, finished_ids, generate_replies
-from scripts.stages import regenerate
+from experiments.stages import regenerate
 from tests.conftest import CONVERSATIONS, compose_config
 from tests.helpers import patch_everywhere, regenerated_path
 
@@ -127,7 +127,7 @@ def test_early_stops_are_recorded_and_dropped_on_load(tiny_overrides, text_targe
 def test_output_is_a_data_source_that_precompute_reads(tiny_overrides, text_target, tmp_path):
     from data.sources import DataConfig, load_conversations
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
 
     out, _ = regenerate(_overrides(tiny_overrides, text_target, tmp_path / "regen.jsonl"))
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}

@@ -93,7 +93,7 @@ def fakes(monkeypatch, tiny_target):
     """Counting stand-ins for training (a real native head, different weights on every call),
     evaluation (a report whose τ numbers the call) and held-out scoring."""
     import experiments.runner
-    import scripts.stages
+    import experiments.stages
     from artifacts.checkpoint import save_native
 
     calls = {"train": [], "eval": []}
@@ -119,8 +119,8 @@ def fakes(monkeypatch, tiny_target):
     def heldout_agreement(head, loader, depth):
         return {"acc": [0.5] * depth, "tokens": [1] * depth, "sim_tau": 1.5}
 
-    patch_everywhere(monkeypatch, scripts.stages.run_training, run_training)  # experiments/ bind them at import
-    patch_everywhere(monkeypatch, scripts.stages.run_evaluation, run_evaluation)
+    patch_everywhere(monkeypatch, experiments.stages.run_training, run_training)  # experiments/ bind them at import
+    patch_everywhere(monkeypatch, experiments.stages.run_evaluation, run_evaluation)
     monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)  # the runner's scoring
     return calls
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scripts.stages import run_precompute, run_training
+from experiments.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from train.data import TokenBudgetBatches
 

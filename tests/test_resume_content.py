@@ -15,7 +15,7 @@ import torch
 import data.store as store_mod
 from core.files import sha256_file
 from data.store import STAMP, FeatureStore, Sample, StoreError, StoreWriter, sample_hash
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import CONVERSATIONS, compose_config
 from tests.numerics import assert_same_states
 

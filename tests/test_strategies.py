@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from artifacts.checkpoint import load_native
 from artifacts.export import probe_logits
 from inference_eval.model import tied_target
-from scripts.stages import run_precompute, run_training
+from experiments.stages import run_precompute, run_training
 from tests.conftest import ROOT, compose_config
 from train.data import TokenBudgetBatches
 from train.run import resolve_precision

@@ -18,10 +18,10 @@ from tests.helpers import patch_everywhere
 def spies(monkeypatch):
     """Count the real training and evaluation calls (wrapping, not replacing, them)."""
     import experiments.runner
-    import scripts.stages
+    import experiments.stages
 
     calls = {"train": [], "eval": [], "heldout": 0}
-    real_train, real_eval = scripts.stages.run_training, scripts.stages.run_evaluation
+    real_train, real_eval = experiments.stages.run_training, experiments.stages.run_evaluation
     real_heldout = experiments.runner.heldout_agreement  # the experiment runner's held-out scoring
 
     def run_training(cfg, *a, **kw):
@@ -36,9 +36,9 @@ def spies(monkeypatch):
         calls["heldout"] += 1
         return real_heldout(*a, **kw)
 
-    patch_everywhere(monkeypatch, scripts.stages.run_training, run_training)  # experiments/ bind it at import
+    patch_everywhere(monkeypatch, experiments.stages.run_training, run_training)  # experiments/ bind it at import
     monkeypatch.setattr(experiments.runner, "heldout_agreement", heldout_agreement)
-    patch_everywhere(monkeypatch, scripts.stages.run_evaluation, run_evaluation)
+    patch_everywhere(monkeypatch, experiments.stages.run_evaluation, run_evaluation)
     return calls
 
 

@@ -6,7 +6,7 @@ import pytest
 from artifacts.checkpoint import load_native
 from artifacts.export import probe_logits
 from inference_eval.model import tied_target
-from scripts.stages import run_precompute, run_training
+from experiments.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.helpers import init_head_of, train_on_batch
 from train.data import TokenBudgetBatches, collate
@@ -62,7 +62,7 @@ def test_train_entry_trains_and_saves(tiny_overrides, tiny_target):
 
 
 def test_training_with_packed_rows(tiny_overrides):
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
     from train.data import FeatureDataModule
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from artifacts.checkpoint import load_native
 from core.files import DiskFull
 from inference_eval.model import tied_target
-from scripts.stages import run_precompute, run_training
+from experiments.stages import run_precompute, run_training
 from tests.conftest import compose_config
 from tests.test_resume import STEPS  # 5 steps per epoch on the tiny store
 from train.data import FeatureDataModule

@@ -70,7 +70,7 @@ def test_rows_do_not_see_other_rows_deeper_states(head):
 
 def test_depth3_training_lowers_every_depths_loss(tiny_overrides, tiny_target):
     from data.store import FeatureStore
-    from scripts.stages import run_precompute
+    from experiments.stages import run_precompute
     from tests.conftest import compose_config
     from train.data import collate
     from train.module import DraftHeadModule

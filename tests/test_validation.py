@@ -9,7 +9,7 @@ import torch
 
 from data.store import FeatureStore
 from inference_eval.model import LlamaForCausalLM
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.reference_decoding import reference_speculative
 from tests.conftest import compose_config
 from tests.test_heads_family import make
@@ -63,7 +63,7 @@ def test_speculative_scores_match_the_decoder(store, tiny_target):
 
 
 def test_callback_logs_engine_tau_during_training(tiny_overrides, tiny_target, tmp_path):
-    from scripts.stages import run_training
+    from experiments.stages import run_training
 
     cfg = compose_config(tiny_overrides + ["trainer.max_epochs=2", "train.engine_validation.every_n_steps=2",
                                            "train.engine_validation.prompts=2", "train.engine_validation.conversations=2",
@@ -134,7 +134,7 @@ def test_lossless_violation_in_float32_fails_the_run(tiny_overrides, monkeypatch
     """A speculative output that parts from plain greedy output with a float32 target raises out of
     trainer.fit (it used to become engine_val/failed = 1), with the position and both tokens."""
     import train.validation as V
-    from scripts.stages import run_training
+    from experiments.stages import run_training
 
     real, seen = V.engine_decode, {}
 
@@ -308,7 +308,7 @@ def test_validation_and_evaluation_decode_through_the_paged_engine(store, tiny_t
     import evaluation.evaluate as E
     import inference_eval.speculative as S
     import train.validation as V
-    from scripts.stages import run_evaluation, run_training
+    from experiments.stages import run_evaluation, run_training
 
     for module, names in ((S, ("HeadProposer", "as_proposer", "RefDraftModelProposer")), (E, ("evaluate_head",))):
         assert not any(hasattr(module, n) for n in names)  # one decoder: no batch-1 loop left in the product

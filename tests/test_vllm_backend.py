@@ -17,7 +17,7 @@ import torch
 
 from data.precompute import rank_of
 from data.store import FeatureStore
-from scripts.stages import run_precompute
+from experiments.stages import run_precompute
 from tests.conftest import CONVERSATIONS, ROOT, compose_config, make_hf_model
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -275,7 +275,7 @@ def test_regenerate_through_vllm_equals_the_engine_and_resumes(overrides, tmp_pa
     (float32, greedy), record for record, with `backend: vllm` in their settings — so the cache keeps the two
     apart —, two data-parallel replicas write the same file as one, and a run killed after its first group, in
     the middle of a line, resumes to the same file."""
-    from scripts.stages import regenerate
+    from experiments.stages import regenerate
     from tests.helpers import regenerated_path
 
     common = [*overrides, "regenerate.max_new_tokens=10", "regenerate.batch_size=4"]
@@ -309,7 +309,7 @@ def test_evaluate_through_vllm_with_tensor_parallel_2_counts_as_tp_1(stores, ove
     both the τ of spechead's engine, on the tiny target (its 2 attention heads split over the ranks; SmolLM2's 9
     cannot be). Its greedy output repeats one token; an `mtp` head at its start with `hnorm_init: ones` drafts the
     target's own next-token prediction, so drafts are accepted and the comparison is not between zeros."""
-    from scripts.stages import run_evaluation, run_training
+    from experiments.stages import run_evaluation, run_training
     from train.validation import first_reply_prompt
 
     store = FeatureStore(stores["engine"])

@@ -155,7 +155,7 @@ def served(tmp_path_factory):
     from artifacts.integrity import write_manifest
     from data.prompts import mtbench_prompts
     from inference_eval.model import LlamaForCausalLM, tied_target
-    from scripts.stages import run_precompute, run_training
+    from experiments.stages import run_precompute, run_training
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -351,7 +351,7 @@ def test_the_plugin_is_registered_in_the_vllm_environment():
 
 
 def _evaluate(served, engine: str, heads: dict[str, Path], k: int, *extra: str) -> dict:
-    from scripts.stages import run_evaluation
+    from experiments.stages import run_evaluation
 
     over = [*served["base"], f"run_dir={served['root'] / ('eval_' + engine + '_' + '_'.join(heads))}",
             "evaluate.heads.trained=null", "evaluate.heads.untrained=null", f"evaluate.num_prompts={NUM_PROMPTS}",

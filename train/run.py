@@ -1,6 +1,6 @@
 """The training stage's parts: the head initialised and tied to the target, the data module (the store, or online
 states), Lightning's checkpoint callback and atomic checkpoint writer, the run directory every rank must see, the
-precision, the locks' check, the fit and the saves. scripts/stages.py `run_training` assembles them, with the
+precision, the locks' check, the fit and the saves. experiments/stages.py `run_training` assembles them, with the
 trainer, logger and callbacks the config names."""
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def check_training_dirs_free(paths: TrainingPaths) -> None:
     Every rank checks, rank 0 by the launcher's variables strictly, the others passing a holder of their own launch
     (`same_launch`): a second multi-process training then stops on every rank, not on rank 0 alone while the others
     wait for it in the process group's rendezvous. Rank 0 takes the locks once its trainer exists
-    (scripts/stages.py `run_training`)."""
+    (experiments/stages.py `run_training`)."""
     same_writer = (lambda holder: False) if env_rank_zero() else same_launch
     for d in paths.written:
         check_free(d, same_writer)

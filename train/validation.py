@@ -271,7 +271,7 @@ def speculative_scores(target, head, prompts: list[list[int]], k: int, max_new_t
 @dataclass(frozen=True)
 class EngineValidationSettings:
     """What `EngineValidation` does and with which target: `train.engine_validation` (conf/config.yaml)
-    plus the loss weights of `train.module`, typed and fixed for the run (scripts/stages.py `validation_settings`)."""
+    plus the loss weights of `train.module`, typed and fixed for the run (experiments/stages.py `validation_settings`)."""
 
     target_dir: Path
     target_dtype: str = "float32"

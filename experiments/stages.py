@@ -6,9 +6,8 @@ the target's data/sources.py `target_config`), and the library below takes it in
 (scripts/pipeline.py) and the studies (experiments/) call; `run_training` also assembles Lightning's trainer, logger
 and callbacks from the config's `trainer` and `logger` sections.
 
-Its room sits below experiments/ (tests/test_layout.py `LAYERS`), so it imports neither experiments/ nor the other
-scripts. Each function imports its stage's modules itself: precompute does not load Lightning, nor evaluation
-training's modules."""
+It imports no other module of experiments/. Each function imports its stage's modules itself: precompute does not
+load Lightning, nor evaluation training's modules."""
 
 from __future__ import annotations
 
