@@ -5,6 +5,8 @@ and with no model, tokenizer or data loaded; and no shipped preset is refused.""
 
 from __future__ import annotations
 
+import copy
+import functools
 import time
 from pathlib import Path
 
@@ -197,6 +199,31 @@ def refused_fast(cfg, stage: str) -> str:
     return str(err.value)
 
 
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]):
+    return compose_config(list(overrides))
+
+
+def compose_then_set(overrides: list[str], leaves: list[str]):
+    """What `compose_config([*overrides, *leaves])` returns, for leaf overrides (`key=value`): the config composed
+    from `overrides` once per process, then the leaves applied by hydra's own parser and the step compose ends with
+    (hydra applies value overrides after every group is merged). Composing costs ≈ 0.1 s, and the rules below need
+    several hundred configs."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    cfg = copy.deepcopy(_composed(tuple(overrides)))
+    ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(leaves), cfg)
+    return cfg
+
+
+def compose_tiny(tiny_overrides: list[str], groups: list[str], leaves: list[str]):
+    """`compose_then_set` for the tiny target's overrides: their run directory (a fresh one per test) set as a leaf,
+    so that one composed config serves every test."""
+    base = [o for o in tiny_overrides if not o.startswith("run_dir=")]
+    return compose_then_set([*base, *groups], [*(o for o in tiny_overrides if o.startswith("run_dir=")), *leaves])
+
+
 def readers(stages: tuple[str, ...]) -> list[tuple[str, list[str]]]:
     """(stage, extra overrides) of each stage that reads a setting, and the demo's (which reads every one)."""
     out = [(s, []) for s in stages if s not in (ONLINE, "pipeline")]
@@ -228,11 +255,23 @@ def presets() -> list[list[str]]:
 
 @pytest.mark.parametrize("stage,override,key,words", HOLES, ids=[h[1] for h in HOLES])
 def test_each_hole_is_refused_naming_the_setting_and_its_range(stage, override, key, words, tiny_overrides, no_work):
-    message = refused_fast(compose_config([*tiny_overrides, override]), stage)
+    message = refused_fast(compose_tiny(tiny_overrides, [], [override]), stage)
     assert message.startswith(f"{key}=") and words in message, message
 
 
 CASES = [(rule.key, bad) for rule in RULES for bad in BAD.get(rule.key, [])]
+
+
+def test_setting_leaves_on_a_composed_config_is_composing_them(tiny_overrides, tmp_path):
+    """The shortcut the rule cases take gives the config hydra composes, bad values and their types included."""
+    base = [o for o in tiny_overrides if not o.startswith("run_dir=")]
+    for extra, leaves_ in ((["head=dflash"], [f"run_dir={tmp_path}", "head.mask_token_id=-1", "seed=1.5"]),
+                           (["train.data.source=online"], [f"run_dir={tmp_path}", "precompute.aux_layers=[1,1]",
+                                                          "target.revision=true", "run_name='../evil'"])):
+        got = OmegaConf.to_container(compose_then_set([*base, *extra], leaves_), resolve=False)
+        assert got == OmegaConf.to_container(compose_config([*base, *extra, *leaves_]), resolve=False)
+    with pytest.raises(Exception, match="seeed"):
+        compose_then_set(base, ["seeed=1"])  # as compose refuses a key the config does not have
 
 
 @pytest.mark.parametrize("key,bad", CASES, ids=[f"{k}={b}" for k, b in CASES])
@@ -240,7 +279,7 @@ def test_every_rule_refuses_its_bad_values_in_every_stage_that_reads_it(key, bad
     rule = RULES_BY_KEY[key]
     for stage, extra in readers(rule.stages):
         head = [HEAD_OF[key]] if key in HEAD_OF else []
-        cfg = compose_config([*tiny_overrides, *head, *extra, bad_override(key, bad, tmp_path)])
+        cfg = compose_tiny(tiny_overrides, [*head, *extra], [bad_override(key, bad, tmp_path)])
         message = refused_fast(cfg, stage)
         assert message.startswith(f"{key}=") and f": expected {rule.accept.text}" in message, (stage, message)
 
@@ -257,8 +296,9 @@ def test_every_rule_has_bad_values_and_every_stage_reads_a_rule():
 @pytest.mark.parametrize("stage,override,words", DELEGATED, ids=[d[1] for d in DELEGATED])
 def test_settings_of_the_typed_configs_are_refused_by_the_same_checks(stage, override, words, tiny_overrides,
                                                                       no_work):
+    cfg = compose_tiny(tiny_overrides, [], [override])
     for each in (stage, "pipeline"):
-        assert words in refused_fast(compose_config([*tiny_overrides, override]), each)
+        assert words in refused_fast(cfg, each)
 
 
 def test_a_misspelt_data_or_vllm_setting_is_refused_not_ignored(tiny_overrides, no_work):
