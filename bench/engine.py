@@ -28,7 +28,9 @@
 - `--compile`: the engine's plain decoding through its compiled static step (`Engine(compile="on")`,
   inference_eval/engine/static.py) as one more side of the plain-decoding pairs, every shape bucket compiled in the
   warm-up (the compile seconds printed apart): `compiled_vs_eager_b1=… compiled_vs_eager_b8=…` (the eager step's
-  seconds / the compiled one's, > 1 = compiling pays).
+  seconds / the compiled one's, > 1 = compiling pays); with a head, the speculative rounds too, eager against
+  compiled (`spec_compiled_vs_eager_b1=…`), and a compiled round's cost in compiled plain steps
+  (`round_cost_compiled=…`, beside the eager `round_cost=…`).
 
 Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
 `--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
@@ -83,11 +85,12 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], new: int) -> float:
 
 
 def ours(target, prompts: list[list[int]], new: int, proposer=None, k: int = 1, **engine_kw):
-    """(seconds, the engine's stats, the compiled step or None) of one engine generating `new` tokens per prompt."""
+    """(seconds, the engine's stats, the compiled step or None) of one engine generating `new` tokens per prompt; the
+    seconds spent compiling a new shape bucket of its static step are not in them."""
     t0 = time.perf_counter()
     out, eng = engine_generate(target, prompts, new, proposer=proposer, k=k, max_batch=len(prompts),
                                max_seq_len=max(len(p) for p in prompts) + new + 8, **engine_kw)
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0 - eng.compile_s
     assert all(len(o) == new for o in out)
     return seconds, eng.stats, eng.static
 
@@ -222,6 +225,12 @@ def main() -> None:
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
         vocab = (frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)
                  if args.draft_vocab else None)
+        if args.compile:  # the verification's buckets too, before any timing
+            nprompts_ = 2 if args.quick else 4
+            compile_s = sum(ours(target, [p], new, PagedHeadProposer(head, vocab), args.k, compile="on")[2].compile_s
+                            for p in prompts[:nprompts_])
+            print(f"the engine's static step for k={args.k} rounds compiled in {compile_s:.1f} s, not timed below",
+                  flush=True)
         if with_vllm:  # the same head in the format vLLM serves (an export of one is served as it is)
             from evaluation.vllm_eval import served_export
 
@@ -331,6 +340,25 @@ def main() -> None:
                   f"a round costs {cost['cost']:.3f} plain steps ({cost['round_s'] * 1e3:.1f} vs "
                   f"{cost['plain_step_s'] * 1e3:.1f} ms, medians of {cost['rounds']}) → predicted "
                   f"{cost['predicted_speedup']:.3f}x (τ {cost['tau']:.3f} / cost)", flush=True)
+            if args.compile:  # the same rounds with their target passes compiled, beside the eager rounds
+                eager_s, compiled_s = [], []
+                for p in prompts[:nprompts]:
+                    got = measure_pairs({
+                        "eager": lambda p=p: ours(target, [p], new, PagedHeadProposer(head, vocab), args.k)[0],
+                        "compiled": lambda p=p: ours(target, [p], new, PagedHeadProposer(head, vocab), args.k,
+                                                     compile="on")[0]}, args.rounds, warmup=0, load=load)
+                    eager_s += got.seconds["eager"]
+                    compiled_s += got.seconds["compiled"]
+                keep(f"spec_compiled_vs_eager_b1{tag}", Paired.of(eager_s, compiled_s), n)
+                ccost = round_cost(target, PagedHeadProposer(head, vocab), args.k, prompts[:nprompts], new,
+                                   compile="on")
+                print(f"{n} thread(s) compiled: speculative b1 k={args.k}: the eager rounds' seconds / the compiled "
+                      f"ones' per pair {figures[f'spec_compiled_vs_eager_b1{tag}'].text()}; a compiled round costs "
+                      f"{ccost['cost']:.3f} compiled plain steps ({ccost['round_s'] * 1e3:.1f} vs "
+                      f"{ccost['plain_step_s'] * 1e3:.1f} ms) → predicted {ccost['predicted_speedup']:.3f}x over "
+                      f"compiled plain decoding", flush=True)
+                if n == budgets[0]:
+                    compiled_cost = ccost
             if n == budgets[0]:
                 spec_tau, spec_cost = tau, cost
                 spec_tau_vllm = sides.tau() if vs_vllm is not None else None
@@ -341,6 +369,8 @@ def main() -> None:
     if head is not None:
         line += (f" predicted_speedup_b1={spec_cost['predicted_speedup']:.3f} round_cost={spec_cost['cost']:.3f} "
                  f"tau={spec_tau:.3f}")
+        if args.compile:
+            line += f" round_cost_compiled={compiled_cost['cost']:.3f}"
         if spec_tau_vllm is not None:
             line += f" tau_vllm={spec_tau_vllm:.3f}"
     print(f"engine {line} k={args.k} draft_vocab={args.draft_vocab} other_runnable={load.median:g}")

@@ -46,6 +46,7 @@ class EvalResult:
     # (evaluation/tau_stats.py): what a paired comparison of two heads on the same prompts reads
     per_prompt: list[list[int]] | None = None
     tau_se: float | None = None
+    compile_s: float = 0.0  # seconds the engine's static step spent compiling (evaluate.compile), outside tokens_per_s
 
     def summary(self) -> str:
         a = " ".join(f"{x:.3f}" for x in self.alpha)
@@ -64,16 +65,18 @@ def prompt_counts(stats: list[SpecStats]) -> dict[str, Any]:
 def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, max_new_tokens: int,
                      stop_ids: set[int], batch_size: int, label: str = "head", warmup: int = 0, repeats: int = 1,
                      sampling: Sampling = GREEDY, outputs: list | None = None, progress: bool = False,
-                     progress_log_s: float | None = None) -> EvalResult:
+                     progress_log_s: float | None = None, compile: str = "off") -> EvalResult:
     """The evaluation of every stage and batch size, through the paged engine (inference_eval/engine/):
     every prompt queued at once, `batch_size` sequences decoded together (continuous batching; 1: one
     slot). `proposer`: None (plain decoding), a head, a draft LM, or an engine proposer (e.g. a
     PagedTreeProposer); k is the tree's depth for a tree. tokens/s = all new tokens / wall time, median
-    over `repeats` passes."""
+    over `repeats` passes; seconds spent compiling (`compile`) are left out of the time."""
     ids = [p["ids"] for p in prompts]
     max_len = max(map(len, ids)) + max_new_tokens + 2
+    compile_s = 0.0
     if warmup:
-        run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+        compile_s += run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling,
+                                max_len, compile=compile)[1].compile_s
     speeds, first = [], None
     for r in range(max(repeats, 1)):
         bar = Progress(len(ids), f"evaluate {label}" + (f" ({r + 1}/{repeats})" if repeats > 1 else ""), "prompt",
@@ -81,8 +84,9 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
         t0 = time.perf_counter()
         with bar:
             results, eng = run_engine(target, proposer, ids, k, max_new_tokens, stop_ids, batch_size, sampling,
-                                      max_len, on_finish=bar.update)
-        speeds.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t0))
+                                      max_len, on_finish=bar.update, compile=compile)
+        speeds.append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t0 - eng.compile_s))
+        compile_s += eng.compile_s
         first = first or (results, eng)
     results, eng = first
     by_cat: dict[str, SpecStats] = {}
@@ -93,7 +97,7 @@ def evaluate_batched(target, proposer, prompts: list[dict[str, Any]], k: int, ma
     return EvalResult(label=label, k=eng.k, tau=eng.stats.tau, alpha=eng.stats.alpha, target_passes=eng.stats.steps,
                       new_tokens=sum(len(r.tokens) for r in results), tokens_per_s=statistics.median(speeds),
                       per_category_tau={c: s.tau for c, s in sorted(by_cat.items())}, prompts=len(prompts),
-                      **prompt_counts([r.stats for r in results]))
+                      compile_s=compile_s, **prompt_counts([r.stats for r in results]))
 
 
 PLAIN = "<plain decoding>"  # evaluate_paired's own side (a label no configured proposer takes)
@@ -101,22 +105,25 @@ PLAIN = "<plain decoding>"  # evaluate_paired's own side (a label no configured 
 
 def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict[str, Any]], max_new_tokens: int,
                     stop_ids: set[int], batch_size: int, sampling: Sampling = GREEDY, pairs: int = 4, warmup: int = 0,
-                    repeats: int = 1, progress: bool = False, progress_log_s: float | None = None
-                    ) -> tuple[dict[str, tuple[EvalResult, list[list[int]], Paired]], EvalResult]:
+                    repeats: int = 1, progress: bool = False, progress_log_s: float | None = None,
+                    compile: str = "off") -> tuple[dict[str, tuple[EvalResult, list[list[int]], Paired]], EvalResult]:
     """Every proposer of `runs` ({label: (proposer, k)}) and plain decoding over the same prompts, timed
     by core/timing.py's discipline: the prompts are cut into `pairs` groups (each at least a batch), and
     on each group plain decoding and every proposer run back to back, the order rotating from group to
     group. A proposer's speedup is taken group by group — its tokens/s over plain decoding's on the same
     prompts, measured seconds apart — and reported as the median with its min–max (`Paired`); tokens/s
     are totals. τ, α and the outputs come from the first of `repeats` passes. Returns ({label: (result,
-    outputs in prompt order, speedup)}, plain decoding's result)."""
+    outputs in prompt order, speedup)}, plain decoding's result). Seconds spent compiling (`compile`) are left out
+    of every side's time."""
     ids = [p["ids"] for p in prompts]
     max_len = max(map(len, ids)) + max_new_tokens + 2
     groups = groups_of(len(ids), pairs, batch_size)
     sides = {PLAIN: (None, 1), **runs}
+    compile_s = dict.fromkeys(sides, 0.0)
     if warmup:
-        for proposer, k in sides.values():
-            run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size, sampling, max_len)
+        for name, (proposer, k) in sides.items():
+            compile_s[name] += run_engine(target, proposer, ids[:warmup], k, max_new_tokens, stop_ids, batch_size,
+                                          sampling, max_len, compile=compile)[1].compile_s
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     tokens: dict[str, list[int]] = {name: [] for name in sides}
     results: dict[str, list] = {name: [None] * len(ids) for name in sides}
@@ -131,8 +138,9 @@ def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict
                     proposer, k = sides[name]
                     t0 = time.perf_counter()
                     done, eng = run_engine(target, proposer, [ids[i] for i in idx], k, max_new_tokens, stop_ids,
-                                           batch_size, sampling, max_len)
-                    seconds[name].append(time.perf_counter() - t0)
+                                           batch_size, sampling, max_len, compile=compile)
+                    seconds[name].append(time.perf_counter() - t0 - eng.compile_s)
+                    compile_s[name] += eng.compile_s
                     tokens[name].append(sum(len(x.tokens) for x in done))
                     if r == 0:
                         for i, x in zip(idx, done):
@@ -150,7 +158,7 @@ def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict
                           new_tokens=sum(len(x.tokens) for x in results[name]),
                           tokens_per_s=sum(tokens[name]) / sum(seconds[name]),
                           per_category_tau={c: v.tau for c, v in sorted(by_cat.items())}, prompts=len(prompts),
-                          **prompt_counts([x.stats for x in results[name]]))
+                          compile_s=compile_s[name], **prompt_counts([x.stats for x in results[name]]))
 
     def rate(name: str) -> list[float]:
         return [n / t for n, t in zip(tokens[name], seconds[name])]
@@ -161,17 +169,20 @@ def evaluate_paired(target, runs: dict[str, tuple[Any, int]], prompts: list[dict
 
 
 def run_engine(target, proposer, prompts: list[list[int]], k: int, max_new_tokens: int, stop_ids: set[int],
-               batch_size: int, sampling: Sampling, max_len: int, on_finish=None):
-    """The prompts through the engine (`engine_run`), sized for `max_len` tokens (the prompt set's longest)."""
+               batch_size: int, sampling: Sampling, max_len: int, on_finish=None, compile: str = "off"):
+    """The prompts through the engine (`engine_run`), sized for `max_len` tokens (the prompt set's longest);
+    `compile`: its static step (inference_eval/engine/static.py; the engine's `compile_s` says how long compiling
+    took, which a timed caller subtracts)."""
     return engine_run(target, prompts, max_new_tokens, proposer, k, stop_ids, sampling, on_finish=on_finish,
-                      seq_len=max_len, max_batch=batch_size)
+                      seq_len=max_len, max_batch=batch_size, compile=compile)
 
 
 def plain_tokens_per_s(target, prompts: list[dict[str, Any]], max_new_tokens: int, stop_ids: set[int],
-                       warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY, batch_size: int = 1) -> float:
+                       warmup: int = 0, repeats: int = 1, sampling: Sampling = GREEDY, batch_size: int = 1,
+                       compile: str = "off") -> float:
     """Plain decoding speed in the paged engine: the median over `repeats` passes after `warmup` prompts."""
     return evaluate_batched(target, None, prompts, 1, max_new_tokens, stop_ids, batch_size, "plain", warmup,
-                            repeats, sampling).tokens_per_s
+                            repeats, sampling, compile=compile).tokens_per_s
 
 
 def choose_k(settings, measure) -> tuple[Any, dict[str, Any]]:
@@ -337,6 +348,7 @@ class RunSettings:
     tree: dict[str, int] | None
     show_bar: bool
     every_s: float | None
+    compile: str = "off"  # the engine's static step (evaluate.compile)
 
 
 def groups_of(n: int, parts: int, at_least: int = 1) -> list[list[int]]:
@@ -356,7 +368,8 @@ def probe_setting(ec: EvalConfig, et: EvalTarget, rs: RunSettings, label: str, p
     target = et.model
     probe = rs.prompts[: ec.auto_prompts]
     if not plain_warm:  # warms the engine up once for every proposer
-        plain_warm.append(plain_tokens_per_s(target, probe, rs.max_new, et.stops, 1, 1, rs.sampling, rs.batch_size))
+        plain_warm.append(plain_tokens_per_s(target, probe, rs.max_new, et.stops, 1, 1, rs.sampling, rs.batch_size,
+                                             rs.compile))
     top = min(ec.auto_max_k, getattr(prop, "max_depth", None) or 4)
     # a draft vocabulary is a head's (PagedHeadProposer); a draft LM (draft_model, draft_lm) has its own lm_head
     vocabs = draft_vocab_options(ec, prop, target.args.vocab_size) if drafts_by_head else {None: None}
@@ -372,9 +385,11 @@ def probe_setting(ec: EvalConfig, et: EvalTarget, rs: RunSettings, label: str, p
             def side(p):
                 def run() -> float:  # seconds per generated token (sampled runs may differ in length)
                     t0 = time.perf_counter()
-                    results, _ = run_engine(target, p, [x["ids"] for x in group], setting["k"] if p else 1, rs.max_new,
-                                            et.stops, rs.batch_size, rs.sampling, max_len)
-                    return (time.perf_counter() - t0) / max(1, sum(len(r.tokens) for r in results))
+                    results, eng = run_engine(target, p, [x["ids"] for x in group], setting["k"] if p else 1,
+                                              rs.max_new, et.stops, rs.batch_size, rs.sampling, max_len,
+                                              compile=rs.compile)
+                    seconds = time.perf_counter() - t0 - eng.compile_s
+                    return seconds / max(1, sum(len(r.tokens) for r in results))
                 return run
             sides = {"plain": side(None), "spec": side(proposer)}
             got = measure_pairs(dict(reversed(sides.items())) if i % 2 else sides, 1, warmup=0)
@@ -477,7 +492,7 @@ def add_speed(entry: dict[str, Any], speed: Paired, ec: EvalConfig, et, rs: "Run
     n_predict = ec.predict_prompts
     if rs.sampling.greedy and rs.tree is None and n_predict > 0:
         entry["predicted"] = round_cost(et.model, engine_prop, k, [p["ids"] for p in rs.prompts[:n_predict]], rs.max_new,
-                                        et.stops)
+                                        et.stops, compile=rs.compile)
         entry["predicted_speedup"] = entry["predicted"]["predicted_speedup"]
     log.info("evaluate %s: %.2fx plain decoding [%.2f–%.2f over %d paired groups]: %s%s", entry.get("label", ""),
              speed.median, speed.lo, speed.hi, len(speed.ratios), speed.verdict(),
@@ -494,8 +509,9 @@ def evaluate_plans(ec: EvalConfig, et, rs: "RunSettings", plans: dict[str, tuple
                  len(rs.prompts), ec.speed_pairs)
         paired, plain = evaluate_paired(target, {label: (plan[1], plan[2]) for label, plan in plans.items()},
                                         rs.prompts, rs.max_new, et.stops, rs.batch_size, rs.sampling,
-                                        ec.speed_pairs, rs.warmup, rs.repeats, rs.show_bar, rs.every_s)
+                                        ec.speed_pairs, rs.warmup, rs.repeats, rs.show_bar, rs.every_s, rs.compile)
         report["plain_tokens_per_s"] = plain.tokens_per_s
+        report["plain_compile_s"] = plain.compile_s
     for label, (prop, engine_prop, k, auto, follows) in plans.items():
         if ec.plain_baseline:
             res, outputs, speed = paired[label]
@@ -503,7 +519,7 @@ def evaluate_plans(ec: EvalConfig, et, rs: "RunSettings", plans: dict[str, tuple
             outputs = []
             res = evaluate_batched(target, engine_prop, rs.prompts, k, rs.max_new, et.stops, rs.batch_size, label,
                                    rs.warmup, rs.repeats, rs.sampling, outputs, progress=rs.show_bar,
-                                   progress_log_s=rs.every_s)
+                                   progress_log_s=rs.every_s, compile=rs.compile)
         res.label = label
         log.info(res.summary())
         entry = result_entry(ec, et, rs, label, prop, res, outputs, auto, follows)
@@ -543,13 +559,14 @@ def evaluate(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
     k, max_new = (1 if ec.auto else ec.k), ec.prompts.max_new_tokens
     if tree is not None:  # a tree's draft depth plays the part of k
         k = tree["depth"]
-    rs = RunSettings(prompts, max_new, ec.batch_size, sampling, ec.warmup, ec.repeats, tree, ec.show_bar, ec.every_s)
+    rs = RunSettings(prompts, max_new, ec.batch_size, sampling, ec.warmup, ec.repeats, tree, ec.show_bar, ec.every_s,
+                     ec.compile)
     report: dict[str, Any] = {"target": tc.name, "target_dtype": tc.dtype, "head_dtype": et.head_dtype,
                               "dataset": ec.prompts.dataset, "turn": "+".join(map(str, ec.prompts.turns)),
                               "prompts": len(prompts), "k": "auto" if ec.auto else k, "max_new_tokens": max_new,
                               "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                               "batch_size": ec.batch_size, "proposer": ec.proposer, "tree": tree, "warmup": rs.warmup,
-                              "repeats": rs.repeats, "stop_below": ec.stop_below, "results": {}}
+                              "repeats": rs.repeats, "stop_below": ec.stop_below, "compile": ec.compile, "results": {}}
     proposers = load_proposers(ec, et)
     evaluate_plans(ec, et, rs, plan_proposers(ec, et, rs, proposers, k), report)
     report["results"] = {label: report["results"][label] for label in proposers}  # the configured order

@@ -17,6 +17,7 @@ import torch
 from core.progress import DEFAULT_EVERY_S
 from data.prompts import PromptSet
 from inference_eval.speculative import Sampling
+from inference_eval.engine.static import COMPILE
 from inference_eval.vllm_backend import VllmSettings
 
 ENGINES = ("spechead", "vllm")
@@ -47,6 +48,7 @@ class EvalConfig:
     tree: dict[str, int] | None = None  # proposer=tree: depth, topk, total
     stop_below: float | None = None  # a block head with a confidence head: the adaptive draft length's threshold
     head_dtype: str | None = None
+    compile: str = "auto"  # the engine's static step: auto (compiled on CUDA), on, off (inference_eval/engine/static.py)
     simulated_tau: bool = True
     plain_baseline: bool = False
     speed_pairs: int = 4
@@ -68,6 +70,8 @@ class EvalConfig:
         if self.batch_size < 1 or self.proposer not in PROPOSERS:
             raise ValueError(f"evaluate.batch_size={self.batch_size} (≥ 1) / evaluate.proposer={self.proposer!r} "
                              "(chain or tree)")
+        if self.compile not in COMPILE:
+            raise ValueError(f"evaluate.compile={self.compile!r}: expected one of {', '.join(COMPILE)}")
         if self.engine == "spechead" and self.tree is not None:
             if self.temperature != 0.0:
                 raise ValueError("evaluate.proposer=tree verifies greedily: set evaluate.temperature=0")

@@ -147,6 +147,7 @@ BAD = {
     "evaluate.repeats": ["0"],
     "evaluate.report": ["{dir}"],
     "evaluate.simulated_tau": ["perhaps"],
+    "evaluate.compile": ["yes", "1", "[on]"],
     "evaluate.plain_baseline": ["2"],
     "evaluate.vllm.tensor_parallel_size": ["0"],
     "evaluate.vllm.data_parallel_size": ["-1"],

@@ -42,7 +42,7 @@ import torch
 
 from inference_eval.engine.base import Proposer, Request, Result, target_logits, target_state
 from inference_eval.engine.proposers import engine_proposer
-from inference_eval.engine.static import StaticDecode, compile_enabled
+from inference_eval.engine.static import StaticStep, compile_enabled
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection
 
@@ -93,7 +93,8 @@ class Engine:
             num_blocks = max_batch * math.ceil((max_seq_len or min(a.max_position_embeddings, 4096)) / block_size)
         self.num_blocks = num_blocks
         self.alloc = BlockAllocator(num_blocks)
-        # plain decoding through the compiled static step (static.py): the pool gets one more block, its scratch
+        # the target's decode and verification passes through the compiled static step (static.py): the pool gets one
+        # more block, its scratch
         self.static = None
         if compile_enabled(compile, self.device) and not target.static_step:
             if compile == "on":
@@ -102,7 +103,7 @@ class Engine:
             compile = "off"
         if compile_enabled(compile, self.device):
             self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks + 1, block_size, target.dtype, self.device)
-            self.static = StaticDecode(target, self.pool, block_size, scratch_block=num_blocks)
+            self.static = StaticStep(target, self.pool, block_size, scratch_block=num_blocks)
         else:
             self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, target.dtype, self.device)
         self.proposer: Proposer | None = engine_proposer(proposer) if proposer is not None else None
@@ -142,6 +143,12 @@ class Engine:
 
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self.block_size)
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling the static step's new shape buckets (0 when it is off): a timed run subtracts
+        them."""
+        return self.static.compile_s if self.static is not None else 0.0
 
     @property
     def has_work(self) -> bool:
@@ -303,9 +310,16 @@ class Engine:
         drafts, qs = self.proposer.propose(reqs, k)
         n = [len(d) for d in drafts]
         ids = [[r.tokens[-1]] + d for r, d in zip(reqs, drafts)]
-        vout = self.forward(self.target, self.pool, ids, [list(range(r.m, r.m + j + 1)) for r, j in zip(reqs, n)],
-                            [SeqSlice(r.table, r.m, j + 1) for r, j in zip(reqs, n)], self.capture)
-        flat = target_logits(self.target, vout.hidden[0])
+        if self.static is not None:  # one row per token, each with its sequence's block table
+            vout = self.static.forward([t for row in ids for t in row],
+                                       [r.m + i for r, j in zip(reqs, n) for i in range(j + 1)],
+                                       [r.table.blocks for r, j in zip(reqs, n) for _ in range(j + 1)], self.capture)
+            flat = vout.logits
+        else:
+            vout = self.forward(self.target, self.pool, ids,
+                                [list(range(r.m, r.m + j + 1)) for r, j in zip(reqs, n)],
+                                [SeqSlice(r.table, r.m, j + 1) for r, j in zip(reqs, n)], self.capture)
+            flat = target_logits(self.target, vout.hidden[0])
         rows, r0 = [], 0
         for j in n:
             rows.append((r0, r0 + j + 1))
@@ -366,9 +380,15 @@ class Engine:
         prop = self.proposer
         draft = prop.k1_drafts(reqs)
         ids = torch.stack([last, draft], dim=1).view(1, -1)  # [1, 2D]: t_m, d per sequence
-        vout = self.target(ids, positions, cache=PagedCache(self.pool, batch), logits="none",
-                           capture_layers=self.capture)
-        g = target_logits(self.target, vout.hidden[0]).argmax(-1).view(-1, 2)  # [D, 2]
+        if self.static is not None:  # the positions and tables are the host's; the drafts stay on the device
+            vout = self.static.forward(ids, [r.m + i for r in reqs for i in (0, 1)],
+                                       [r.table.blocks for r in reqs for _ in (0, 1)], self.capture)
+            logits = vout.logits
+        else:
+            vout = self.target(ids, positions, cache=PagedCache(self.pool, batch), logits="none",
+                               capture_layers=self.capture)
+            logits = target_logits(self.target, vout.hidden[0])
+        g = logits.argmax(-1).view(-1, 2)  # [D, 2]
         a = (g[:, 0] == draft).long()  # [D] 0/1
         h = prop.refresh_k1(target_state(prop.head, vout.hidden, vout.aux), g.view(1, -1), positions, batch)
         state = h[torch.arange(len(reqs), device=self.device) * 2 + a]  # [D, S]: the state at row a

@@ -1,10 +1,12 @@
-"""A static-shape decode step for the engine's plain decoding, compiled with `torch.compile` (`Engine(compile=...)`).
+"""A static-shape target step for the engine's plain decoding and its speculative verification, compiled with
+`torch.compile` (`Engine(compile=...)`).
 
-The eager decode step (scheduler.py `_decode`) builds its attention metadata with the batch's own shapes — a
+The eager target pass (scheduler.py `forward`) builds its attention metadata with the batch's own shapes — a
 key index as long as the longest sequence, a mask as wide — so every step has new shapes and a compiler would
 trace again each time. Here every shape is fixed by a bucket:
 
-- the batch is padded to a power of two (`batch_bucket`); a padding row feeds token 0 at position 0, writes its
+- the rows (one per sequence in a plain step, k + 1 per sequence in a verification) are padded to a power of two
+  (`batch_bucket`); a padding row feeds token 0 at position 0, writes its
   key and value to a scratch slot that no sequence owns (the pool's extra block, `Engine` allocates it) and reads
   only that slot;
 - the keys a row may see are its sequence's first K slots, K its block table's length rounded up to a power of
@@ -13,14 +15,16 @@ trace again each time. Here every shape is fixed by a bucket:
 - the host builds the metadata once per step — tokens, positions, write slots, the [B, K] key slots — and hands
   it over as one int64 tensor (one transfer on an accelerator); nothing inside the step depends on a value.
 
-One compiled graph per (batch bucket, key bucket), compiled on first use (the seconds logged once per bucket and
-summed in `compile_s`), the target's final norm and lm_head in it: the step returns the logits. The engine's
+One compiled graph per (row bucket, key bucket, captured layers), compiled on first use (the seconds logged once per
+bucket and summed in `compile_s`), the target's final norm and lm_head in it: the step returns the last hidden state,
+the captured layers' inputs and the logits. The engine's
 few-row fp32 linears stay the native kernel, as one operator of the graph (core/native.py `skinny_linear_op`).
 On CUDA the compiled graph is captured as a CUDA graph (`mode="reduce-overhead"`, the pool's tensors marked static):
 one launch per step instead of one per kernel — the engine's decode there is bound by launches (bench/gpu_check.py
-measures both steps). Greedy tokens equal the eager step's in fp32 (tests/test_engine_compile.py). On a CPU the
-compiled step is about 1.2x faster per step but takes minutes to compile its buckets (docs/engine.md "Compiled decode
-step"), so `compile: auto` compiles on CUDA only; `on` compiles anywhere."""
+measures both steps). Greedy and sampled tokens equal the eager step's in fp32 (tests/test_engine_compile.py,
+tests/test_engine_compile_spec.py). On a CPU the compiled step is about 1.2x faster per step but takes minutes to
+compile its buckets (docs/engine.md "Compiled target step"), so `compile: auto` compiles on CUDA only; `on` compiles
+anywhere."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_eval.engine.base import target_logits
+from inference_eval.model import TargetOutput
 from inference_eval.paged import KVPool
 
 log = logging.getLogger(__name__)
@@ -88,11 +93,11 @@ def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class StaticBatch:
-    """A step's metadata, unpacked in the graph from the one host tensor (`StaticDecode.pack`): the rows' tokens,
-    positions and write slots, each row's key slots, and the key columns."""
+    """A step's metadata, unpacked in the graph from the one host tensor (`StaticStep.pack`): the rows' positions and
+    write slots, each row's key slots, and the key columns."""
 
     def __init__(self, meta: torch.Tensor, pool: KVPool) -> None:
-        self.ids, self.positions, self.write_slots = meta[:, 0], meta[:, 1], meta[:, 2]
+        self.positions, self.write_slots = meta[:, 1], meta[:, 2]
         self.key_slots = meta[:, 3:]
         self.columns = torch.arange(self.key_slots.shape[1], device=meta.device)
         self.pool = pool
@@ -101,14 +106,18 @@ class StaticBatch:
         return StaticLayer(self.pool.k[i], self.pool.v[i], self)
 
 
-class StaticDecode:
-    """The compiled plain-decode step of `target` over `pool`, whose last block (`scratch_block`) no sequence owns."""
+class StaticStep:
+    """The compiled target pass of `target` over `pool`, whose last block (`scratch_block`) no sequence owns: any
+    number of rows, each a token at a position of a sequence (a plain step's one row per sequence; a verification's
+    t_m and its drafts, k + 1 rows), every row attending to its sequence's keys up to its own position — the rows of
+    one sequence written in the same step included, since every row's key and value is written before any row
+    attends."""
 
     def __init__(self, target, pool: KVPool, block_size: int, scratch_block: int) -> None:
         self.target, self.pool, self.block_size = target, pool, block_size
         self.scratch = scratch_block * block_size
         self.device = target.model.embed_tokens.weight.device
-        self.compiled: dict[tuple[int, int], object] = {}
+        self.compiled: dict[tuple[int, int, tuple[int, ...]], object] = {}
         self.compile_s = 0.0
         self.steps = 0
         # on CUDA the graph is also captured as a CUDA graph (one launch a step); the pool it writes must then keep
@@ -122,43 +131,68 @@ class StaticDecode:
 
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
 
-    def pack(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
-        """The step's metadata as one int64 tensor [B', 3 + K] (B' the batch bucket, K the key bucket of the longest
-        block table), built on the host from the block tables' ids and put on the device in one copy."""
-        n, bs = len(ids), self.block_size
+    def pack(self, ids: list[int] | None, positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """The step's metadata as one int64 tensor [N', 3 + K] (N' the row bucket, K the key bucket of the longest
+        block table): per row its token (0 where the tokens are on the device already), position, write slot and
+        key slots — built on the host from the block tables' ids and put on the device in one copy."""
+        n, bs = len(positions), self.block_size
         width = key_bucket(max(len(b) for b in blocks), bs)
         meta = torch.full((batch_bucket(n), 3 + width), self.scratch, dtype=torch.long)
-        meta[n:, :2] = 0  # padding rows: token 0 at position 0, keys and values in the scratch slot
-        meta[:n, 0] = torch.tensor(ids, dtype=torch.long)
+        meta[:, :2] = 0  # padding rows: token 0 at position 0, keys and values in the scratch slot
+        if ids is not None:
+            meta[:n, 0] = torch.tensor(ids, dtype=torch.long)
         meta[:n, 1] = torch.tensor(positions, dtype=torch.long)
         offsets = torch.arange(bs)
+        tables: dict[int, torch.Tensor] = {}
         for i, (p, table) in enumerate(zip(positions, blocks)):
             meta[i, 2] = table[p // bs] * bs + p % bs
-            slots = (torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets).flatten()
+            slots = tables.get(id(table))
+            if slots is None:  # the rows of one sequence share its table
+                slots = tables[id(table)] = (torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets).flatten()
             meta[i, 3:3 + len(slots)] = slots
         return meta.to(self.device, non_blocking=True)
 
-    def _step(self, meta: torch.Tensor) -> torch.Tensor:
+    def _step(self, ids: torch.Tensor, meta: torch.Tensor, capture: tuple[int, ...] = ()):
         batch = StaticBatch(meta, self.pool)
-        out = self.target(batch.ids[None], batch.positions[None], cache=batch, logits="none")
-        return target_logits(self.target, out.hidden[0])
+        out = self.target(ids[None], batch.positions[None], cache=batch, logits="none", capture_layers=capture)
+        hidden = out.hidden[0]
+        return hidden, tuple(a[0] for a in out.aux), target_logits(self.target, hidden)
 
-    def logits(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
-        """[len(ids), V]: the target's logits for each sequence's next token (row i: token ids[i] at positions[i],
-        its sequence's block table `blocks[i]`)."""
-        meta = self.pack(ids, positions, blocks)
-        key = (meta.shape[0], meta.shape[1] - 3)
+    def forward(self, ids: list[int] | torch.Tensor, positions: list[int], blocks: list[list[int]],
+                capture: tuple[int, ...] = ()) -> TargetOutput:
+        """The target's pass over the rows (row i: token ids[i] at positions[i] of the sequence whose block table is
+        `blocks[i]`), as the eager packed pass returns it — hidden [1, N, H], the captured layers' inputs — with the
+        logits [N, V] too. `ids` may be on the device already (a draft the host has not read): then nothing of it
+        is read back."""
+        n = len(positions)
+        meta = self.pack(ids if isinstance(ids, list) else None, positions, blocks)
+        if isinstance(ids, list):
+            row_ids = meta[:, 0]
+        else:
+            row_ids = torch.cat([ids.reshape(-1), ids.new_zeros(meta.shape[0] - n)])
+        key = (meta.shape[0], meta.shape[1] - 3, tuple(capture))
         fn = self.compiled.get(key)
         if fn is None:
+            # compiled by a first run, timed apart (`compile_s`: a timed pass subtracts it); the step then runs again
+            # for its output — the same keys and values written to the same slots
             fn = torch.compile(self._step, dynamic=False, fullgraph=True, mode=self.mode)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
-            out = fn(meta)
+            fn(row_ids, meta, key[2])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
             self.compiled[key] = fn
-            log.info("engine: decode step compiled for batch %d × %d key slots in %.1f s", *key, seconds)
-        else:
-            out = fn(meta)
+            log.info("engine: target step compiled for %d rows × %d key slots%s in %.1f s", key[0], key[1],
+                     f", capturing layers {list(key[2])}" if key[2] else "", seconds)
+        hidden, aux, logits = fn(row_ids, meta, key[2])
         self.steps += 1
-        # a CUDA graph's output is overwritten by its next replay: the caller gets its own copy
-        return out[:len(ids)].clone() if self.mode else out[:len(ids)]
+        # a CUDA graph's outputs are overwritten by its next replay: the caller gets its own copies
+        own = (lambda t: t[:n].clone()) if self.mode else (lambda t: t[:n])
+        return TargetOutput(hidden=own(hidden)[None], logits=own(logits), aux=[own(a)[None] for a in aux])
+
+    def logits(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """[len(ids), V]: the target's logits for each row (a plain decode step: one row per sequence)."""
+        return self.forward(ids, positions, blocks).logits

@@ -1,0 +1,96 @@
+"""The compiled static step verifying speculative rounds (inference_eval/engine/static.py `StaticStep`,
+`Engine(compile="on")`): the seed's k = 1 MTP round, the chain round at k = 3 (the captured layers an EAGLE-3 head
+reads included) and a block head's round give the eager engine's tokens and acceptance exactly in float32, greedy
+and sampled; the k = 1 round reads no value back to the host with its target pass compiled."""
+
+from __future__ import annotations
+
+import torch
+
+from inference_eval.engine import Engine, engine_generate
+from inference_eval.speculative import Sampling
+from tests.test_dflash import _head as block_head
+from tests.test_engine_compile import _graphs
+from tests.test_engine import ARRIVALS, _train, mtp3, reference, varied  # noqa: F401 (fixtures)
+
+
+def _samplings(n: int) -> list[Sampling]:
+    return [Sampling(0.9, top_k=20, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+def test_compiled_verification_equals_the_eager_engine(varied, reference, mtp3):  # noqa: F811
+    target, head, prompts, path, batch = varied
+    eagle3 = _train(path, batch, {"type": "eagle3", "aux_layers": [1], "draft_vocab_size": 300}, steps=30)
+    dflash = block_head(path, "dflash")
+    for name, proposer, k in (("mtp k=1", head, 1), ("mtp3", mtp3, 3), ("eagle3", eagle3, 2), ("dflash", dflash, 3)):
+        want, eager = engine_generate(target, prompts, 20, proposer=proposer, k=k, arrivals=ARRIVALS)
+        out, eng = engine_generate(target, prompts, 20, proposer=proposer, k=k, arrivals=ARRIVALS, compile="on")
+        assert out == want == reference, name
+        assert eng.stats.accepted == eager.stats.accepted and eng.stats.steps == eager.stats.steps, name
+        # every round's target pass went through the compiled step (each step of this schedule runs a round),
+        # the verification's rows included: 8 sequences of k + 1 rows at the widest
+        assert eng.static.steps == eng.steps, (name, eng.static.steps, eng.steps)
+        assert max(key[0] for key in eng.static.compiled) >= 8 * (k + 1), (name, sorted(eng.static.compiled))
+        assert eager.stats.accepted[0] > 0 or name == "dflash", (name, eager.stats)  # an untrained block head
+    assert all(key[2] == dflash.capture_layers for key in eng.static.compiled)  # the layers the block head reads
+    # sampled: each request's own generator draws the same tokens as in the eager engine
+    for proposer, k in ((mtp3, 3), (eagle3, 2)):
+        want, eager = engine_generate(target, prompts, 20, proposer=proposer, k=k, sampling=_samplings(8),
+                                      arrivals=ARRIVALS)
+        out, eng = engine_generate(target, prompts, 20, proposer=proposer, k=k, sampling=_samplings(8),
+                                   arrivals=ARRIVALS, compile="on")
+        assert out == want and eng.stats.accepted == eager.stats.accepted
+        assert out != reference  # sampled, not greedy
+
+
+def test_the_k1_round_reads_nothing_back_with_its_target_pass_compiled(varied, reference):  # noqa: F811
+    target, head, prompts, *_ = varied
+
+    def run(guard: bool):
+        eng = Engine(target, head, k=1, num_blocks=64, block_size=16, compile="on")
+        eng.guard_host_reads = guard
+        rids = [eng.add_request(p, 20) for p in prompts]
+        res = eng.run()
+        return [res[r].tokens for r in rids], eng
+
+    out, eng = run(False)  # compiles the buckets (tracing reads values; a replay does not)
+    assert out == reference and eng.static.compiled and eng.stats.accepted[0] > 0
+    graphs = _graphs()
+    again, guarded = run(True)
+    assert again == reference and guarded.stats.accepted == eng.stats.accepted
+    assert _graphs() == graphs and guarded.static.steps == eng.static.steps  # the same graphs, replayed
+
+
+def test_seconds_spent_compiling_are_left_out_of_the_timed_passes(varied, monkeypatch):  # noqa: F811
+    """evaluate.compile=on: the evaluation's paired passes subtract the seconds a new shape bucket spent compiling
+    (here a stand-in compiler that sleeps 1 s per bucket, as dynamo's cache compiles each once per process), report
+    them apart (`compile_s`), and give the eager engine's outputs and τ."""
+    import time
+
+    import evaluation.evaluate as ev
+    import inference_eval.engine.static as static
+    from inference_eval.engine import PagedHeadProposer
+
+    target, head, prompts, *_ = varied
+    seen: set = set()
+
+    def slow_compile(fn, **_):
+        def run(ids, meta, capture):
+            if (tuple(meta.shape), capture) not in seen:
+                seen.add((tuple(meta.shape), capture))
+                time.sleep(1.0)
+            return fn(ids, meta, capture)
+        return run
+
+    items = [{"ids": p} for p in prompts[:4]]
+    eager, eager_plain = ev.evaluate_paired(target, {"head": (PagedHeadProposer(head), 2)}, items, 12, set(), 1,
+                                            pairs=2, warmup=1)
+    monkeypatch.setattr(static.torch, "compile", slow_compile)
+    out, plain = ev.evaluate_paired(target, {"head": (PagedHeadProposer(head), 2)}, items, 12, set(), 1, pairs=2,
+                                    warmup=0, compile="on")
+    res, outputs, _ = out["head"]
+    assert outputs == eager["head"][1] and res.tau == eager["head"][0].tau and res.alpha == eager["head"][0].alpha
+    assert len(seen) >= 4 and eager_plain.compile_s == 0.0
+    assert len(seen) <= res.compile_s + plain.compile_s < len(seen) + 2  # every bucket's second, and the steps run
+    timed = plain.new_tokens / plain.tokens_per_s + res.new_tokens / res.tokens_per_s
+    assert timed < 0.5 * len(seen), (timed, len(seen))  # the sleeps are not in the timed seconds
