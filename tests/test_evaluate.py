@@ -145,6 +145,12 @@ def test_evaluation_cli_any_checkpoint_draft_model_and_jsonl(tiny_overrides, tin
     tree = run_evaluation(compose_config(base + ["evaluate.proposer=tree", "evaluate.tree={depth: 2, topk: 3, total: 6}"]))
     assert tree["proposer"] == "tree" and tree["results"]["native"]["k"] == 2
     assert tree["results"]["native"]["tau"] >= 1.0 and "simulated_tau" not in tree["results"]["native"]
+    # the engine's target passes through its compiled static step: the same τ and α, the compile's seconds reported
+    compiled = run_evaluation(compose_config(base + ["evaluate.compile=on"]))
+    assert compiled["compile"] == "on" and res["native"]["compile_s"] == 0.0
+    assert compiled["results"]["native"]["tau"] == res["native"]["tau"]
+    assert compiled["results"]["native"]["alpha"] == res["native"]["alpha"]
+    assert compiled["results"]["native"]["compile_s"] > 0
     with pytest.raises(ValueError, match="batch_size=0"):
         run_evaluation(compose_config(base + ["evaluate.batch_size=0"]))
     with pytest.raises(ValueError, match="verifies greedily"):

@@ -349,3 +349,14 @@ def test_no_shipped_preset_is_refused(preset, tiny_target):
     local = compose_config([*preset, f"target.path={tiny_target}", "target.source=null", "target.dtype=float32"])
     for stage in ("precompute", "train", "pipeline"):
         check_before_work(local, stage)
+
+
+def test_evaluate_compile_takes_yamls_on_and_off():
+    """An unquoted `compile: off` in a YAML file reads as false: taken as off, not refused and not switched on."""
+    from evaluation.settings import EvalConfig
+    from experiments.stages import engine_compile
+
+    assert [engine_compile(v) for v in (False, True, "auto", "on", "off")] == ["off", "on", "auto", "on", "off"]
+    assert RULES_BY_KEY["evaluate.compile"].accept.ok(False) and not RULES_BY_KEY["evaluate.compile"].accept.ok("yes")
+    with pytest.raises(ValueError, match="evaluate.compile='yes': expected one of auto, on, off"):
+        EvalConfig(prompts=None, report=Path("r.json"), compile="yes")
