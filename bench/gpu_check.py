@@ -21,7 +21,8 @@ Wheels the device machine lacks, which the run carries (pip download them here i
 The `pipeline` part:
 
 On SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized), with `target.device=auto` (the first GPU):
-1. precompute through the engine on CUDA (bf16 store) — tokens/s;
+1. precompute through the engine on CUDA (bf16 store) — tokens/s with two batches in flight (the default on CUDA, a
+   stream each) and with one, and whether their stored states agree;
 2. train the default head (`mtp3`; docs/scale.md's H200 figures: the 1-module `mtp`, the default then) for
    `--steps` optimizer steps with the `gpu` trainer preset (bf16-mixed) — trained tokens/s over the timed steps,
    peak GPU memory;
@@ -216,6 +217,20 @@ def main(argv: list[str] | None = None) -> None:
     figures["precompute_tok_s"] = pstats.tokens_per_s
     print(f"[1/5] precompute on {device}: {pstats.samples} conversations, {pstats.tokens} tokens, "
           f"{pstats.tokens_per_s:.0f} tok/s ({time.perf_counter() - t0:.0f} s with loading)", flush=True)
+    if device.type == "cuda":  # the default runs two batches in flight (a stream each): against one, same store
+        from omegaconf import open_dict
+
+        one = copy.deepcopy(cfg)
+        with open_dict(one):
+            one.precompute.workers, one.store_dir = 1, str(out / "features_one_worker")
+        one_store, one_stats = run_precompute(one)
+        figures["precompute_tok_s_one_worker"] = one_stats.tokens_per_s
+        from data.store import FeatureStore
+
+        a, b = FeatureStore(store), FeatureStore(one_store)
+        same = sum(bool(torch.equal(a[i]["hidden"], b[i]["hidden"])) for i in range(min(len(a), len(b), 16)))
+        print(f"      one batch in flight: {one_stats.tokens_per_s:.0f} tok/s (two: {pstats.tokens_per_s:.0f}); "
+              f"identical states in {same} of the first {min(len(a), len(b), 16)} samples", flush=True)
 
     # 2 + 3. train, then the engine validation at the end of training
     timer = TrainTimer()

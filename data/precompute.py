@@ -35,9 +35,11 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,11 +206,28 @@ def _balanced_batches(window: list[int], lengths: list[int], batch_tokens: int, 
 
 
 def resolve_workers(workers: int | None, device: torch.device) -> int:
-    """Batches in flight at once: 1 on an accelerator; on CPU by default one per intra-op thread,
-    at most 4 (each worker then gets num_threads // workers threads)."""
+    """Batches in flight at once: on CUDA 2 (each worker thread on its own stream, `_worker_stream`: one batch's
+    copy to the host overlaps the next one's forward); on CPU by default one per intra-op thread, at most 4 (each
+    worker then gets num_threads // workers threads); 1 on another accelerator."""
     if workers is not None:
         return max(1, int(workers))
+    if device.type == "cuda":
+        return 2
     return 1 if device.type != "cpu" else max(1, min(4, torch.get_num_threads()))
+
+
+_WORKER = threading.local()
+
+
+def _worker_stream(device: torch.device):
+    """On CUDA, the calling worker thread's own stream (made once per thread): its batch's kernels and its blocking
+    copy to the host wait for that stream alone, so another worker's batch computes meanwhile. Elsewhere nothing."""
+    if device.type != "cuda":
+        return nullcontext()
+    stream = getattr(_WORKER, "stream", None)
+    if stream is None:
+        stream = _WORKER.stream = torch.cuda.Stream(device)
+    return torch.cuda.stream(stream)
 
 
 def _in_order(fn, jobs: list, pool: ThreadPoolExecutor | None, in_flight: int):
@@ -247,7 +266,7 @@ def batch_states(model, samples: list[tuple[str, list[int], list[int]]], batch: 
         return model.hidden_states([samples[i][1] for i in batch], aux_layers)
     device = model.device
     lengths = [len(samples[i][1]) for i in batch]
-    with torch.inference_mode():  # thread-local: entered in the worker
+    with torch.inference_mode(), _worker_stream(device):  # thread-local: entered in the worker
         if getattr(model, "supports_packing", False):
             input_ids = torch.tensor([t for i in batch for t in samples[i][1]], device=device)[None]
             out = packed_forward(model, input_ids, lengths, aux_layers)

@@ -245,3 +245,20 @@ def test_a_family_the_engine_lacks_goes_through_hf(tiny_overrides, tmp_path):
         with torch.no_grad():
             ref = model(got["input_ids"][None], output_hidden_states=True).hidden_states[-1][0]
         assert_same_states(model.model.norm(got["hidden"].float()), ref, path)  # other batches: float32 bound
+
+
+@pytest.mark.unit
+def test_two_batches_in_flight_on_cuda_each_worker_on_its_own_stream():
+    """On CUDA two batches are in flight by default, each worker thread on its own stream (one batch's blocking copy
+    to the host waits for its stream only); a set `precompute.workers` wins; on a CPU the default stays one worker
+    per intra-op thread (at most 4), and no stream is entered there."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from data.precompute import _worker_stream, resolve_workers
+
+    assert resolve_workers(None, torch.device("cuda")) == 2 and resolve_workers(3, torch.device("cuda")) == 3
+    assert resolve_workers(None, torch.device("mps")) == 1 and resolve_workers(0, torch.device("cpu")) == 1
+    assert resolve_workers(None, torch.device("cpu")) == max(1, min(4, torch.get_num_threads()))
+    assert isinstance(_worker_stream(torch.device("cpu")), nullcontext)
