@@ -44,7 +44,8 @@ def head_preset(name: str) -> tuple[DictConfig, dict[str, Any]]:
     """conf/head/<name>.yaml as an experiment swaps it in: (the `head` section, {dotted path: value} of the
     settings `head=<name>` composes beside it) — what the command line gives. A plain head file is the section
     itself; a preset (`# @package _global_`, as conf/head/mtp3.yaml) names its base head in its defaults
-    (`- mtp@head`), sets `head:` on top of it and other settings beside (train.module.*). The settings hold every
+    (`- mtp@head`, or another preset: `- dspark_net`), sets `head:` on top of it and other settings beside
+    (train.module.*). The settings hold every
     key any head preset sets: the preset's own values, else conf/config.yaml's — so a head swapped into a config
     composed with a preset (the default head, `mtp3`) does not keep that preset's training settings."""
     head, own = _head_file(name)
@@ -73,10 +74,14 @@ def _head_file(name: str) -> tuple[DictConfig, dict[str, Any]]:
     raw = OmegaConf.load(path)
     if "defaults" not in raw:
         return raw, {}
-    bases = [d for d in raw.defaults if isinstance(d, str) and d.endswith("@head")]
-    if len(bases) != 1 or len(raw.defaults) != 1:
-        raise ValueError(f"{path}: a head preset's defaults are one '<head>@head' entry, got {list(raw.defaults)}")
-    base, settings = _head_file(bases[0].removesuffix("@head"))
+    # one base: a head section (`- dflash_net@head`) or another preset of conf/head (`- dspark_net`)
+    entry = raw.defaults[0] if len(raw.defaults) == 1 else None
+    preset = isinstance(entry, str) and not entry.endswith("@head") and (CONF / "head" / f"{entry}.yaml").exists() \
+        and "defaults" in OmegaConf.load(CONF / "head" / f"{entry}.yaml")
+    if not isinstance(entry, str) or not (entry.endswith("@head") or preset):
+        raise ValueError(f"{path}: a head preset's defaults are one '<head>@head' or '<head preset>' entry, got "
+                         f"{list(raw.defaults)}")
+    base, settings = _head_file(entry.removesuffix("@head"))
     rest = {k: v for k, v in OmegaConf.to_container(raw).items() if k not in ("defaults", "head")}
     return OmegaConf.merge(base, raw.get("head") or {}), settings | flatten(rest)
 

@@ -118,6 +118,9 @@ def test_auto_is_muon_for_the_measured_heads_and_adamw_under_deepspeed(tiny_targ
 
     assert resolve_optimizer("auto", "mtp", on_deepspeed=False) == "muon"
     assert resolve_optimizer("auto", "mtp", on_deepspeed=True) == "adamw"
+    for kind in ("dflash", "dspark"):  # the block heads: Muon in the peer's recipes they train with
+        assert resolve_optimizer("auto", kind, on_deepspeed=False) == "muon"
+        assert resolve_optimizer("auto", kind, on_deepspeed=True) == "adamw"
     for kind in ("eagle3", "eagle1", "medusa", "draft_lm"):
         assert resolve_optimizer("auto", kind, on_deepspeed=False) == "adamw", kind
     assert resolve_optimizer("adamw", "mtp", on_deepspeed=False) == "adamw"

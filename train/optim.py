@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 OPTIMIZERS = ("adamw", "muon")
 SETTINGS = ("auto", *OPTIMIZERS)  # train.module.optimizer
 # the head types `auto` trains with Muon: measured at the demo's budget on two seeds (docs/RESULTS.md §8); eagle3
-# and draft_lm were measured there too and do not gain (§8, "Muon on `eagle3` and `draft_lm`"); dflash as part of the
-# peer's recipe that conf/head/dflash.yaml trains with (§10)
-MUON_HEAD_TYPES = ("mtp", "dflash")
+# and draft_lm were measured there too and do not gain (§8, "Muon on `eagle3` and `draft_lm`"); dflash and dspark as
+# part of the peer's recipes that conf/head/dflash.yaml and conf/head/dspark.yaml train with (§10)
+MUON_HEAD_TYPES = ("mtp", "dflash", "dspark")
 SCHEDULES = ("cosine", "linear")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # the quintic of Keller Jordan's Muon (torch's default too)
 
