@@ -48,7 +48,7 @@ class EvalConfig:
     tree: dict[str, int] | None = None  # proposer=tree: depth, topk, total
     stop_below: float | None = None  # a block head with a confidence head: the adaptive draft length's threshold
     head_dtype: str | None = None
-    compile: str = "auto"  # the engine's static step: auto (compiled on CUDA), on, off (inference_eval/engine/static.py)
+    compile: str = "off"  # the engine's static step: auto (compiled on CUDA), on, off (inference_eval/engine/static.py)
     simulated_tau: bool = True
     plain_baseline: bool = False
     speed_pairs: int = 4
