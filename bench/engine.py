@@ -218,6 +218,7 @@ def main() -> None:
         hf_generate(model, tok, prompts[:2], 4)
 
     load = Load()
+    nprompts = 2 if args.quick else 4  # the speculative measurements' prompts
     head_dir = Path(args.head)
     head = vocab = served = None
     if (head_dir / "config.json").exists():
@@ -226,9 +227,8 @@ def main() -> None:
         vocab = (frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)
                  if args.draft_vocab else None)
         if args.compile:  # the verification's buckets too, before any timing
-            nprompts_ = 2 if args.quick else 4
             compile_s = sum(ours(target, [p], new, PagedHeadProposer(head, vocab), args.k, compile="on")[2].compile_s
-                            for p in prompts[:nprompts_])
+                            for p in prompts[:nprompts])
             print(f"the engine's static step for k={args.k} rounds compiled in {compile_s:.1f} s, not timed below",
                   flush=True)
         if with_vllm:  # the same head in the format vLLM serves (an export of one is served as it is)
@@ -241,7 +241,6 @@ def main() -> None:
     else:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
-    nprompts = 2 if args.quick else 4
 
     def measure(k: int, draft_vocab, sides: VllmSides | None = None, **engine_kw) -> tuple[Paired, float, Paired | None]:
         """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ; with `sides`, vLLM's
