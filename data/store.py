@@ -610,6 +610,7 @@ class FeatureStore:
             self._index.extend((si, j) for j in range(shard["num_samples"]))
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
+        self._aux_pick: list[int] | None = None  # positions among aux_layers that __getitem__ returns (None: all)
         self.storage_dtype = storage_dtype(self.manifest.get("dtype", "bfloat16"))
         self.hidden_dtype = (DTYPES[self.manifest.get("dequantized_dtype", "float32")] if self.storage_dtype == FP8
                              else STORAGE_DTYPES[self.storage_dtype])
@@ -672,6 +673,22 @@ class FeatureStore:
         """Target layers whose inputs the store holds as `aux_hidden` (empty: none)."""
         return list(self.manifest.get("captured", {}).get("aux_layers") or [])
 
+    @property
+    def read_aux_layers(self) -> list[int]:
+        """The aux layers `__getitem__` returns as `aux_hidden`, in order: `aux_layers`, or the ones selected."""
+        stored = self.aux_layers
+        return stored if self._aux_pick is None else [stored[p] for p in self._aux_pick]
+
+    def select_aux_layers(self, layers) -> None:
+        """Have `__getitem__` return the states of these captured layers only, in this order — one store serves
+        heads that read different subsets of the layers it captured. Raises StoreError naming the missing ones."""
+        stored, layers = self.aux_layers, [int(i) for i in layers]
+        missing = [i for i in layers if i not in stored]
+        if missing or not layers or len(set(layers)) != len(layers):
+            raise StoreError(f"{self.root}: the store holds aux layers {stored or 'none'}; cannot read {layers}"
+                             + (f" ({missing} not among them)" if missing else " (a non-empty list of distinct ids)"))
+        self._aux_pick = None if layers == stored else [stored.index(i) for i in layers]
+
     def token_counts(self, vocab_size: int, indices: list[int] | None = None) -> torch.Tensor:
         """How often each token id occurs as a loss (assistant) token in the given samples (all by default):
         the frequencies an EAGLE-3 draft vocabulary is chosen from."""
@@ -731,6 +748,9 @@ class FeatureStore:
                 k = len(self.aux_layers)
                 aux = dequantize_fp8(aux.reshape((b - a) * k, -1), fh.get_slice("aux_scale")[a:b].reshape(-1),
                                      self.hidden_dtype).reshape(b - a, -1)
+            if self._aux_pick is not None:
+                k, t = len(self.aux_layers), b - a
+                aux = aux.reshape(t, k, -1)[:, self._aux_pick].reshape(t, -1)
             out["aux_hidden"] = aux
         return out
 

@@ -131,6 +131,7 @@ def heldout(cfg: DictConfig, head_dir: Path, dm: FeatureDataModule, depth: int, 
     tied, args, _ = tied_target(target_config(cfg.target).dir)
     head = load_native(head_dir, tied, args, expected_fingerprint=fp)
     depth = min(depth, head.max_depth or depth)
+    dm.read_layers_of(head)  # a store captured for more layers than the head reads
     return heldout_agreement(head, dm.val_dataloader(), depth) | {"conversations": len(dm.val_idx),
                                                                    "heldout_sha256": heldout_ids_digest(dm.val_ids)}
 

@@ -5,10 +5,12 @@ target's distribution (χ²), the loss's parts (decay and D-PACE weights, TV, th
 computation, chunked == unchunked in values and gradients, and anchors drawn per row from its tokens."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
+from data.store import FeatureStore
 from heads.dflash import block_mask, block_unroll, default_target_layers
 from heads.registry import build_head
 from inference_eval.engine import Engine, PagedBlockProposer, engine_generate
@@ -351,6 +353,44 @@ def test_block_head_trains_validates_and_evaluates_through_the_stages(tiny_overr
     else:
         with pytest.raises(ValueError, match=r"evaluate.stop_below, evaluate.heads.trained: .*no confidence head"):
             run_evaluation(adaptive)
+
+
+def test_dflash_head_trains_on_a_store_capturing_more_layers_than_it_reads(tiny_overrides, deep_target, tmp_path):
+    """One store serves heads reading different subsets of the layers it captured: a dflash head reading target
+    layers [2, 5] trains on a store capturing [1, 2, 5, 6] exactly as on a store capturing [2, 5] alone — the same
+    logged losses and the same saved weights (float32) — and scores the same held-out top-1 per block position
+    (experiments/runner.py `heldout`); a layer the store lacks is refused, naming the store's layers and the head's."""
+    from safetensors.torch import load_file
+
+    from experiments.runner import heldout, heldout_split
+    from experiments.stages import run_precompute, run_training
+    from tests.conftest import compose_config
+    from tests.helpers import data_module_of, init_head_of
+
+    base = [*tiny_overrides, f"target.path={deep_target}", "head=dflash", "head.num_layers=1", "head.block_size=4",
+            "head.target_layers=[2,5]", "trainer.max_epochs=1", "train.module.block.anchors=8",
+            "train.engine_validation.enabled=false"]
+    runs = {}
+    for name, aux in (("exact", "auto"), ("superset", "[1,2,5,6]")):
+        cfg = compose_config([*base, f"run_dir={tmp_path / name}", f"precompute.aux_layers={aux}"])
+        store, _ = run_precompute(cfg)
+        _, metrics = run_training(cfg)
+        held = heldout(cfg, Path(cfg.head_dir), heldout_split(cfg, Path(store), None, None), 3, None)
+        runs[name] = (cfg, metrics, load_file(str(next(Path(cfg.head_dir).glob("*.safetensors")))), held)
+    (ex_cfg, ex_m, ex_w, ex_h), (sup_cfg, sup_m, sup_w, sup_h) = runs["exact"], runs["superset"]
+    assert FeatureStore(ex_cfg.store_dir).aux_layers == [2, 5]
+    assert FeatureStore(sup_cfg.store_dir).aux_layers == [1, 2, 5, 6]
+    losses = sorted(k for k in ex_m if k.startswith(("train/", "val/")) and k.split("/")[1].startswith(("loss", "kl",
+                                                                                                    "acc", "tv")))
+    assert losses and [ex_m[k] for k in losses] == [sup_m[k] for k in losses]
+    assert ex_w.keys() == sup_w.keys() and all(torch.equal(ex_w[k], sup_w[k]) for k in ex_w)
+    assert ex_h["acc"] == sup_h["acc"] and len(ex_h["acc"]) == 3
+    assert ex_h["tokens"] == sup_h["tokens"] and min(ex_h["tokens"]) > 0
+    wrong = compose_config([*base, f"run_dir={tmp_path / 'superset'}", "head.target_layers=[3,5]"])
+    dm, _ = data_module_of(wrong)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"holds aux layers \[1, 2, 5, 6\], the dflash head reads \[3, 5\]"):
+        init_head_of(wrong, deep_target, dm)
 
 
 def test_dspark_confidence_ends_a_sequences_block_early_and_stays_lossless(varied, trained):

@@ -140,6 +140,44 @@ def test_fp8_round_trip_within_e4m3_precision(tmp_path):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("dtype", ["float32", "fp8"])
+def test_a_subset_of_the_aux_layers_reads_as_a_store_capturing_only_them(tmp_path, dtype):
+    """`select_aux_layers`: a store capturing layers [1, 3, 5, 6] returns, for [6, 3], what a store capturing
+    [6, 3] alone holds — bit for bit, fp8 included (one scale per token and layer), also through a pickled copy
+    (DataLoader workers); a layer it lacks, a repeated one or none at all is refused naming the store's layers."""
+    import pickle
+
+    g = torch.Generator().manual_seed(3)
+    h, layers = 8, [1, 3, 5, 6]
+    magnitudes = torch.tensor([1.0, 30.0, 0.01, 5.0]).repeat_interleave(h)  # per layer: fp8 scales them apart
+    samples = [Sample(f"s{i}", torch.arange(t), torch.ones(t, dtype=torch.long), torch.randn(t, h, generator=g),
+                      torch.randn(t, len(layers) * h, generator=g) * magnitudes) for i, t in enumerate((5, 9))]
+
+    def write(root, keep):
+        w = StoreWriter(root, FP, hidden_size=h, dtype=dtype, captured={"aux_layers": keep})
+        for s in samples:
+            cols = torch.cat([s.aux_hidden[:, layers.index(i) * h:(layers.index(i) + 1) * h] for i in keep], dim=1)
+            w.add(Sample(s.sample_id, s.input_ids, s.loss_mask, s.hidden, cols))
+        w.close()
+        return FeatureStore(root)
+
+    full, only = write(tmp_path / "full", layers), write(tmp_path / "only", [6, 3])
+    assert full.read_aux_layers == layers and full[0]["aux_hidden"].shape == (5, 4 * h)
+    full.select_aux_layers([6, 3])
+    assert full.aux_layers == layers and full.read_aux_layers == [6, 3]
+    for store in (full, pickle.loads(pickle.dumps(full))):
+        for i in range(2):
+            assert store[i]["aux_hidden"].shape[1] == 2 * h
+            assert torch.equal(store[i]["aux_hidden"], only[i]["aux_hidden"])
+            assert torch.equal(store[i]["hidden"], only[i]["hidden"])
+    full.select_aux_layers(layers)
+    assert torch.equal(full[1]["aux_hidden"], write(tmp_path / "again", layers)[1]["aux_hidden"])
+    for bad, says in (([2, 3], r"\[2\] not among them"), ([3, 3], "distinct"), ([], "non-empty")):
+        with pytest.raises(StoreError, match=r"holds aux layers \[1, 3, 5, 6\]; cannot read .*" + says):
+            full.select_aux_layers(bad)
+
+
+@pytest.mark.unit
 def test_fp8_reads_back_in_compute_dtype(tmp_path):
     s = _samples(1, h=16)[0]
     store = _write(tmp_path, [s], "fp8", fp={**FP, "compute_dtype": "bfloat16"}, h=16)

@@ -258,6 +258,7 @@ class FeatureDataModule(L.LightningDataModule):
         self.batch_tokens, self.val_fraction, self.seed, self.num_workers = batch_tokens, val_fraction, seed, num_workers
         self.packing = packing
         self.verify_store = verify_store  # full: sha256 of every shard, once per store state (a stamp); header
+        self.aux_read: list[int] | None = None  # the captured aux layers the head reads (None: all the store holds)
 
     def open_samples(self) -> FeatureStore:
         """The samples to train on: the store (train/online.py overrides it with tokenized conversations).
@@ -271,6 +272,8 @@ class FeatureDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.store = self.open_samples()
+        if self.aux_read is not None:
+            self.store.select_aux_layers(self.aux_read)
         n = len(self.store)
         ids = self.store.sample_ids()
         order = split_order(ids, self.split_seed)
@@ -283,6 +286,19 @@ class FeatureDataModule(L.LightningDataModule):
                 raise ValueError(f"train.data.train_samples={self.train_samples}: at least 1 (null: the whole split)")
             self.train_idx = self.train_idx[: int(self.train_samples)]
         self.lengths = self.store.lengths()
+
+    def read_layers_of(self, head) -> None:
+        """Serve `head` the aux layers it reads (its `capture_layers`): all the store holds, or a subset of them
+        (the store selects their columns); a layer the store did not capture is refused, saying what to set."""
+        wanted, stored = [int(i) for i in head.capture_layers], list(self.store.aux_layers)
+        if not wanted or wanted == stored:
+            return
+        if not set(wanted) <= set(stored):
+            raise ValueError(f"{self.store_dir}: the store holds aux layers {stored or 'none'}, the {head.kind} head "
+                             f"reads {wanted}: precompute a store with precompute.aux_layers={wanted} (`auto` does "
+                             "it for the configured head), or one capturing a superset of them")
+        self.aux_read = wanted
+        self.store.select_aux_layers(wanted)
 
     def sample_with_states(self, i: int) -> dict[str, torch.Tensor]:
         """Sample i (an index into the store) with its target states, as the store holds it."""

@@ -44,7 +44,7 @@ def init_head(spec: dict[str, Any], seed: int, target_dir: Path, dm: FeatureData
     """The head `spec` configures (the `head` section as a mapping), freshly initialised (seeded by `seed`) and tied
     to the target's frozen tensors — with `target` (a loaded engine model: online training), to that model's own
     tensors, not a copy. With the data module (set up): an EAGLE-3 head's draft vocabulary is chosen from the training
-    split's token frequencies, and a head's aux layers must be the ones the store captured."""
+    split's token frequencies, and the head's aux layers are read from the store (all it captured, or a subset)."""
     if target is None:
         tied, args, parts = tied_target(target_dir)
         first_norm = parts.first_input_norm
@@ -52,11 +52,7 @@ def init_head(spec: dict[str, Any], seed: int, target_dir: Path, dm: FeatureData
         tied, args, first_norm = tied_from_model(target), target.args, first_input_norm(target_dir)
     head = build_head(spec, args, tied)
     if dm is not None:
-        stored = dm.store.aux_layers
-        if head.capture_layers and list(head.capture_layers) != stored:
-            raise ValueError(f"{dm.store_dir}: the store holds aux layers {stored or 'none'}, the {head.kind} head reads "
-                             f"{list(head.capture_layers)}: precompute a store with precompute.aux_layers="
-                             f"{list(head.capture_layers)} (`auto` does it for the configured head)")
+        dm.read_layers_of(head)
         if hasattr(head, "set_draft_vocab"):
             head.set_draft_vocab(dm.store.token_counts(args.vocab_size, dm.train_idx))
     head.reset_parameters(int(seed), first_norm)
