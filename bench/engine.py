@@ -11,8 +11,10 @@
   (default 1: the seed's k = 1 schedule, `Engine._k1_round`) over the `--draft-vocab` most frequent
   assistant tokens of ShareGPT conversations 0–299 (FR-Spec style; 0: the whole vocabulary) — gives
   the summary's speedup over the engine's plain decoding on the same prompts (median) and its pooled
-  τ (emitted tokens / target passes). Other k and vocabularies (`--ks`), and at k = 1 the generic
-  chain round that reads drafts and acceptance on the host, are printed above the summary.
+  τ (emitted tokens / target passes). Other k and vocabularies (`--ks`, each with its round's cost in plain
+  steps, and compiled with `--compile`), and at k = 1 the generic chain round that reads drafts and acceptance on
+  the host, are printed above the summary. A block head (dflash, dspark) drafts through the engine's block
+  proposer, over its own vocabulary (`--draft-vocab` does not apply).
 
 - vLLM's CPU build (`make vllm-env`; `--vllm auto`: when `.venv-vllm` is there and not `--quick`) as a side of
   the same pairs: plain decoding at batch 1 and 8 beside the engine's, and speculative decoding at batch 1 with the
@@ -194,7 +196,7 @@ def main() -> None:
     from data.assets import ensure_smollm2_checkpoint
     from artifacts.export import load_any
     from data.prompts import mtbench_prompts
-    from inference_eval.engine import PagedHeadProposer, frequent_ids
+    from inference_eval.engine import PagedBlockProposer, PagedHeadProposer, frequent_ids
     from inference_eval.model import LlamaForCausalLM, resolve_device, tied_target
 
     dtype = getattr(torch, args.dtype)
@@ -224,10 +226,13 @@ def main() -> None:
     if (head_dir / "config.json").exists():
         tied, targs, _ = tied_target(path, dtype, device)
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
+        if getattr(head, "block", False) and args.draft_vocab:
+            print(f"a {head.kind} head drafts over its own vocabulary: --draft-vocab {args.draft_vocab} not applied")
+            args.draft_vocab = 0
         vocab = (frequent_ids(assistant_counts(tok, targs.vocab_size), args.draft_vocab)
                  if args.draft_vocab else None)
         if args.compile:  # the verification's buckets too, before any timing
-            compile_s = sum(ours(target, [p], new, PagedHeadProposer(head, vocab), args.k, compile="on")[2].compile_s
+            compile_s = sum(ours(target, [p], new, proposer(vocab), args.k, compile="on")[2].compile_s
                             for p in prompts[:nprompts])
             print(f"the engine's static step for k={args.k} rounds compiled in {compile_s:.1f} s, not timed below",
                   flush=True)
@@ -242,13 +247,17 @@ def main() -> None:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
 
+    def proposer(draft_vocab):
+        """The engine's proposer of the head: a block head's, or a chain head's over `draft_vocab`."""
+        return PagedBlockProposer(head) if getattr(head, "block", False) else PagedHeadProposer(head, draft_vocab)
+
     def measure(k: int, draft_vocab, sides: VllmSides | None = None, **engine_kw) -> tuple[Paired, float, Paired | None]:
         """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ; with `sides`, vLLM's
         speculative decoding of the same prompts in the same pairs (vLLM's seconds / the engine's)."""
         plain_s, spec_s, vllm_s, counts = [], [], [], {"emitted": 0, "steps": 0}
 
         def spec(p):
-            t, st, _ = ours(target, [p], new, PagedHeadProposer(head, draft_vocab), k, **engine_kw)
+            t, st, _ = ours(target, [p], new, proposer(draft_vocab), k, **engine_kw)
             counts["emitted"] += st.emitted
             counts["steps"] += st.steps
             return t
@@ -319,8 +328,13 @@ def main() -> None:
             for k in sorted({int(x) for x in args.ks.split(",") if x.strip()} - {args.k}):
                 for nv, v in ({0: None, args.draft_vocab: vocab} if vocab is not None else {0: None}).items():
                     sp, tau, _ = measure(k, v)
+                    cost = round_cost(target, proposer(v), k, prompts[:nprompts], new)
+                    text = ""
+                    if args.compile:
+                        ccost = round_cost(target, proposer(v), k, prompts[:nprompts], new, compile="on")
+                        text = f", a compiled round {ccost['cost']:.3f} compiled plain steps"
                     print(f"{n} thread(s) other: speculative b1 k={k} draft_vocab={nv or 'all'}: speedup {sp.text()}, "
-                          f"tau {tau:.3f}", flush=True)
+                          f"tau {tau:.3f}, a round costs {cost['cost']:.3f} plain steps{text}", flush=True)
             if args.k == 1 and not args.quick:
                 sp, tau, _ = measure(1, vocab, k1_schedule=False)
                 print(f"{n} thread(s): k=1 through the generic chain round (drafts and acceptance read on the host): "
@@ -333,7 +347,7 @@ def main() -> None:
                       f"vocabulary) τ {sides.tau():.3f} vs the engine's configured proposer (draft_vocab="
                       f"{args.draft_vocab or 'all'}) τ {tau:.3f}: vLLM's seconds / the engine's per pair {vs_vllm.text()}",
                       flush=True)
-            cost = round_cost(target, PagedHeadProposer(head, vocab), args.k, prompts[:nprompts], new)
+            cost = round_cost(target, proposer(vocab), args.k, prompts[:nprompts], new)
             print(f"{n} thread(s) configured: speculative b1 k={args.k} draft_vocab={args.draft_vocab or 'all'}"
                   f"{' (the k = 1 schedule)' if args.k == 1 else ''}: measured speedup {sp.text()}, tau {tau:.3f}; "
                   f"a round costs {cost['cost']:.3f} plain steps ({cost['round_s'] * 1e3:.1f} vs "
@@ -343,13 +357,13 @@ def main() -> None:
                 eager_s, compiled_s = [], []
                 for p in prompts[:nprompts]:
                     got = measure_pairs({
-                        "eager": lambda p=p: ours(target, [p], new, PagedHeadProposer(head, vocab), args.k)[0],
-                        "compiled": lambda p=p: ours(target, [p], new, PagedHeadProposer(head, vocab), args.k,
+                        "eager": lambda p=p: ours(target, [p], new, proposer(vocab), args.k)[0],
+                        "compiled": lambda p=p: ours(target, [p], new, proposer(vocab), args.k,
                                                      compile="on")[0]}, args.rounds, warmup=0, load=load)
                     eager_s += got.seconds["eager"]
                     compiled_s += got.seconds["compiled"]
                 keep(f"spec_compiled_vs_eager_b1{tag}", Paired.of(eager_s, compiled_s), n)
-                ccost = round_cost(target, PagedHeadProposer(head, vocab), args.k, prompts[:nprompts], new,
+                ccost = round_cost(target, proposer(vocab), args.k, prompts[:nprompts], new,
                                    compile="on")
                 print(f"{n} thread(s) compiled: speculative b1 k={args.k}: the eager rounds' seconds / the compiled "
                       f"ones' per pair {figures[f'spec_compiled_vs_eager_b1{tag}'].text()}; a compiled round costs "

@@ -44,7 +44,7 @@ def select_rows(loss_mask: torch.Tensor, max_rows: int | None) -> list[int]:
 def one_sequence(prop, dev: torch.device, length: int, k: int, block_size: int = 16) -> BlockTable:
     """Attach proposer `prop` to a one-sequence paged cache of `length` slots on `dev`; its block table."""
     blocks = -(-length // block_size)
-    prop.attach(SimpleNamespace(device=dev, num_blocks=blocks, block_size=block_size, k=k))
+    prop.attach(SimpleNamespace(device=dev, num_blocks=blocks, block_size=block_size, k=k, static=None))  # eager passes
     table = BlockTable(block_size, dev)
     table.extend(BlockAllocator(blocks).allocate(blocks))
     return table

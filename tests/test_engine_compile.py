@@ -66,7 +66,8 @@ def test_a_growing_batch_compiles_once_per_bucket_with_no_break_and_no_host_read
     assert again == engine_generate(target, others, 24, block_size=8)[0]
     assert _graphs() - graphs == len(set(eng2.static.compiled) - set(st.compiled))  # only its new buckets
     meta = st.pack([5, 6, 7], [9, 3, 12], [[0, 1], [2], [3, 4]])
-    assert tuple(meta.shape) == (4, 3 + 16) and meta[3, 2] == st.scratch  # the padding row writes the scratch slot
+    assert tuple(meta.shape) == (4, 4 + 16) and meta[3, 3] == st.scratch  # the padding row writes the scratch slot
+    assert meta[:3, 2].tolist() == [9, 3, 12]  # each row sees up to its own position (causal)
     assert torch._dynamo.explain(st._step)(meta[:, 0], meta).graph_break_count == 0
     first = st.logits([5, 6, 7], [9, 3, 12], [[0, 1], [2], [3, 4]])  # compiled here if this bucket is new
     with forbid_host_reads():  # the step itself, compiled: no value read back

@@ -138,7 +138,8 @@ class ChainProposer:
 
     def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
         e = self.engine
-        return KVPool.for_args(args, num_layers, e.num_blocks, e.block_size, dtype, e.device)
+        # the engine's blocks, and the compiled step's scratch block where it has one (its padding rows write there)
+        return KVPool.for_args(args, num_layers, e.num_blocks + (e.static is not None), e.block_size, dtype, e.device)
 
     def release(self, req: Request) -> None:
         return None

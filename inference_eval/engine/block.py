@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from inference_eval.engine.base import ChainProposer, Engine, Request, target_state
+from inference_eval.engine.static import LEAD, StaticBatch, batch_bucket
 from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
 
 
@@ -73,16 +74,50 @@ class PagedBlockProposer(ChainProposer):
                emitted: list[list[int]], argmax: torch.Tensor | None) -> None:
         self.write_context(reqs, target_state(self.head, vout.hidden, vout.aux), rows, [r.m for r in reqs])
 
-    def block_hidden(self, reqs: list[Request], k: int) -> torch.Tensor:
-        """One draft pass over every sequence's block at its m: the last layer's rows [B, block_rows(k), H]."""
+    def block_hidden(self, reqs: list[Request], k: int, greedy: bool = False):
+        """One draft pass over every sequence's block at its m: the last layer's rows [B, block_rows(k), H]. With
+        the engine's compiled step (static.py) the pass is one graph per bucket of sequences and key slots, and
+        `greedy` (every sequence greedy, drafting all k) adds the k left-to-right picks to it: then (rows, drafts
+        [B, k] on the device)."""
         dev, n = self.engine.device, self.head.block_rows(k)
         anchors = torch.tensor([r.tokens[-1] for r in reqs], device=dev)
+        static = self.engine.static
+        if static is not None:
+            d = len(reqs)
+            meta = static.pack(None, [r.m + j for r in reqs for j in range(n)],
+                               [r.table.blocks for r in reqs for _ in range(n)],
+                               limits=[r.m + n - 1 for r in reqs for _ in range(n)],  # the whole block: non-causal
+                               rows=batch_bucket(d) * n)  # padding sequences of n rows each, in the scratch slot
+            anchors = torch.cat([anchors, anchors.new_zeros(meta.shape[0] // n - d)])
+            name = f"{self.head.kind} block pass, blocks of {n} rows" + (f", {k} greedy drafts" if greedy else "")
+            out = static.run((name, meta.shape[0], meta.shape[1] - LEAD, ()), self._block_graph, anchors, meta, k,
+                             greedy)
+            self.passes += 1
+            return tuple(t[:d] for t in out) if greedy else out[:d]
         ids = self.head.block_inputs(anchors, n).view(1, -1)
         positions = torch.tensor([[r.m + j for j in range(n)] for r in reqs], device=dev).view(1, -1)
         full = torch.ones(n, n, dtype=torch.bool, device=dev)  # non-causal within the block
         batch = PagedBatch([SeqSlice(r.table, r.m, n, 0, full) for r in reqs], dev)
         self.passes += 1
-        return self.head(ids, positions, PagedCache(self.pool, batch)).view(len(reqs), n, -1)
+        h = self.head(ids, positions, PagedCache(self.pool, batch)).view(len(reqs), n, -1)
+        return (h, self.greedy_drafts(h, anchors, k)) if greedy else h
+
+    def _block_graph(self, anchors: torch.Tensor, meta: torch.Tensor, k: int, greedy: bool):
+        """The compiled block pass (static.py): the rows of `meta`, n per sequence of `anchors`."""
+        d = anchors.shape[0]
+        n = meta.shape[0] // d
+        cache = StaticBatch(meta, self.pool)
+        h = self.head(self.head.block_inputs(anchors, n).view(1, -1), cache.positions[None], cache).view(d, n, -1)
+        return (h, self.greedy_drafts(h, anchors, k)) if greedy else h
+
+    def greedy_drafts(self, h: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """The k greedy drafts [B, k] of block rows `h` [B, n, H] after `anchors` [B], left to right (DSpark's
+        Markov bias reads the draft before)."""
+        prev, drafts = anchors, []
+        for i in range(k):
+            prev = self.draft_logits(h[:, self.head.first_row + i], prev).argmax(-1)
+            drafts.append(prev)
+        return torch.stack(drafts, dim=1)
 
     def draft_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary [B, V] of block rows `h` [B, H] after tokens `prev` [B] (−inf outside
@@ -96,6 +131,9 @@ class PagedBlockProposer(ChainProposer):
         return out
 
     def propose(self, reqs: list[Request], k: int) -> tuple[list[list[int]], list[list]]:
+        if self.stop_below is None and all(r.sampling.greedy for r in reqs):  # the drafts' one read
+            _, drafts = self.block_hidden(reqs, k, greedy=True)
+            return drafts.tolist(), [[None] * k for _ in reqs]
         h = self.block_hidden(reqs, k)
         first = self.head.first_row
         prev = torch.tensor([r.tokens[-1] for r in reqs], device=self.engine.device)

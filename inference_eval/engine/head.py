@@ -74,7 +74,7 @@ class PagedHeadProposer(ChainProposer):
         flat_tok = torch.tensor([t for row in tokens for t in row], device=dev)[None]
         flat_pos = torch.tensor([b + j for b, t in zip(base, tokens) for j in range(len(t))], device=dev)[None]
         batch = PagedBatch([SeqSlice(r.table, b, len(t)) for r, b, t in zip(reqs, base, tokens)], dev)
-        return self.refresh_k1(states, flat_tok, flat_pos, batch)
+        return self.refresh_k1(states, flat_tok, flat_pos, PagedCache(self.pool, batch))
 
     def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
         for r in reqs:
@@ -164,12 +164,11 @@ class PagedHeadProposer(ChainProposer):
         for i, r in enumerate(reqs):
             self.states[r.rid], self.drafts[r.rid] = state[i], nxt[i]
 
-    def refresh_k1(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                   batch: PagedBatch) -> torch.Tensor:
+    def refresh_k1(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """Depth-1 head pass (every module, one attention metadata for all of them) over rows whose
-        tokens and positions are already on the device: [N, S]. The k = 1 round passes the metadata of
-        the target's own pass (same slots)."""
-        cache = PagedCache(self.pool, batch)
+        tokens and positions are already on the device: [N, S]. `cache`: the head pool under a batch's metadata
+        (a `PagedCache`, or the compiled step's `StaticBatch` over `self.pool`); the k = 1 round passes the
+        metadata of the target's own pass (same slots)."""
         out = self.head(states, tokens, positions, cache, 0)
         if self.head.separate_modules:
             for d in range(2, len(self.head.layers) + 1):

@@ -42,7 +42,7 @@ import torch
 
 from inference_eval.engine.base import Proposer, Request, Result, target_logits, target_state
 from inference_eval.engine.proposers import engine_proposer
-from inference_eval.engine.static import StaticStep, compile_enabled
+from inference_eval.engine.static import LEAD, StaticBatch, StaticStep, compile_enabled
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection
 
@@ -379,19 +379,41 @@ class Engine:
         """The device part of `_k1_round`: (g [D, 2], a [D], the head's new states [D, S], next drafts [D])."""
         prop = self.proposer
         draft = prop.k1_drafts(reqs)
+        if self.static is not None:  # the whole round one graph; the positions and tables are the host's
+            d = len(reqs)
+            meta = self.static.pack(None, [r.m + i for r in reqs for i in (0, 1)],
+                                    [r.table.blocks for r in reqs for _ in (0, 1)])
+            pad = meta.shape[0] // 2 - d  # padding pairs: token 0 at position 0, in the scratch slot
+            last, draft = (torch.cat([t, t.new_zeros(pad)]) for t in (last, draft))
+            key = ("k=1 round", meta.shape[0], meta.shape[1] - LEAD, tuple(self.capture))
+            out = self.static.run(key, self._k1_graph, last, draft, meta, key[3])
+            self.static.steps += 1
+            return tuple(t[:d] for t in out)
         ids = torch.stack([last, draft], dim=1).view(1, -1)  # [1, 2D]: t_m, d per sequence
-        if self.static is not None:  # the positions and tables are the host's; the drafts stay on the device
-            vout = self.static.forward(ids, [r.m + i for r in reqs for i in (0, 1)],
-                                       [r.table.blocks for r in reqs for _ in (0, 1)], self.capture)
-            logits = vout.logits
-        else:
-            vout = self.target(ids, positions, cache=PagedCache(self.pool, batch), logits="none",
-                               capture_layers=self.capture)
-            logits = target_logits(self.target, vout.hidden[0])
+        vout = self.target(ids, positions, cache=PagedCache(self.pool, batch), logits="none",
+                           capture_layers=self.capture)
+        return self._k1_rest(draft, vout.hidden, vout.aux, target_logits(self.target, vout.hidden[0]), positions,
+                             PagedCache(prop.pool, batch))
+
+    def _k1_graph(self, last: torch.Tensor, draft: torch.Tensor, meta: torch.Tensor, capture: tuple[int, ...]):
+        """The k = 1 round compiled as one graph (static.py): the target's pass over the 2·D' rows of `meta`, then
+        `_k1_rest` with the head pool under the same metadata."""
+        ids = torch.stack([last, draft], dim=1).view(-1)
+        hidden, aux, logits = self.static._step(ids, meta, capture)
+        head_cache = StaticBatch(meta, self.proposer.pool)
+        return self._k1_rest(draft, hidden[None], [a[None] for a in aux], logits, head_cache.positions[None],
+                             head_cache)
+
+    def _k1_rest(self, draft: torch.Tensor, hidden: torch.Tensor, aux: list[torch.Tensor], logits: torch.Tensor,
+                 positions: torch.Tensor, head_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After the target's pass over the rows (t_m, d) of each sequence: its argmax g at both rows, acceptance
+        a = [d == g_0], the head re-run on both positions with the target's states and tokens g, its state at row
+        a and the next draft from it."""
+        prop = self.proposer
         g = logits.argmax(-1).view(-1, 2)  # [D, 2]
         a = (g[:, 0] == draft).long()  # [D] 0/1
-        h = prop.refresh_k1(target_state(prop.head, vout.hidden, vout.aux), g.view(1, -1), positions, batch)
-        state = h[torch.arange(len(reqs), device=self.device) * 2 + a]  # [D, S]: the state at row a
+        h = prop.refresh_k1(target_state(prop.head, hidden, aux), g.view(1, -1), positions, head_cache)
+        state = h[torch.arange(draft.shape[0], device=self.device) * 2 + a]  # [D, S]: the state at row a
         return g, a, state, prop.draft_k1(state)
 
     def _tree_round(self) -> None:

@@ -10,10 +10,15 @@ trace again each time. Here every shape is fixed by a bucket:
   key and value to a scratch slot that no sequence owns (the pool's extra block, `Engine` allocates it) and reads
   only that slot;
 - the keys a row may see are its sequence's first K slots, K its block table's length rounded up to a power of
-  two of blocks (`key_bucket`) — position i of a sequence is column i, so the mask is `column ≤ position` (and
-  inside the window of a sliding-window layer), computed in the graph from the positions;
-- the host builds the metadata once per step — tokens, positions, write slots, the [B, K] key slots — and hands
-  it over as one int64 tensor (one transfer on an accelerator); nothing inside the step depends on a value.
+  two of blocks (`key_bucket`) — position i of a sequence is column i, so the mask is `column ≤ limit` (and
+  inside the window of a sliding-window layer), computed in the graph; a row's limit is its own position (causal)
+  or, for a block drafter's rows, the block's last position (non-causal within the block);
+- the host builds the metadata once per step — tokens, positions, limits, write slots, the [B, K] key slots — and
+  hands it over as one int64 tensor (one transfer on an accelerator); nothing inside the step depends on a value.
+
+`StaticStep.run` compiles any pass over such metadata, one graph per key: the target step here, the whole k = 1 MTP
+round (scheduler.py `_k1_graph`: the target's pass and the head's refresh over the head's pool under the same
+metadata) and a block drafter's pass (block.py).
 
 One compiled graph per (row bucket, key bucket, captured layers), compiled on first use (the seconds logged once per
 bucket and summed in `compile_s`), the target's final norm and lm_head in it: the step returns the last hidden state,
@@ -33,6 +38,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 from inference_eval.engine.base import target_logits
 from inference_eval.model import TargetOutput
@@ -41,6 +47,7 @@ from inference_eval.paged import KVPool
 log = logging.getLogger(__name__)
 
 COMPILE = ("auto", "on", "off")
+LEAD = 4  # a metadata row's columns before its key slots: token, position, last position seen, write slot
 
 
 def compile_enabled(setting: str, device: torch.device) -> bool:
@@ -79,12 +86,19 @@ class StaticLayer:
         kb = _gather(self.k_pool, st.key_slots)  # [B, nKV, K, d]
         vb = kb[..., :value_dim] if v is None else _gather(self.v_pool, st.key_slots)
         g = n_heads // kb.shape[1]
-        visible = st.columns <= st.positions[:, None]  # [B, K]
+        visible = st.columns <= st.limits[:, None]  # [B, K]
         if window is not None:
             visible = visible & (st.positions[:, None] - st.columns < window)
         qb = q[0].transpose(0, 1).reshape(b, kb.shape[1], g, d)  # the g query heads of a key head as its rows
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible[:, None, None, :], scale=scale)
         return out.reshape(b, n_heads, out.shape[-1]).transpose(0, 1)[None]
+
+
+def describe(key: tuple) -> str:
+    """A bucket key in words: (rows, key slots, captured layers) of the target step, or (name, rows, key slots,
+    captured layers) of another compiled pass."""
+    name, (rows, keys, capture) = ("target step", key) if isinstance(key[0], int) else (key[0], key[1:])
+    return f"{name} for {rows} rows × {keys} key slots" + (f", capturing layers {list(capture)}" if capture else "")
 
 
 def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -93,12 +107,12 @@ def _gather(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class StaticBatch:
-    """A step's metadata, unpacked in the graph from the one host tensor (`StaticStep.pack`): the rows' positions and
-    write slots, each row's key slots, and the key columns."""
+    """A step's metadata, unpacked in the graph from the one host tensor (`StaticStep.pack`): the rows' positions,
+    the last position each row sees, write slots, each row's key slots, and the key columns."""
 
     def __init__(self, meta: torch.Tensor, pool: KVPool) -> None:
-        self.positions, self.write_slots = meta[:, 1], meta[:, 2]
-        self.key_slots = meta[:, 3:]
+        self.positions, self.limits, self.write_slots = meta[:, 1], meta[:, 2], meta[:, 3]
+        self.key_slots = meta[:, LEAD:]
         self.columns = torch.arange(self.key_slots.shape[1], device=meta.device)
         self.pool = pool
 
@@ -111,7 +125,7 @@ class StaticStep:
     number of rows, each a token at a position of a sequence (a plain step's one row per sequence; a verification's
     t_m and its drafts, k + 1 rows), every row attending to its sequence's keys up to its own position — the rows of
     one sequence written in the same step included, since every row's key and value is written before any row
-    attends."""
+    attends. A drafter's pool must hold the scratch block too (base.py `ChainProposer._pool`)."""
 
     def __init__(self, target, pool: KVPool, block_size: int, scratch_block: int) -> None:
         self.target, self.pool, self.block_size = target, pool, block_size
@@ -131,25 +145,28 @@ class StaticStep:
 
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
 
-    def pack(self, ids: list[int] | None, positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
-        """The step's metadata as one int64 tensor [N', 3 + K] (N' the row bucket, K the key bucket of the longest
-        block table): per row its token (0 where the tokens are on the device already), position, write slot and
-        key slots — built on the host from the block tables' ids and put on the device in one copy."""
+    def pack(self, ids: list[int] | None, positions: list[int], blocks: list[list[int]],
+             limits: list[int] | None = None, rows: int | None = None) -> torch.Tensor:
+        """The step's metadata as one int64 tensor [N', 4 + K] (N' = `rows`, by default the row bucket; K the key
+        bucket of the longest block table): per row its token (0 where the tokens are on the device already),
+        position, the last position it sees (`limits`; by default its own: causal), write slot and key slots —
+        built on the host from the block tables' ids and put on the device in one copy."""
         n, bs = len(positions), self.block_size
         width = key_bucket(max(len(b) for b in blocks), bs)
-        meta = torch.full((batch_bucket(n), 3 + width), self.scratch, dtype=torch.long)
-        meta[:, :2] = 0  # padding rows: token 0 at position 0, keys and values in the scratch slot
+        meta = torch.full((rows or batch_bucket(n), LEAD + width), self.scratch, dtype=torch.long)
+        meta[:, :3] = 0  # padding rows: token 0 at position 0, keys and values in the scratch slot
         if ids is not None:
             meta[:n, 0] = torch.tensor(ids, dtype=torch.long)
         meta[:n, 1] = torch.tensor(positions, dtype=torch.long)
+        meta[:n, 2] = meta[:n, 1] if limits is None else torch.tensor(limits, dtype=torch.long)
         offsets = torch.arange(bs)
         tables: dict[int, torch.Tensor] = {}
         for i, (p, table) in enumerate(zip(positions, blocks)):
-            meta[i, 2] = table[p // bs] * bs + p % bs
+            meta[i, 3] = table[p // bs] * bs + p % bs
             slots = tables.get(id(table))
             if slots is None:  # the rows of one sequence share its table
                 slots = tables[id(table)] = (torch.tensor(table, dtype=torch.long)[:, None] * bs + offsets).flatten()
-            meta[i, 3:3 + len(slots)] = slots
+            meta[i, LEAD:LEAD + len(slots)] = slots
         return meta.to(self.device, non_blocking=True)
 
     def _step(self, ids: torch.Tensor, meta: torch.Tensor, capture: tuple[int, ...] = ()):
@@ -170,28 +187,33 @@ class StaticStep:
             row_ids = meta[:, 0]
         else:
             row_ids = torch.cat([ids.reshape(-1), ids.new_zeros(meta.shape[0] - n)])
-        key = (meta.shape[0], meta.shape[1] - 3, tuple(capture))
-        fn = self.compiled.get(key)
-        if fn is None:
-            # compiled by a first run, timed apart (`compile_s`: a timed pass subtracts it); the step then runs again
-            # for its output — the same keys and values written to the same slots
-            fn = torch.compile(self._step, dynamic=False, fullgraph=True, mode=self.mode)
+        key = (meta.shape[0], meta.shape[1] - LEAD, tuple(capture))
+        hidden, aux, logits = self.run(key, self._step, row_ids, meta, key[2])
+        self.steps += 1
+        return TargetOutput(hidden=hidden[:n][None], logits=logits[:n], aux=[a[:n][None] for a in aux])
+
+    def run(self, key: tuple, fn, *args):
+        """`fn(*args)` through its compiled graph for `key` (a shape bucket: one graph per key, fn's inputs of the
+        bucket's shapes). A new key is compiled by a first run, timed apart (`compile_s`: a timed pass subtracts
+        it); fn then runs again for its output, so fn must write the same values to the same slots on a rerun.
+        With CUDA graphs the outputs are copies (a replay overwrites the graph's own)."""
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True, mode=self.mode)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
-            fn(row_ids, meta, key[2])
+            compiled(*args)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
             self.compile_s += seconds
-            self.compiled[key] = fn
-            log.info("engine: target step compiled for %d rows × %d key slots%s in %.1f s", key[0], key[1],
-                     f", capturing layers {list(key[2])}" if key[2] else "", seconds)
-        hidden, aux, logits = fn(row_ids, meta, key[2])
-        self.steps += 1
-        # a CUDA graph's outputs are overwritten by its next replay: the caller gets its own copies
-        own = (lambda t: t[:n].clone()) if self.mode else (lambda t: t[:n])
-        return TargetOutput(hidden=own(hidden)[None], logits=own(logits), aux=[own(a)[None] for a in aux])
+            self.compiled[key] = compiled
+            log.info("engine: %s compiled in %.1f s", describe(key), seconds)
+        out = compiled(*args)
+        if self.mode:
+            out = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        return out
 
     def logits(self, ids: list[int], positions: list[int], blocks: list[list[int]]) -> torch.Tensor:
         """[len(ids), V]: the target's logits for each row (a plain decode step: one row per sequence)."""
