@@ -139,7 +139,10 @@ class ChainProposer:
     def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
         e = self.engine
         # the engine's blocks, and the compiled step's scratch block where it has one (its padding rows write there)
-        return KVPool.for_args(args, num_layers, e.num_blocks + (e.static is not None), e.block_size, dtype, e.device)
+        pool = KVPool.for_args(args, num_layers, e.num_blocks + (e.static is not None), e.block_size, dtype, e.device)
+        if e.static is not None:
+            e.static.adopt(pool)
+        return pool
 
     def release(self, req: Request) -> None:
         return None

@@ -131,19 +131,24 @@ class StaticStep:
         self.target, self.pool, self.block_size = target, pool, block_size
         self.scratch = scratch_block * block_size
         self.device = target.model.embed_tokens.weight.device
-        self.compiled: dict[tuple[int, int, tuple[int, ...]], object] = {}
+        self.compiled: dict[tuple, object] = {}  # key (static.py `describe`) → its compiled pass
         self.compile_s = 0.0
         self.steps = 0
         # on CUDA the graph is also captured as a CUDA graph (one launch a step); the pool it writes must then keep
         # its address, which marking it static promises the capture
         self.mode = "reduce-overhead" if self.device.type == "cuda" else None
-        if self.device.type == "cuda":
-            for t in (*pool.k, *pool.v):
-                torch._dynamo.mark_static_address(t)
+        self.adopt(pool)
         # one graph per bucket: dynamo keeps them all (its default of 8 per function would start evicting)
         import torch._dynamo.config as dynamo_config
 
         dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 64)
+
+    def adopt(self, pool: KVPool) -> None:
+        """A pool the compiled passes write (the target's, a drafter's): on CUDA its tensors are marked static, so
+        the CUDA graphs that write them keep their addresses instead of copying them in."""
+        if self.device.type == "cuda":
+            for t in (*pool.k, *pool.v):
+                torch._dynamo.mark_static_address(t)
 
     def pack(self, ids: list[int] | None, positions: list[int], blocks: list[list[int]],
              limits: list[int] | None = None, rows: int | None = None) -> torch.Tensor:
