@@ -105,3 +105,33 @@ def test_seconds_spent_compiling_are_left_out_of_the_timed_passes(varied, monkey
     assert len(seen) <= res.compile_s + plain.compile_s < len(seen) + 2  # every bucket's second, and the steps run
     timed = plain.new_tokens / plain.tokens_per_s + res.new_tokens / res.tokens_per_s
     assert timed < 0.5 * len(seen), (timed, len(seen))  # the sleeps are not in the timed seconds
+
+
+def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, reference):  # noqa: F811
+    """static.py `PoolCache`: an engine with the compiled step gets the target's and its head's KV pools of an
+    engine that is gone (so CUDA graphs recorded against those addresses replay), never one a live engine holds,
+    and decodes the same tokens on a used pool as on a fresh one."""
+    from inference_eval.engine import PagedHeadProposer
+    from inference_eval.engine.static import POOLS
+
+    target, head, prompts, *_ = varied
+
+    def engine():
+        return Engine(target, PagedHeadProposer(head), k=1, num_blocks=48, block_size=16, compile="on")
+
+    def decode(eng):
+        rids = [eng.add_request(p, 20) for p in prompts]
+        res = eng.run()
+        return [res[r].tokens for r in rids]
+
+    first = engine()
+    pools = (first.pool, first.proposer.pool)
+    assert first.pool.k[0].shape[0] == 49 * 16 and first.proposer.pool.k[0].shape[0] == 49 * 16  # + the scratch block
+    assert decode(first) == reference
+    live = engine()  # the first is alive: pools of its own
+    assert {id(live.pool), id(live.proposer.pool)}.isdisjoint(map(id, pools))
+    made = POOLS.made
+    del first
+    again = engine()
+    assert (again.pool, again.proposer.pool) == pools and POOLS.made == made  # the gone engine's, none made
+    assert decode(again) == reference and decode(live) == reference

@@ -138,10 +138,14 @@ class ChainProposer:
 
     def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
         e = self.engine
-        # the engine's blocks, and the compiled step's scratch block where it has one (its padding rows write there)
-        pool = KVPool.for_args(args, num_layers, e.num_blocks + (e.static is not None), e.block_size, dtype, e.device)
-        if e.static is not None:
-            e.static.adopt(pool)
+        if e.static is None:
+            return KVPool.for_args(args, num_layers, e.num_blocks, e.block_size, dtype, e.device)
+        # with the compiled step: its scratch block too (its padding rows write there), a pool lent for the engine's
+        # life (static.py `PoolCache`)
+        from inference_eval.engine.static import POOLS
+
+        pool = POOLS.lend(e, args, num_layers, e.num_blocks + 1, e.block_size, dtype, e.device)
+        e.static.adopt(pool)
         return pool
 
     def release(self, req: Request) -> None:

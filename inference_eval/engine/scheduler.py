@@ -42,7 +42,7 @@ import torch
 
 from inference_eval.engine.base import Proposer, Request, Result, target_logits, target_state
 from inference_eval.engine.proposers import engine_proposer
-from inference_eval.engine.static import LEAD, StaticBatch, StaticStep, compile_enabled
+from inference_eval.engine.static import LEAD, POOLS, StaticBatch, StaticStep, compile_enabled
 from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection
 
@@ -102,7 +102,7 @@ class Engine:
                                  "(its MoE routing) and cannot be one graph; set compile=auto or off")
             compile = "off"
         if compile_enabled(compile, self.device):
-            self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks + 1, block_size, target.dtype, self.device)
+            self.pool = POOLS.lend(self, a, a.num_hidden_layers, num_blocks + 1, block_size, target.dtype, self.device)
             self.static = StaticStep(target, self.pool, block_size, scratch_block=num_blocks)
         else:
             self.pool = KVPool.for_args(a, a.num_hidden_layers, num_blocks, block_size, target.dtype, self.device)
