@@ -30,6 +30,8 @@ otherwise (decode, verification) the queries and each sequence's keys are gather
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,35 @@ class KVPool:
         """Move the entries of slots `src` to slots `dst` in every layer (tree compaction)."""
         for pool in (*self.k, *self.v):
             pool.index_copy_(0, dst, pool.index_select(0, src))
+
+
+class PoolCache:
+    """The KV pools of engines with a compiled step, lent again once their engine is gone. A compiled pass's CUDA
+    graph is recorded against the addresses of the pools it writes: an engine on a pool an earlier engine used
+    replays the graphs recorded then, where a new pool would record every graph again (with its memory) — and an
+    evaluation builds an engine per timed pass. Two live engines never share a pool."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[KVPool]] = {}
+        self.made = 0
+
+    def lend(self, owner, args, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> KVPool:
+        """A pool of this layout for `owner` (an engine), back in the cache when the owner is collected."""
+        key = (args.kv_layout(), num_layers, num_blocks, block_size, dtype, str(device))
+        free = self.free.setdefault(key, [])
+        if not free:
+            gc.collect()  # an engine and its proposer reference each other: a gone engine waits for the collector
+        if free:
+            pool = free.pop()
+        else:
+            pool = KVPool.for_args(args, num_layers, num_blocks, block_size, dtype, device)
+            self.made += 1
+        weakref.finalize(owner, free.append, pool)
+        return pool
+
+
+POOLS = PoolCache()
 
 
 class BlockTable:

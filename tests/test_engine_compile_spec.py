@@ -108,11 +108,11 @@ def test_seconds_spent_compiling_are_left_out_of_the_timed_passes(varied, monkey
 
 
 def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, reference):  # noqa: F811
-    """static.py `PoolCache`: an engine with the compiled step gets the target's and its head's KV pools of an
+    """paged.py `PoolCache`: an engine with the compiled step gets the target's and its head's KV pools of an
     engine that is gone (so CUDA graphs recorded against those addresses replay), never one a live engine holds,
     and decodes the same tokens on a used pool as on a fresh one."""
     from inference_eval.engine import PagedHeadProposer
-    from inference_eval.engine.static import POOLS
+    from inference_eval.paged import POOLS
 
     target, head, prompts, *_ = varied
 

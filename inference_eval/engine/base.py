@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from inference_eval.paged import BlockTable, KVPool
+from inference_eval.paged import POOLS, BlockTable, KVPool
 from inference_eval.speculative import Sampling, SpecStats
 
 
@@ -141,9 +141,7 @@ class ChainProposer:
         if e.static is None:
             return KVPool.for_args(args, num_layers, e.num_blocks, e.block_size, dtype, e.device)
         # with the compiled step: its scratch block too (its padding rows write there), a pool lent for the engine's
-        # life (static.py `PoolCache`)
-        from inference_eval.engine.static import POOLS
-
+        # life (paged.py `PoolCache`)
         pool = POOLS.lend(e, args, num_layers, e.num_blocks + 1, e.block_size, dtype, e.device)
         e.static.adopt(pool)
         return pool

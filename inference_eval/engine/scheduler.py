@@ -42,8 +42,9 @@ import torch
 
 from inference_eval.engine.base import Proposer, Request, Result, target_logits, target_state
 from inference_eval.engine.proposers import engine_proposer
-from inference_eval.engine.static import LEAD, POOLS, StaticBatch, StaticStep, compile_enabled
-from inference_eval.paged import BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache, SeqSlice
+from inference_eval.engine.static import LEAD, StaticBatch, StaticStep, compile_enabled
+from inference_eval.paged import (POOLS, BlockAllocator, BlockTable, KVPool, OutOfBlocks, PagedBatch, PagedCache,
+                                  SeqSlice)
 from inference_eval.speculative import GREEDY, Sampling, SpecStats, _finish, accept_greedy, accept_rejection
 
 

@@ -33,10 +33,8 @@ anywhere."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -94,35 +92,6 @@ class StaticLayer:
         qb = q[0].transpose(0, 1).reshape(b, kb.shape[1], g, d)  # the g query heads of a key head as its rows
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible[:, None, None, :], scale=scale)
         return out.reshape(b, n_heads, out.shape[-1]).transpose(0, 1)[None]
-
-
-class PoolCache:
-    """The KV pools of engines with a compiled step, lent again once their engine is gone. A compiled pass's CUDA
-    graph is recorded against the addresses of the pools it writes: an engine on a pool an earlier engine used
-    replays the graphs recorded then, where a new pool would record every graph again (with its memory) — and an
-    evaluation builds an engine per timed pass. Two live engines never share a pool."""
-
-    def __init__(self) -> None:
-        self.free: dict[tuple, list[KVPool]] = {}
-        self.made = 0
-
-    def lend(self, owner, args, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-             device: torch.device) -> KVPool:
-        """A pool of this layout for `owner` (an engine), back in the cache when the owner is collected."""
-        key = (args.kv_layout(), num_layers, num_blocks, block_size, dtype, str(device))
-        free = self.free.setdefault(key, [])
-        if not free:
-            gc.collect()  # an engine and its proposer reference each other: a gone engine waits for the collector
-        if free:
-            pool = free.pop()
-        else:
-            pool = KVPool.for_args(args, num_layers, num_blocks, block_size, dtype, device)
-            self.made += 1
-        weakref.finalize(owner, free.append, pool)
-        return pool
-
-
-POOLS = PoolCache()
 
 
 def describe(key: tuple) -> str:
