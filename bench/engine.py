@@ -223,6 +223,11 @@ def main() -> None:
     nprompts = 2 if args.quick else 4  # the speculative measurements' prompts
     head_dir = Path(args.head)
     head = vocab = served = None
+
+    def proposer(draft_vocab):
+        """The engine's proposer of the head: a block head's, or a chain head's over `draft_vocab`."""
+        return PagedBlockProposer(head) if getattr(head, "block", False) else PagedHeadProposer(head, draft_vocab)
+
     if (head_dir / "config.json").exists():
         tied, targs, _ = tied_target(path, dtype, device)
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
@@ -246,10 +251,6 @@ def main() -> None:
     else:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
-
-    def proposer(draft_vocab):
-        """The engine's proposer of the head: a block head's, or a chain head's over `draft_vocab`."""
-        return PagedBlockProposer(head) if getattr(head, "block", False) else PagedHeadProposer(head, draft_vocab)
 
     def measure(k: int, draft_vocab, sides: VllmSides | None = None, **engine_kw) -> tuple[Paired, float, Paired | None]:
         """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ; with `sides`, vLLM's

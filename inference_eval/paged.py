@@ -30,7 +30,6 @@ otherwise (decode, verification) the queries and each sequence's keys are gather
 
 from __future__ import annotations
 
-import gc
 import weakref
 from dataclasses import dataclass
 
@@ -99,7 +98,9 @@ class PoolCache:
     """The KV pools of engines with a compiled step, lent again once their engine is gone. A compiled pass's CUDA
     graph is recorded against the addresses of the pools it writes: an engine on a pool an earlier engine used
     replays the graphs recorded then, where a new pool would record every graph again (with its memory) — and an
-    evaluation builds an engine per timed pass. Two live engines never share a pool."""
+    evaluation builds an engine per timed pass. Two live engines never share a pool. An engine is freed as soon as it
+    is dropped (nothing it owns refers back to it: its proposer holds it weakly, its compiled passes are functions
+    of it, not methods bound to it); no collection is forced here, which costs ≈ 0.5 s with torch loaded."""
 
     def __init__(self) -> None:
         self.free: dict[tuple, list[KVPool]] = {}
@@ -110,8 +111,6 @@ class PoolCache:
         """A pool of this layout for `owner` (an engine), back in the cache when the owner is collected."""
         key = (args.kv_layout(), num_layers, num_blocks, block_size, dtype, str(device))
         free = self.free.setdefault(key, [])
-        if not free:
-            gc.collect()  # an engine and its proposer reference each other: a gone engine waits for the collector
         if free:
             pool = free.pop()
         else:

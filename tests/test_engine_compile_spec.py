@@ -110,7 +110,11 @@ def test_seconds_spent_compiling_are_left_out_of_the_timed_passes(varied, monkey
 def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, reference):  # noqa: F811
     """paged.py `PoolCache`: an engine with the compiled step gets the target's and its head's KV pools of an
     engine that is gone (so CUDA graphs recorded against those addresses replay), never one a live engine holds,
-    and decodes the same tokens on a used pool as on a fresh one."""
+    and decodes the same tokens on a used pool as on a fresh one. A dropped engine is freed by reference counting
+    alone (its proposer holds it weakly, its compiled passes are not bound to it), so its pools return at once."""
+    import gc
+    import weakref
+
     from inference_eval.engine import PagedHeadProposer
     from inference_eval.paged import POOLS
 
@@ -131,7 +135,13 @@ def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, re
     live = engine()  # the first is alive: pools of its own
     assert {id(live.pool), id(live.proposer.pool)}.isdisjoint(map(id, pools))
     made = POOLS.made
-    del first
-    again = engine()
+    gone = weakref.ref(first)
+    gc.disable()  # a dropped engine is freed at once (no cycle through it), its pools back before any collection
+    try:
+        del first
+        assert gone() is None
+        again = engine()
+    finally:
+        gc.enable()
     assert (again.pool, again.proposer.pool) == pools and POOLS.made == made  # the gone engine's, none made
     assert decode(again) == reference and decode(live) == reference

@@ -4,6 +4,7 @@ target's pass (its logits, the state a head reads)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -132,6 +133,20 @@ class ChainProposer:
 
     def lookahead(self, k: int) -> int:
         return k + 1
+
+    @property
+    def engine(self) -> Engine:
+        """The engine attached last. Held weakly: the engine holds its proposer, and without a cycle between them a
+        finished engine is freed at once, its KV pools back in paged.py's `PoolCache` for the next engine."""
+        held = self.__dict__.get("_engine")
+        return held() if isinstance(held, weakref.ref) else held
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        try:
+            self._engine = weakref.ref(engine)
+        except TypeError:  # a stand-in that cannot be referenced weakly (inference_eval/scoring.py's namespace)
+            self._engine = engine
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine

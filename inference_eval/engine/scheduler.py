@@ -387,7 +387,7 @@ class Engine:
             pad = meta.shape[0] // 2 - d  # padding pairs: token 0 at position 0, in the scratch slot
             last, draft = (torch.cat([t, t.new_zeros(pad)]) for t in (last, draft))
             key = ("k=1 round", meta.shape[0], meta.shape[1] - LEAD, tuple(self.capture))
-            out = self.static.run(key, self._k1_graph, last, draft, meta, key[3])
+            out = self.static.run(key, type(self)._k1_graph, self, last, draft, meta, key[3])  # not bound: no cycle
             self.static.steps += 1
             return tuple(t[:d] for t in out)
         ids = torch.stack([last, draft], dim=1).view(1, -1)  # [1, 2D]: t_m, d per sequence

@@ -193,7 +193,7 @@ class StaticStep:
         else:
             row_ids = torch.cat([ids.reshape(-1), ids.new_zeros(meta.shape[0] - n)])
         key = (meta.shape[0], meta.shape[1] - LEAD, tuple(capture))
-        hidden, aux, logits = self.run(key, self._step, row_ids, meta, key[2])
+        hidden, aux, logits = self.run(key, StaticStep._step, self, row_ids, meta, key[2])
         self.steps += 1
         return TargetOutput(hidden=hidden[:n][None], logits=logits[:n], aux=[a[:n][None] for a in aux])
 
