@@ -100,8 +100,9 @@ class PoolCache:
     replays the graphs recorded then, where a new pool would record every graph again (with its memory) — and an
     evaluation builds an engine per timed pass. Two live engines never share a pool. An engine is freed as soon as it
     is dropped (nothing it owns refers back to it: its proposer holds it weakly, its compiled passes are functions
-    of it, not methods bound to it); no collection is forced here (a full one takes a large part of a second with
-    torch loaded)."""
+    of it, not methods bound to it), except one whose steps compiled a new graph, which dynamo's tracing state holds
+    in a cycle until the collector runs; no collection is forced here (a full one takes a large part of a second
+    with torch loaded)."""
 
     def __init__(self) -> None:
         self.free: dict[tuple, list[KVPool]] = {}

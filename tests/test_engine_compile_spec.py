@@ -111,7 +111,9 @@ def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, re
     """paged.py `PoolCache`: an engine with the compiled step gets the target's and its head's KV pools of an
     engine that is gone (so CUDA graphs recorded against those addresses replay), never one a live engine holds,
     and decodes the same tokens on a used pool as on a fresh one. A dropped engine is freed by reference counting
-    alone (its proposer holds it weakly, its compiled passes are not bound to it), so its pools return at once."""
+    alone (its proposer holds it weakly, its compiled passes are not bound to it), so its pools return at once — once
+    its graphs exist: an engine whose steps compiled a new graph waits for the collector (dynamo's tracing state
+    refers to it in a cycle)."""
     import gc
     import weakref
 
@@ -128,6 +130,8 @@ def test_engines_with_a_compiled_step_reuse_the_pools_of_engines_gone(varied, re
         res = eng.run()
         return [res[r].tokens for r in rids]
 
+    assert decode(engine()) == reference  # compiles the buckets; dynamo's tracing holds that engine in a cycle
+    gc.collect()
     first = engine()
     pools = (first.pool, first.proposer.pool)
     assert first.pool.k[0].shape[0] == 49 * 16 and first.proposer.pool.k[0].shape[0] == 49 * 16  # + the scratch block
