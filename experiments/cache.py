@@ -16,6 +16,12 @@ finished one — and the caller recomputes.
 
 Paths are part of the key where the config holds them (run_dir, head_dir, report paths): a run
 directory moved elsewhere recomputes.
+
+A training interrupted (killed, the machine gone) resumes from its last Lightning checkpoint when it is run
+again with the same key (`cached_training`): the checkpoint directory holds the key it was written under
+(`<checkpoint_dir>.key.json`), a checkpoint of another key is removed rather than resumed, and the head ends as an
+uninterrupted run's (tests/test_resume.py). `train.resume` and `train.checkpoint_every_n_steps` are not in the
+key: where a training resumed from and how often it saved do not change the head it ends with.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core.files import atomic_write_bytes, sha256_file
 from experiments.stages import run_evaluation, run_training
@@ -91,7 +97,17 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
 }
 
 
+# Settings that change how a training runs, not the head it ends with (resume == uninterrupted): never in a key
+HOW_NOT_WHAT: tuple[tuple[str, ...], ...] = (("train", "resume"), ("train", "checkpoint_every_n_steps"))
+
+
 def _without_added_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    for path in HOW_NOT_WHAT:
+        node = config
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
     for path, neutral in ADDED_SETTINGS.items():
         node = config
         for part in path[:-1]:
@@ -181,18 +197,53 @@ def record(result: str | Path, key: dict[str, Any], **meta: Any) -> Path:
 
 def cached_training(cfg: DictConfig, store_dir: str | Path, what: str) -> tuple[dict[str, float], float | None, bool]:
     """Train the head of `cfg` (experiments/stages.py `run_training`) unless `cfg.head_dir` holds one made from the same
-    key; (final metrics, training seconds, reused) — on reuse, the figures of the run that made it."""
-    import time
-
+    key; (final metrics, training seconds, reused) — on reuse, the figures of the run that made it. A training of
+    this key that was interrupted resumes from its last checkpoint (`interrupted_checkpoint`; experiments save every
+    `train.checkpoint_every_n_steps`), and its seconds are those behind the final weights, across resumes."""
     head_dir, key = Path(cfg.head_dir), training_key(cfg, store_dir)
     trained = lookup(head_dir, key, what)
     if trained is not None:
         return trained["meta"].get("final_metrics", {}), trained["meta"].get("train_seconds"), True
-    t0 = time.perf_counter()
-    _, metrics = run_training(cfg)
-    seconds = time.perf_counter() - t0
-    record(head_dir, key, final_metrics=metrics, train_seconds=seconds)
+    from train.run import TrainingClock
+
+    clock = TrainingClock()
+    if cfg.train.get("resume") is None:
+        resume = interrupted_checkpoint(Path(str(cfg.train.checkpoint_dir)), key, what)
+        if resume is not None:
+            cfg = cfg.copy()
+            with open_dict(cfg):
+                cfg.train.resume = str(resume)
+    _, metrics = run_training(cfg, extra_callbacks=[clock])
+    seconds = clock.seconds
+    record(head_dir, key, final_metrics=metrics, train_seconds=seconds, resumed=cfg.train.get("resume") is not None)
     return metrics, seconds, False
+
+
+def interrupted_checkpoint(checkpoint_dir: Path, key: dict[str, Any], what: str) -> Path | None:
+    """The `last.ckpt` of an interrupted training of this `key` in `checkpoint_dir`, to resume from; None: a fresh
+    start. The key the checkpoints belong to is kept beside the directory (`<checkpoint_dir>.key.json`, written
+    before the training starts); checkpoints of another key, or of none, are removed first, so a checkpoint in the
+    directory is always the training's of the key there."""
+    last, kfile = checkpoint_dir / "last.ckpt", key_path(checkpoint_dir)
+    wanted = digest(_normalised(key))
+    try:
+        written = json.loads(kfile.read_text()).get("digest") if kfile.exists() else None
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("cache: unreadable %s (%s): its checkpoints are not resumed", kfile, e)
+        written = None
+    if last.exists() and written == wanted:
+        log.info("cache: resuming %s from %s (an interrupted training of the same key)", what, last)
+        return last
+    stale = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
+    if stale:
+        log.info("cache: removing %d checkpoint(s) in %s: %s", len(stale), checkpoint_dir,
+                 "written by a training of another key" if kfile.exists() else "of no recorded key")
+        for f in stale:
+            f.unlink()
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(kfile, json.dumps({"digest": wanted, "key": key}, indent=1, sort_keys=True,
+                                         default=str).encode())
+    return None
 
 
 def cached_evaluation(cfg: DictConfig, what: str, target_fingerprint: dict[str, Any] | None) -> tuple[dict, bool]:

@@ -98,7 +98,7 @@ def fakes(monkeypatch, tiny_target):
 
     calls = {"train": [], "eval": []}
 
-    def run_training(cfg):
+    def run_training(cfg, extra_callbacks=None):
         calls["train"].append(cfg.head_dir)
         head = init_head_of(cfg, tiny_target)
         with torch.no_grad():

@@ -5,10 +5,14 @@ the first training losses on the tiny target are pinned (golden numbers)."""
 from __future__ import annotations
 
 import csv
+import json
+import logging
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from experiments.stages import run_precompute, run_training
@@ -110,3 +114,93 @@ def test_golden_losses(optimizer, tiny_overrides, tmp_path):
     run_training(cfg)
     losses = logged_losses(Path(cfg.run_dir))
     assert [v[0] for _, v in sorted(losses.items())] == pytest.approx(GOLDEN_LOSSES[optimizer], rel=1e-4)
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+class StopAt(Callback):
+    """Kills a training (raises) when its global step reaches `step`: a run interrupted mid-way."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            raise Interrupted(f"stopped at step {self.step}")
+
+
+def newest_steps(run_dir: Path) -> list[int]:
+    """The steps the newest CSV version logged: what the last process trained."""
+    versions = sorted((run_dir / "logs").glob("version_*/metrics.csv"), key=lambda f: int(f.parent.name[8:]))
+    with open(versions[-1]) as fh:
+        return sorted({int(r["step"]) for r in csv.DictReader(fh) if r.get("train/loss")})
+
+
+def test_an_interrupted_experiment_training_resumes_from_its_checkpoint_and_a_stale_one_is_not(
+        tiny_overrides, tmp_path, monkeypatch, caplog):
+    """experiments/cache.py `cached_training`, as the study and peer comparison call it: a training killed at step 5
+    (checkpoints every 3 steps) and run again with the same key resumes at step 3 and ends with the head of an
+    uninterrupted run; a training of another key in the same checkpoint directory removes that checkpoint and starts
+    at step 0; and how often a run saved is not part of the head's key (the finished head is reused)."""
+    import experiments.cache as cache
+
+    n = 9
+    common = [*tiny_overrides, *STEPS, f"store_dir={tmp_path / 'features'}", f"trainer.max_steps={n}"]
+    run_precompute(compose_config(common))
+    store = tmp_path / "features"
+    full_cfg = compose_config([*common, f"run_dir={tmp_path / 'full'}"])
+    cache.cached_training(full_cfg, store, "the uninterrupted head")
+
+    part = [*common, f"run_dir={tmp_path / 'part'}", "train.checkpoint_every_n_steps=3"]
+    real = cache.run_training
+    monkeypatch.setattr(cache, "run_training", lambda cfg, extra_callbacks=None: real(
+        cfg, extra_callbacks=[*(extra_callbacks or []), StopAt(5)]))
+    with pytest.raises(Interrupted):
+        cache.cached_training(compose_config(part), store, "the interrupted head")
+    monkeypatch.setattr(cache, "run_training", real)
+    ckpt_dir = tmp_path / "part" / "checkpoints"
+    assert (ckpt_dir / "last.ckpt").exists() and not cache.key_path(tmp_path / "part" / "head").exists()
+
+    # the seconds behind the checkpoint's weights travel in it (train/run.py TrainingClock)
+    before = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["callbacks"]["TrainingClock"]["seconds"]
+    assert before > 0
+    caplog.set_level(logging.INFO, logger="experiments.cache")
+    t0 = time.perf_counter()
+    metrics, seconds, reused = cache.cached_training(compose_config(part), store, "the interrupted head")
+    assert not reused and seconds > 0
+    assert any("resuming the interrupted head from" in r.getMessage() for r in caplog.records)
+    assert newest_steps(tmp_path / "part") == list(range(3, n))  # steps 0-2 came from the checkpoint
+    a = load_file(tmp_path / "full" / "head" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "head" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-8)
+    rec = json.loads(cache.key_path(tmp_path / "part" / "head").read_text())
+    assert rec["meta"]["resumed"] is True and rec["meta"]["train_seconds"] == seconds
+    assert before < seconds < before + (time.perf_counter() - t0)  # the seconds before the kill, then this run's
+
+    # saving at another interval changes no key: the finished head is reused, nothing trains
+    _, _, reused = cache.cached_training(compose_config([*common, f"run_dir={tmp_path / 'part'}"]), store, "again")
+    assert reused
+
+    # another training (another lr) into the same checkpoint directory: the checkpoint of the first is not resumed
+    assert (ckpt_dir / "last.ckpt").exists()
+    caplog.clear()
+    other = compose_config([*part, "train.module.lr=3e-3"])
+    cache.cached_training(other, store, "another head")
+    assert not any("resuming" in r.getMessage() for r in caplog.records)
+    assert any("written by a training of another key" in r.getMessage() for r in caplog.records)
+    assert newest_steps(tmp_path / "part") == list(range(n))
+
+
+def test_the_training_clock_counts_on_from_the_seconds_its_checkpoint_held():
+    from train.run import TrainingClock
+
+    t0 = time.perf_counter()
+    clock = TrainingClock()
+    clock.load_state_dict({"seconds": 100.0})
+    now = clock.seconds
+    assert 100.0 <= now < 100.0 + (time.perf_counter() - t0)
+    assert clock.state_dict()["seconds"] >= now

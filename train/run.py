@@ -101,6 +101,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, write)
 
 
+class TrainingClock(Callback):
+    """Seconds of training behind the weights a run ends with, across resumes: the seconds up to a checkpoint are
+    saved in it (the callback's state) and restored with it. A killed run's steps after its last checkpoint are
+    trained again, so their seconds count once."""
+
+    def __init__(self) -> None:
+        self.before, self.t0 = 0.0, time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.t0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"seconds": self.seconds}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.before = float(state_dict["seconds"])
+
+
 class LastValidation(Callback):
     """The global step at which held-out validation last ran in this process (None: not yet), so the scores
     training reports are known to be the saved head's (`final_heldout_scores`)."""
