@@ -1,11 +1,14 @@
 """The compiled static step verifying speculative rounds (inference_eval/engine/static.py `StaticStep`,
 `Engine(compile="on")`): the seed's k = 1 MTP round (one graph: the target's pass, the head's refresh and next
-draft), the chain round at k = 3 (the captured layers an EAGLE-3 head reads included) and a block head's round (its
-block pass a graph too, with the greedy drafts in it) give the eager engine's tokens and acceptance exactly in
-float32, greedy and sampled; the compiled k = 1 round reads no value back to the host."""
+draft), its k ≥ 2 form (one graph too: the k drafts of the next round in it, their rows chosen by the acceptance on
+the device; 3 separate modules at k = 3, an EAGLE-3 head at k = 2 with the captured layers it reads), the sampled
+chain round, and a block head's round (its block pass a graph too, with the greedy drafts in it) give the eager
+engine's tokens and acceptance exactly in float32, greedy and sampled; the compiled greedy rounds read no value back
+to the host."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference_eval.engine import Engine, engine_generate
@@ -33,11 +36,12 @@ def test_compiled_verification_equals_the_eager_engine(varied, reference, mtp3):
         assert eng.static.steps == eng.steps, (name, eng.static.steps, eng.steps)
         keys = [key if isinstance(key[0], int) else key[1:] for key in eng.static.compiled]  # (rows, slots, layers)
         assert max(key[0] for key in keys) >= 8 * (k + 1), (name, sorted(eng.static.compiled, key=str))
-        # the k = 1 round is one graph (the target's pass, the head's refresh and next draft): no target step alone
+        # a chain head's greedy round is one graph (the target's pass, the head's refresh and the next round's k
+        # drafts): no target step alone
         rounds = {key[0] if isinstance(key[0], str) else "target step" for key in eng.static.compiled}
         # and a block head's pass (with its greedy drafts) is a graph of its own
-        assert rounds == {"mtp k=1": {"k=1 round"}, "dflash": {"target step", "dflash block pass, blocks of 4 rows, 3 "
-                                                               "greedy drafts"}}.get(name, {"target step"}), rounds
+        assert rounds == {"mtp k=1": {"k=1 round"}, "mtp3": {"k=3 round"}, "eagle3": {"k=2 round"},
+                          "dflash": {"target step", "dflash block pass, blocks of 4 rows, 3 greedy drafts"}}[name], rounds
         assert eager.stats.accepted[0] > 0 or name == "dflash", (name, eager.stats)  # an untrained block head
     # the target's steps capture the layers the block head reads
     assert all(key[2] == dflash.capture_layers for key in eng.static.compiled if isinstance(key[0], int))
@@ -53,11 +57,14 @@ def test_compiled_verification_equals_the_eager_engine(varied, reference, mtp3):
     assert {key[0] for key in eng.static.compiled if isinstance(key[0], str)} == {"dflash block pass, blocks of 4 rows"}
 
 
-def test_the_k1_round_reads_nothing_back_with_its_target_pass_compiled(varied, reference):  # noqa: F811
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_greedy_round_reads_nothing_back_with_its_target_pass_compiled(varied, reference, k):  # noqa: F811
+    """The k = 1 round and its k ≥ 2 form: after the graphs exist, a round's device work runs under the guard that
+    refuses any read of a value to the host (`.item()`, `.tolist()`, ...): the next round's drafts stay on the device."""
     target, head, prompts, *_ = varied
 
     def run(guard: bool):
-        eng = Engine(target, head, k=1, num_blocks=64, block_size=16, compile="on")
+        eng = Engine(target, head, k=k, num_blocks=64, block_size=16, compile="on")
         eng.guard_host_reads = guard
         rids = [eng.add_request(p, 20) for p in prompts]
         res = eng.run()
@@ -65,6 +72,7 @@ def test_the_k1_round_reads_nothing_back_with_its_target_pass_compiled(varied, r
 
     out, eng = run(False)  # compiles the buckets (tracing reads values; a replay does not)
     assert out == reference and eng.static.compiled and eng.stats.accepted[0] > 0
+    assert {key[0] for key in eng.static.compiled} == {f"k={k} round"}
     graphs = _graphs()
     again, guarded = run(True)
     assert again == reference and guarded.stats.accepted == eng.stats.accepted

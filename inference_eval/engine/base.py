@@ -67,7 +67,8 @@ class Proposer(Protocol):
     Capabilities are declared attributes:
     - `capture_layers`: target layers whose inputs the verification pass must capture for `update`;
     - `tree`: drafts a tree (`propose_tree` / `update_tree`, greedy) instead of a chain (`propose` / `update`);
-    - `supports_k1`: the fused k = 1 schedule applies (`k1_drafts`, `refresh_k1`, `draft_k1`, `k1_commit`);
+    - `supports_k1`: the fused k = 1 schedule applies (`k1_drafts`, `refresh_k1`, `draft_k1`, `k1_commit`), and with
+      the compiled step its k ≥ 2 form (`round_drafts`, `chain_drafts`);
     - `speculate_beside_prefill`: False when a step that prefills a newcomer must decode the batch plainly."""
 
     capture_layers: tuple[int, ...]

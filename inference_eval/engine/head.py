@@ -159,8 +159,45 @@ class PagedHeadProposer(ChainProposer):
         return torch.stack([self.drafts[r.rid] if r.rid in self.drafts else drafted[fresh.index(i)]
                             for i, r in enumerate(reqs)])
 
+    def round_drafts(self, reqs: list[Request], k: int) -> torch.Tensor:
+        """The compiled k-round's drafts [D, k] on the device (scheduler.py `_k_round`): those the previous round
+        left, else (after a prefill or a round drafted on the host) drafted now, greedily, by `propose`."""
+        fresh = [r for r in reqs if r.rid not in self.drafts or tuple(self.drafts[r.rid].shape) != (k,)]
+        if fresh:
+            drafted, _ = self.propose(fresh, k)
+            for r, d in zip(fresh, drafted):
+                self.drafts[r.rid] = torch.tensor(d, device=self.engine.device)
+        return torch.stack([self.drafts[r.rid] for r in reqs])
+
+    def chain_drafts(self, state: torch.Tensor, k: int, steps: torch.Tensor) -> torch.Tensor:
+        """`chain`'s greedy drafts [D, k] with nothing read back (the compiled k-round's graph): from depth-1 states
+        [D, S], draft step j ≥ 2 at the rows `steps[:, j − 2]` — compiled-step metadata (static.py) over this
+        proposer's pool, each sequence's position and slots for that step."""
+        from inference_eval.engine.static import StaticBatch
+
+        h = state[None]
+        tok = self._logits(h)[0].argmax(-1)
+        out = [tok]
+        for j in range(2, k + 1):
+            batch = StaticBatch(steps[:, j - 2], self.pool)
+            pos = batch.positions[None]
+            for e in self.head.key_writers(j, k):
+                self.head(h, tok[None], pos, batch, 0, depth=e)
+            h = self.head(h, tok[None], pos, batch, 0, depth=j)
+            tok = self._logits(h, j)[0].argmax(-1)
+            out.append(tok)
+        return torch.stack(out, 1)
+
+    def lookahead(self, k: int) -> int:
+        """Positions a round writes past m: the verification's k + 1, and with the compiled k-round the next round's
+        draft steps too (up to m + 2k − 1)."""
+        e = self.engine
+        fused = e is not None and e.static is not None and e.k1_schedule and self.supports_k1 and k > 1
+        return 2 * k if fused else k + 1
+
     def k1_commit(self, reqs: list[Request], state: torch.Tensor, nxt: torch.Tensor) -> None:
-        """After a k = 1 round: each sequence's new head state [D, S] and next draft token [D] (device tensors)."""
+        """After a k = 1 round: each sequence's new head state [D, S] and next draft token [D] (device tensors);
+        after a compiled k-round, its next drafts [D, k]."""
         for i, r in enumerate(reqs):
             self.states[r.rid], self.drafts[r.rid] = state[i], nxt[i]
 
