@@ -393,6 +393,26 @@ def test_dflash_head_trains_on_a_store_capturing_more_layers_than_it_reads(tiny_
         init_head_of(wrong, deep_target, dm)
 
 
+def test_dspark_compiled_round_is_one_graph_and_equals_the_eager_engine(varied, trained):
+    """With the compiled step (`Engine(compile="on")`) a block head's greedy round is one graph — the target's pass,
+    the acceptance, the context entries of the verified rows, the next block pass at m + a + 1 and its k greedy
+    drafts (scheduler.py `_fused_round`) — and gives the eager engine's tokens, per-position acceptance and rounds in
+    float32 for requests joining at different steps. The head accepts drafts at the second block position, so the
+    graph picks the next block's rows for acceptances beyond 0."""
+    target, _, _, prompts, reference = varied
+    head = trained["dspark"]
+    k = head.max_depth
+    want, eager = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=ARRIVALS)
+    out, eng = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=ARRIVALS, compile="on")
+    assert out == want == reference
+    assert eng.stats.accepted == eager.stats.accepted and eng.stats.steps == eager.stats.steps
+    assert eager.stats.accepted[1] > 0, eager.stats
+    names = {key[0] if isinstance(key[0], str) else "target step" for key in eng.static.compiled}
+    # the round's graph, and the block pass that drafts a newcomer's first block after its prefill: no target step
+    assert names == {f"dspark round, k={k}", f"dspark block pass, blocks of {head.block_rows(k)} rows, {k} greedy drafts"}, names
+    assert eng.static.steps == eng.steps  # every round through the one graph
+
+
 def test_dspark_confidence_ends_a_sequences_block_early_and_stays_lossless(varied, trained):
     """`stop_below`: each sequence's drafts end where the confidence head's Π σ(c) falls below it — fewer drafts
     verified (the deeper positions are reached less often), the output still plain greedy decoding, and each

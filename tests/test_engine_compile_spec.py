@@ -41,10 +41,12 @@ def test_compiled_verification_equals_the_eager_engine(varied, reference, mtp3):
         rounds = {key[0] if isinstance(key[0], str) else "target step" for key in eng.static.compiled}
         # and a block head's pass (with its greedy drafts) is a graph of its own
         assert rounds == {"mtp k=1": {"k=1 round"}, "mtp3": {"k=3 round"}, "eagle3": {"k=2 round"},
-                          "dflash": {"target step", "dflash block pass, blocks of 4 rows, 3 greedy drafts"}}[name], rounds
+                          "dflash": {"dflash round, k=3", "dflash block pass, blocks of 4 rows, 3 greedy drafts"}}[name], \
+            rounds
         assert eager.stats.accepted[0] > 0 or name == "dflash", (name, eager.stats)  # an untrained block head
-    # the target's steps capture the layers the block head reads
-    assert all(key[2] == dflash.capture_layers for key in eng.static.compiled if isinstance(key[0], int))
+    # the round's target pass captures the layers the block head reads
+    captured = [key[3] for key in eng.static.compiled if key[0] == "dflash round, k=3"]
+    assert captured and all(c == dflash.capture_layers for c in captured), captured
     # sampled: each request's own generator draws the same tokens as in the eager engine
     for proposer, k in ((mtp3, 3), (eagle3, 2), (dflash, 3)):
         want, eager = engine_generate(target, prompts, 20, proposer=proposer, k=k, sampling=_samplings(8),
@@ -57,22 +59,26 @@ def test_compiled_verification_equals_the_eager_engine(varied, reference, mtp3):
     assert {key[0] for key in eng.static.compiled if isinstance(key[0], str)} == {"dflash block pass, blocks of 4 rows"}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_the_greedy_round_reads_nothing_back_with_its_target_pass_compiled(varied, reference, k):  # noqa: F811
-    """The k = 1 round and its k ≥ 2 form: after the graphs exist, a round's device work runs under the guard that
-    refuses any read of a value to the host (`.item()`, `.tolist()`, ...): the next round's drafts stay on the device."""
-    target, head, prompts, *_ = varied
+@pytest.mark.parametrize("name, k", [("mtp", 1), ("mtp", 2), ("dflash", 3)])
+def test_the_greedy_round_reads_nothing_back_with_its_target_pass_compiled(varied, reference, name, k):  # noqa: F811
+    """The k = 1 round, its k ≥ 2 form and a block head's round: after the graphs exist, a round's device work runs
+    under the guard that refuses any read of a value to the host (`.item()`, `.tolist()`, ...): the next round's
+    drafts stay on the device."""
+    target, head, prompts, path, _ = varied
+    proposer = block_head(path, "dflash") if name == "dflash" else head
 
     def run(guard: bool):
-        eng = Engine(target, head, k=k, num_blocks=64, block_size=16, compile="on")
+        eng = Engine(target, proposer, k=k, num_blocks=64, block_size=16, compile="on")
         eng.guard_host_reads = guard
         rids = [eng.add_request(p, 20) for p in prompts]
         res = eng.run()
         return [res[r].tokens for r in rids], eng
 
     out, eng = run(False)  # compiles the buckets (tracing reads values; a replay does not)
-    assert out == reference and eng.static.compiled and eng.stats.accepted[0] > 0
-    assert {key[0] for key in eng.static.compiled} == {f"k={k} round"}
+    assert out == reference and eng.static.compiled
+    assert eng.stats.accepted[0] > 0 or name == "dflash"  # an untrained block head
+    fused = {"mtp": f"k={k} round", "dflash": "dflash round, k=3"}[name]
+    assert fused in {key[0] for key in eng.static.compiled}
     graphs = _graphs()
     again, guarded = run(True)
     assert again == reference and guarded.stats.accepted == eng.stats.accepted

@@ -67,8 +67,9 @@ class Proposer(Protocol):
     Capabilities are declared attributes:
     - `capture_layers`: target layers whose inputs the verification pass must capture for `update`;
     - `tree`: drafts a tree (`propose_tree` / `update_tree`, greedy) instead of a chain (`propose` / `update`);
-    - `supports_k1`: the fused k = 1 schedule applies (`k1_drafts`, `refresh_k1`, `draft_k1`, `k1_commit`), and with
-      the compiled step its k ≥ 2 form (`round_drafts`, `chain_drafts`);
+    - `supports_k1`: the fused k = 1 schedule applies (`k1_drafts`, `refresh_k1`, `draft_k1`, `k1_commit`);
+    - `fused_round`: with the compiled step a greedy round is one graph (`round_drafts`, `next_meta`, `fused_rest`,
+      `fused_commit`, `fused_name`: scheduler.py `_fused_round`);
     - `speculate_beside_prefill`: False when a step that prefills a newcomer must decode the batch plainly."""
 
     capture_layers: tuple[int, ...]
@@ -124,6 +125,7 @@ class ChainProposer:
     capture_layers: tuple[int, ...] = ()
     tree = False
     supports_k1 = False
+    fused_round = False
     speculate_beside_prefill = True  # False: a step that admits (prefills) a request decodes plainly
 
     def check(self, k: int) -> None:

@@ -41,6 +41,7 @@ class PagedBlockProposer(ChainProposer):
         self.head, self.stop_below = head, stop_below
         self.capture_layers = head.capture_layers
         self.passes = 0  # draft forward passes
+        self.drafts: dict[int, torch.Tensor] = {}  # per request: the next round's drafts [k] a fused round left
 
     def check(self, k: int) -> None:
         if k > self.head.max_depth:
@@ -48,7 +49,63 @@ class PagedBlockProposer(ChainProposer):
                              f"drafts at most {self.head.max_depth}")
 
     def lookahead(self, k: int) -> int:
-        return max(k + 1, self.head.block_rows(k))
+        """Positions a round writes past m: the verification's k + 1 or the block's rows; with the fused round the
+        next round's block too (at m + a + 1, a ≤ k)."""
+        n, e = self.head.block_rows(k), self.engine
+        fused = e is not None and e.static is not None and e.k1_schedule and self.fused_round
+        return k + 1 + n if fused else max(k + 1, n)
+
+    @property
+    def fused_round(self) -> bool:
+        """The compiled greedy round as one graph applies (scheduler.py `_fused_round`): not with the confidence
+        stop, whose draft count per sequence the host decides."""
+        return self.stop_below is None
+
+    def fused_name(self, k: int) -> str:
+        return f"{self.head.kind} round, k={k}"
+
+    def release(self, req: Request) -> None:
+        self.drafts.pop(req.rid, None)
+
+    def round_drafts(self, reqs: list[Request], k: int) -> torch.Tensor:
+        """The fused round's drafts [D, k] on the device: those the last fused round left, else (after a prefill or an
+        eager round) drafted now by a block pass at each sequence's m."""
+        fresh = [r for r in reqs if r.rid not in self.drafts]
+        if fresh:
+            _, drafted = self.block_hidden(fresh, k, greedy=True)
+            for r, d in zip(fresh, drafted):
+                self.drafts[r.rid] = d
+        return torch.stack([self.drafts[r.rid] for r in reqs])
+
+    def next_meta(self, reqs: list[Request], k: int, rows: int) -> torch.Tensor:
+        """The rows of the next round's block after each acceptance a ∈ 0..k — n rows at m + a + 1.., each seeing the
+        whole block — as compiled-step metadata [rows · (k + 1) · n, …], padding sequences in the scratch slot."""
+        n = self.head.block_rows(k)
+        per = (k + 1) * n
+        return self.engine.static.pack(
+            None, [r.m + a + 1 + j for r in reqs for a in range(k + 1) for j in range(n)],
+            [r.table.blocks for r in reqs for _ in range(per)],
+            limits=[r.m + a + n for r in reqs for a in range(k + 1) for _ in range(n)], rows=rows * per)
+
+    def fused_rest(self, hidden: torch.Tensor, aux: tuple, g: torch.Tensor, a: torch.Tensor, vmeta: torch.Tensor,
+                   nmeta: torch.Tensor) -> tuple[torch.Tensor]:
+        """In the fused round's graph, after the target's pass over the k + 1 rows of D' sequences (its argmax g
+        [D', k + 1], the acceptance a [D']): the context entries of every verified row, written at the
+        verification's slots (as `update`), then the next block pass at m' = m + a + 1 from the anchor g[a] — the
+        rows of its a — and its k greedy drafts [D', k]."""
+        dp, k = g.shape[0], g.shape[1] - 1
+        n = self.head.block_rows(k)
+        verified = StaticBatch(vmeta, self.pool)
+        self._write(target_state(self.head, hidden[None], [x[None] for x in aux]), verified.positions,
+                    verified.write_slots)
+        rows = torch.arange(dp, device=g.device)
+        meta = nmeta.view(dp, k + 1, n, nmeta.shape[-1])[rows, a].reshape(dp * n, nmeta.shape[-1])
+        _, drafts = self._block_graph(g[rows, a], meta, k, True)
+        return (drafts,)
+
+    def fused_commit(self, reqs: list[Request], drafts: torch.Tensor) -> None:
+        for i, r in enumerate(reqs):
+            self.drafts[r.rid] = drafts[i]
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -62,16 +119,23 @@ class PagedBlockProposer(ChainProposer):
         idx = torch.cat([torch.arange(s, e, device=dev) for s, e in rows])
         slots = torch.cat([r.table.slots[p: p + (e - s)] for r, p, (s, e) in zip(reqs, starts, rows)])
         positions = torch.cat([torch.arange(p, p + (e - s), device=dev) for p, (s, e) in zip(starts, rows)])
-        ctx = states[:, idx]
+        self._write(states[:, idx], positions, slots)
+
+    def _write(self, ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context entries of states `ctx` [1, N, K·H] at `positions` [N], written at `slots` [N] of every draft layer."""
         for i, (k, v) in enumerate(self.head.context_kv(ctx, positions[None])):
             self.pool.k[i].index_copy_(0, slots, k[0].transpose(0, 1).to(self.pool.k[i].dtype))
             self.pool.v[i].index_copy_(0, slots, v[0].transpose(0, 1).to(self.pool.v[i].dtype))
 
     def prefill(self, reqs: list[Request], out, rows: list[tuple[int, int]]) -> None:
+        for r in reqs:
+            self.drafts.pop(r.rid, None)
         self.write_context(reqs, target_state(self.head, out.hidden, out.aux), rows, [0] * len(reqs))
 
     def update(self, reqs: list[Request], vout, rows: list[tuple[int, int]], accepted: list[int],
                emitted: list[list[int]], argmax: torch.Tensor | None) -> None:
+        for r in reqs:  # an eager round: the next drafts are drafted from the block at the new m
+            self.drafts.pop(r.rid, None)
         self.write_context(reqs, target_state(self.head, vout.hidden, vout.aux), rows, [r.m for r in reqs])
 
     def block_hidden(self, reqs: list[Request], k: int, greedy: bool = False):

@@ -189,11 +189,48 @@ class PagedHeadProposer(ChainProposer):
         return torch.stack(out, 1)
 
     def lookahead(self, k: int) -> int:
-        """Positions a round writes past m: the verification's k + 1, and with the compiled k-round the next round's
-        draft steps too (up to m + 2k − 1)."""
+        """Positions a round writes past m: the verification's k + 1, and with the fused round the next round's draft
+        steps too (up to m + 2k − 1)."""
         e = self.engine
-        fused = e is not None and e.static is not None and e.k1_schedule and self.supports_k1 and k > 1
+        fused = e is not None and e.static is not None and e.k1_schedule and self.fused_round and k > 1
         return 2 * k if fused else k + 1
+
+    @property
+    def fused_round(self) -> bool:
+        """The compiled greedy round as one graph applies (scheduler.py `_fused_round`; k = 1 is `_k1_round`)."""
+        return self.supports_k1
+
+    def fused_name(self, k: int) -> str:
+        return f"k={k} round"
+
+    def next_meta(self, reqs: list[Request], k: int, rows: int) -> torch.Tensor:
+        """The rows of the next round's draft steps 2..k after each acceptance a ∈ 0..k (step j at position
+        m + a + j − 1), as compiled-step metadata [rows · (k + 1)(k − 1), …] — `rows` sequences, padding ones in the
+        scratch slot."""
+        deep = (k + 1) * (k - 1)
+        return self.engine.static.pack(None, [r.m + a + j - 1 for r in reqs for a in range(k + 1)
+                                              for j in range(2, k + 1)],
+                                       [r.table.blocks for r in reqs for _ in range(deep)], rows=rows * deep)
+
+    def fused_rest(self, hidden: torch.Tensor, aux: tuple, g: torch.Tensor, a: torch.Tensor, vmeta: torch.Tensor,
+                   nmeta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """In the fused round's graph, after the target's pass over the k + 1 rows of D' sequences (its last hidden
+        [N, H] and captured layers, its argmax g [D', k + 1], the acceptance a [D']): the head refreshed over every
+        verified position with the tokens g (every module, the verification's metadata over the head's pool), its
+        state at row a [D', S] and the next round's k greedy drafts from it [D', k]."""
+        from inference_eval.engine.static import StaticBatch
+
+        dp, k = g.shape[0], g.shape[1] - 1
+        cache = StaticBatch(vmeta, self.pool)
+        h = self.refresh_k1(target_state(self.head, hidden[None], [x[None] for x in aux]), g.view(1, -1),
+                            cache.positions[None], cache)
+        rows = torch.arange(dp, device=g.device)
+        state = h[rows * (k + 1) + a]
+        steps = nmeta.view(dp, k + 1, k - 1, nmeta.shape[-1])[rows, a]  # [D', k − 1, C]: the rows of each a
+        return state, self.chain_drafts(state, k, steps)
+
+    def fused_commit(self, reqs: list[Request], state: torch.Tensor, nxt: torch.Tensor) -> None:
+        self.k1_commit(reqs, state, nxt)
 
     def k1_commit(self, reqs: list[Request], state: torch.Tensor, nxt: torch.Tensor) -> None:
         """After a k = 1 round: each sequence's new head state [D, S] and next draft token [D] (device tensors);

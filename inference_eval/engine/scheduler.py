@@ -13,8 +13,8 @@ A step of the scheduler:
    request samples its first token from it; a head prefills from the target's states of the same
    pass (a draft model feeds the prompt in its first proposal);
 2. **reserve** — every running sequence gets the pages for the positions the round will write
-   (`lookahead`: k + 1 for a chain — 2k when the compiled round drafts the next k too — the tree's size for a
-   tree) before anything runs; when the pool
+   (`lookahead`: k + 1 for a chain — more when the compiled round drafts the next round's k too — the tree's size
+   for a tree) before anything runs; when the pool
    runs dry the most recently admitted sequence is preempted (its pages freed, its tokens kept) and
    re-admitted later by recomputing its prefix — the same output (tested in float32; in bf16 a
    recomputed prefix can round differently, so a near-tie argmax may flip);
@@ -85,8 +85,8 @@ class Engine:
                  max_batch: int = 8, max_seq_len: int | None = None, prefill_tokens: int = 8192,
                  k1_schedule: bool = True, compile: str = "off") -> None:
         self.target = target
-        # the seed's k = 1 MTP schedule (`_k1_round`) for chain heads at k = 1, and with the compiled step its k ≥ 2
-        # form (`_k_round`); False: the generic chain round
+        # the seed's k = 1 MTP schedule (`_k1_round`) for chain heads at k = 1, and with the compiled step the greedy
+        # round as one graph for chain heads at k ≥ 2 and block heads (`_fused_round`); False: the generic chain round
         self.k1_schedule = k1_schedule
         self.guard_host_reads = False  # tests: run the k = 1 round's device part under `forbid_host_reads`
         a = target.args
@@ -184,8 +184,8 @@ class Engine:
                 self._tree_round()
             elif self._k1_applies():
                 self._k1_round()
-            elif self._k_round_applies():
-                self._k_round()
+            elif self._fused_applies():
+                self._fused_round()
             else:
                 self._chain_round()
         self.steps += 1
@@ -421,34 +421,33 @@ class Engine:
         state = h[torch.arange(draft.shape[0], device=self.device) * 2 + a]  # [D, S]: the state at row a
         return g, a, state, prop.draft_k1(state)
 
-    def _k_round_applies(self) -> bool:
-        return (self.static is not None and self.k1_schedule and self.k > 1 and self.proposer.supports_k1
+    def _fused_applies(self) -> bool:
+        return (self.static is not None and self.k1_schedule and self.proposer.fused_round
                 and all(r.sampling.greedy for r in self.running))
 
-    def _k_round(self) -> None:
-        """A chain head's greedy round at k ≥ 2 with the compiled step, one graph (`_k_graph`) as the k = 1 round: the
-        target's pass over t_m and the k drafts of every sequence, the acceptance, the head's refresh over the k + 1
-        positions, and the next round's k drafts from its state at the accepted row — the drafts stay on the device.
-        A draft step j ≥ 2 of the next round sits at position m + a + j − 1 (m before this round, a its acceptance),
-        which the host does not know yet: it builds the rows of every a ∈ 0..k and the graph takes those of its a
-        (the pages are reserved for them: `lookahead`). The host reads g and a once, after."""
+    def _fused_round(self) -> None:
+        """A greedy round with the compiled step as one graph (`_fused_graph`), as the k = 1 round: the target's pass
+        over t_m and the k drafts of every sequence, the acceptance, the proposer's update from the target's states
+        and its next round's k drafts from there — the drafts stay on the device. A chain head at k ≥ 2 refreshes
+        over the k + 1 positions and drafts its chain from the state at the accepted row; a block head writes its
+        context entries and runs its next block pass. The next round's draft rows sit at positions that depend on
+        this round's acceptance a, which the host does not know yet: the proposer packs the rows of every
+        a ∈ 0..k (`next_meta`; the pages are reserved for them, its `lookahead`) and the graph takes those of its a.
+        The host reads g and a once, after."""
         reqs, k, prop = list(self.running), self.k, self.proposer
         drafts = prop.round_drafts(reqs, k)  # [D, k]: left by the last round, or drafted now after a prefill
         d, dp = len(reqs), batch_bucket(len(reqs))
-        tables = [r.table.blocks for r in reqs]
         vmeta = self.static.pack(None, [r.m + i for r in reqs for i in range(k + 1)],
-                                 [t for t in tables for _ in range(k + 1)], rows=dp * (k + 1))
-        deep = (k + 1) * (k - 1)  # rows per sequence: draft steps 2..k after each acceptance 0..k
-        dmeta = self.static.pack(None, [r.m + a + j - 1 for r in reqs for a in range(k + 1) for j in range(2, k + 1)],
-                                 [t for t in tables for _ in range(deep)], rows=dp * deep)
+                                 [r.table.blocks for r in reqs for _ in range(k + 1)], rows=dp * (k + 1))
+        nmeta = prop.next_meta(reqs, k, dp)
         last = torch.tensor([r.tokens[-1] for r in reqs] + [0] * (dp - d), device=self.device)
         with forbid_host_reads() if self.guard_host_reads else nullcontext():
             drafts = torch.cat([drafts, drafts.new_zeros(dp - d, k)])  # padding sequences: token 0, scratch slots
-            key = (f"k={k} round", vmeta.shape[0], vmeta.shape[1] - LEAD, tuple(self.capture))
-            out = self.static.run(key, type(self)._k_graph, self, last, drafts, vmeta, dmeta, key[3])
+            key = (prop.fused_name(k), vmeta.shape[0], vmeta.shape[1] - LEAD, tuple(self.capture))
+            out = self.static.run(key, type(self)._fused_graph, self, last, drafts, vmeta, nmeta, key[3])
             self.static.steps += 1
-            g, a, state, nxt = (t[:d] for t in out)
-            prop.k1_commit(reqs, state, nxt)
+            g, a, *kept = (t[:d] for t in out)
+            prop.fused_commit(reqs, *kept)
         g_host, a_host = g.tolist(), a.tolist()  # the round's one read, after its device work is queued
         for i, r in enumerate(reqs):
             emitted = g_host[i][: a_host[i] + 1]  # the accepted drafts equal g's; then the target's bonus token
@@ -457,23 +456,16 @@ class Engine:
             r.output.extend(emitted)
             self._finish_check(r)
 
-    def _k_graph(self, last: torch.Tensor, drafts: torch.Tensor, vmeta: torch.Tensor, dmeta: torch.Tensor,
-                 capture: tuple[int, ...]):
-        """`_k_round` as one graph over D' sequences: (g [D', k + 1], a [D'], the head's states at row a [D', S], the
-        next drafts [D', k])."""
-        prop = self.proposer
+    def _fused_graph(self, last: torch.Tensor, drafts: torch.Tensor, vmeta: torch.Tensor, nmeta: torch.Tensor,
+                     capture: tuple[int, ...]):
+        """`_fused_round` as one graph over D' sequences: (g [D', k + 1], a [D'], what the proposer keeps — its
+        `fused_rest`)."""
         dp, k = drafts.shape
         ids = torch.cat([last[:, None], drafts], dim=1).view(-1)
         hidden, aux, logits = self.static._step(ids, vmeta, capture)
         g = logits.argmax(-1).view(dp, k + 1)
         a = (drafts == g[:, :k]).long().cumprod(1).sum(1)  # [D']: drafts accepted up to the first mismatch
-        head_cache = StaticBatch(vmeta, prop.pool)
-        h = prop.refresh_k1(target_state(prop.head, hidden[None], [x[None] for x in aux]), g.view(1, -1),
-                            head_cache.positions[None], head_cache)
-        rows = torch.arange(dp, device=drafts.device)
-        state = h[rows * (k + 1) + a]
-        steps = dmeta.view(dp, k + 1, k - 1, dmeta.shape[-1])[rows, a]  # [D', k − 1, C]: the rows of each a
-        return g, a, state, prop.chain_drafts(state, k, steps)
+        return (g, a, *self.proposer.fused_rest(hidden, aux, g, a, vmeta, nmeta))
 
     def _tree_round(self) -> None:
         reqs = list(self.running)
