@@ -7,6 +7,7 @@ import torch
 
 from heads.layers import linear
 from inference_eval.engine.base import ChainProposer, Engine, Request, target_state
+from inference_eval.engine.static import StaticBatch
 from inference_eval.paged import PagedBatch, PagedCache, SeqSlice
 from inference_eval.speculative import full_vocab_logits
 
@@ -160,8 +161,8 @@ class PagedHeadProposer(ChainProposer):
                             for i, r in enumerate(reqs)])
 
     def round_drafts(self, reqs: list[Request], k: int) -> torch.Tensor:
-        """The compiled k-round's drafts [D, k] on the device (scheduler.py `_k_round`): those the previous round
-        left, else (after a prefill or a round drafted on the host) drafted now, greedily, by `propose`."""
+        """The fused round's drafts [D, k] on the device (scheduler.py `_fused_round`): those the previous round left,
+        else (after a prefill or a round drafted on the host) drafted now, greedily, by `propose`."""
         fresh = [r for r in reqs if r.rid not in self.drafts or tuple(self.drafts[r.rid].shape) != (k,)]
         if fresh:
             drafted, _ = self.propose(fresh, k)
@@ -170,11 +171,9 @@ class PagedHeadProposer(ChainProposer):
         return torch.stack([self.drafts[r.rid] for r in reqs])
 
     def chain_drafts(self, state: torch.Tensor, k: int, steps: torch.Tensor) -> torch.Tensor:
-        """`chain`'s greedy drafts [D, k] with nothing read back (the compiled k-round's graph): from depth-1 states
+        """`chain`'s greedy drafts [D, k] with nothing read back (in the fused round's graph): from depth-1 states
         [D, S], draft step j ≥ 2 at the rows `steps[:, j − 2]` — compiled-step metadata (static.py) over this
         proposer's pool, each sequence's position and slots for that step."""
-        from inference_eval.engine.static import StaticBatch
-
         h = state[None]
         tok = self._logits(h)[0].argmax(-1)
         out = [tok]
@@ -218,8 +217,6 @@ class PagedHeadProposer(ChainProposer):
         [N, H] and captured layers, its argmax g [D', k + 1], the acceptance a [D']): the head refreshed over every
         verified position with the tokens g (every module, the verification's metadata over the head's pool), its
         state at row a [D', S] and the next round's k greedy drafts from it [D', k]."""
-        from inference_eval.engine.static import StaticBatch
-
         dp, k = g.shape[0], g.shape[1] - 1
         cache = StaticBatch(vmeta, self.pool)
         h = self.refresh_k1(target_state(self.head, hidden[None], [x[None] for x in aux]), g.view(1, -1),
@@ -234,7 +231,7 @@ class PagedHeadProposer(ChainProposer):
 
     def k1_commit(self, reqs: list[Request], state: torch.Tensor, nxt: torch.Tensor) -> None:
         """After a k = 1 round: each sequence's new head state [D, S] and next draft token [D] (device tensors);
-        after a compiled k-round, its next drafts [D, k]."""
+        after a fused round at k ≥ 2, its next drafts [D, k]."""
         for i, r in enumerate(reqs):
             self.states[r.rid], self.drafts[r.rid] = state[i], nxt[i]
 

@@ -18,7 +18,8 @@ trace again each time. Here every shape is fixed by a bucket:
 
 `StaticStep.run` compiles any pass over such metadata, one graph per key: the target step here, the whole k = 1 MTP
 round (scheduler.py `_k1_graph`: the target's pass and the head's refresh over the head's pool under the same
-metadata) and a block drafter's pass (block.py).
+metadata), every other greedy round (scheduler.py `_fused_graph`: with the next round's drafts, their rows picked
+by the acceptance) and a block drafter's pass (block.py).
 
 One compiled graph per (row bucket, key bucket, captured layers), compiled on first use (the seconds logged once per
 bucket and summed in `compile_s`), the target's final norm and lm_head in it: the step returns the last hidden state,
