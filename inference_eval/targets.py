@@ -201,14 +201,23 @@ def resolve_target_device(spec: str | torch.device | None = "auto",
     return resolve_device(spec)
 
 
-def auto_accelerator(torch_sees: bool | None = None, listed_gpus: Callable[[], list[str]] | None = None) -> str:
-    """`trainer=auto` (the default, conf/trainer/auto.yaml: the `cpu` preset with this accelerator): `gpu`
-    where torch sees CUDA — with `precision: auto` (bf16-mixed there) that is the `gpu` preset — else `cpu`, the
-    `cpu` preset itself; refused where `nvidia-smi` lists GPUs torch cannot see (`cuda_visible`)."""
+def auto_accelerator(torch_sees: bool | None = None, listed_gpus: Callable[[], list[str]] | None = None,
+                     say: bool = True) -> str:
+    """`trainer=auto` (the default, conf/trainer/auto.yaml: the `cpu` preset with this accelerator and the recipe of
+    `on_gpu`): `gpu` where torch sees CUDA — with `precision: auto` (bf16-mixed there) and the GPU recipe that is
+    the `gpu` preset — else `cpu`, the `cpu` preset itself; refused where `nvidia-smi` lists GPUs torch cannot see
+    (`cuda_visible`). `say`: log the choice."""
     on_gpu = cuda_visible("trainer=auto", "trainer=cpu", torch_sees, listed_gpus)
-    log.info("trainer=auto: the %s preset (%s)", "gpu" if on_gpu else "cpu",
-             f"torch sees {torch.cuda.device_count()} CUDA device(s)" if on_gpu else "no GPU on this machine")
+    if say:
+        log.info("trainer=auto: the %s preset (%s)", "gpu" if on_gpu else "cpu",
+                 f"torch sees {torch.cuda.device_count()} CUDA device(s)" if on_gpu else "no GPU on this machine")
     return "gpu" if on_gpu else "cpu"
+
+
+def on_gpu(gpu_value: Any, cpu_value: Any) -> Any:
+    """`${on_gpu:A,B}` (conf/recipe/auto.yaml): A where `trainer=auto` trains on the GPU, else B — the GPU recipe's
+    tokens per step and learning rate (conf/recipe/gpu.yaml) or the CPU recipe's (conf/config.yaml)."""
+    return gpu_value if auto_accelerator(say=False) == "gpu" else cpu_value
 
 
 def register_target_resolvers() -> None:
@@ -221,3 +230,4 @@ def register_target_resolvers() -> None:
 
     OmegaConf.register_new_resolver("compute_dtype", auto_compute_dtype, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("auto_accelerator", auto_accelerator, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("on_gpu", on_gpu, replace=True, use_cache=True)

@@ -269,30 +269,39 @@ def test_gpu_correct_auto_accelerator_rule(caplog):
 
 
 def _resolved(cfg) -> dict:
+    """The trainer as it runs, with the recipe that goes with it: tokens per step and learning rate."""
     from train.run import resolve_precision
 
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
-    return {**trainer, "precision": resolve_precision(trainer["precision"], trainer["accelerator"])}
+    return {**trainer, "precision": resolve_precision(trainer["precision"], trainer["accelerator"]),
+            "batch_tokens": cfg.train.data.batch_tokens, "lr": cfg.train.module.lr}
 
 
 @pytest.mark.unit
 def test_gpu_correct_default_trainer_is_cpu_here_and_gpu_with_cuda(monkeypatch, caplog):
     """The default config's trainer resolves to exactly the `cpu` preset on this machine (the config a run or a
-    result cache reads is today's), and, where torch sees CUDA, to exactly the `gpu` preset; on a node whose GPUs
-    torch cannot see, reading it fails naming trainer=cpu."""
+    result cache reads is today's, its recipe too: 512 tokens a step, lr 1e-3), and, where torch sees CUDA, to
+    exactly the `gpu` preset with the GPU recipe (16,384 tokens, lr 5.66e-3; a value on the command line still wins);
+    on a node whose GPUs torch cannot see, reading it fails naming trainer=cpu."""
     from inference_eval import targets
 
     with caplog.at_level(logging.INFO, logger="inference_eval.targets"):
         default = compose_config(["progress=false"])
-        assert OmegaConf.to_container(default.trainer, resolve=True) == OmegaConf.to_container(
-            compose_config(["progress=false", "trainer=cpu"]).trainer, resolve=True)
-        assert default.trainer.accelerator == "cpu"
-    assert "trainer=auto: the cpu preset (no GPU on this machine)" in caplog.messages
+        here = _resolved(default)
+        assert here == _resolved(compose_config(["progress=false", "trainer=cpu"]))
+        assert (here["accelerator"], here["batch_tokens"], here["lr"]) == ("cpu", 512, 1e-3)
+        # the result caches key the resolved config: the same sections as trainer=cpu's
+        assert OmegaConf.to_container(default.train, resolve=True) == OmegaConf.to_container(
+            compose_config(["progress=false", "trainer=cpu"]).train, resolve=True)
+    assert caplog.messages.count("trainer=auto: the cpu preset (no GPU on this machine)") == 1  # said once
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     on_gpu = _resolved(compose_config(["progress=false"]))
     assert on_gpu == _resolved(compose_config(["progress=false", "trainer=gpu"]))
     assert (on_gpu["accelerator"], on_gpu["devices"], on_gpu["precision"]) == ("gpu", 1, "bf16-mixed")
+    assert (on_gpu["batch_tokens"], on_gpu["lr"]) == (16384, 5.66e-3)
+    mine = _resolved(compose_config(["progress=false", "train.data.batch_tokens=4096", "train.module.lr=2.83e-3"]))
+    assert (mine["accelerator"], mine["batch_tokens"], mine["lr"]) == ("gpu", 4096, 2.83e-3)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(targets, "nvidia_smi_gpus", lambda: [H100])
     with pytest.raises(Exception, match="trainer=cpu"):
