@@ -101,25 +101,30 @@ ADDED_SETTINGS: dict[tuple[str, ...], Any] = {
 HOW_NOT_WHAT: tuple[tuple[str, ...], ...] = (("train", "resume"), ("train", "checkpoint_every_n_steps"))
 
 
+def _parent(config: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    """The section holding the setting at `path` (None where the config has no such section)."""
+    node: Any = config
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
 def _without_added_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` less HOW_NOT_WHAT's settings and less ADDED_SETTINGS at their neutral values."""
     for path in HOW_NOT_WHAT:
-        node = config
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
+        node = _parent(config, path)
+        if node is not None:
             node.pop(path[-1], None)
     for path, neutral in ADDED_SETTINGS.items():
-        node = config
-        for part in path[:-1]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and path[-1] in node and _canonical(node[path[-1]]) == _canonical(neutral):
+        node = _parent(config, path)
+        if node is not None and path[-1] in node and _canonical(node[path[-1]]) == _canonical(neutral):
             del node[path[-1]]
     return config
 
 
 def _normalised(key: Any) -> Any:
-    """A recorded key as today's code writes it: its config without ADDED_SETTINGS at their neutral values
-    (a key recorded before a setting lacks it; one recorded after writes it out)."""
+    """A recorded key as today's code writes it: its config without HOW_NOT_WHAT's settings and ADDED_SETTINGS at their
+    neutral values (a key recorded before a setting lacks it; one recorded after writes it out)."""
     if isinstance(key, dict) and isinstance(key.get("config"), dict):
         return {**key, "config": _without_added_defaults(json.loads(_canonical(key["config"])))}
     return key

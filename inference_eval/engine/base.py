@@ -154,6 +154,13 @@ class ChainProposer:
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
+    @property
+    def fuses(self) -> bool:
+        """Whether the attached engine runs this proposer's greedy rounds as one graph (its compiled step and
+        `k1_schedule` on, and `fused_round`: scheduler.py `_fused_round`) — its pages reach further (`lookahead`)."""
+        e = self.engine
+        return e is not None and e.static is not None and e.k1_schedule and self.fused_round
+
     def _pool(self, num_layers: int, args, dtype: torch.dtype) -> KVPool:
         e = self.engine
         if e.static is None:

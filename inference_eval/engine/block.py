@@ -51,9 +51,8 @@ class PagedBlockProposer(ChainProposer):
     def lookahead(self, k: int) -> int:
         """Positions a round writes past m: the verification's k + 1 or the block's rows; with the fused round the
         next round's block too (at m + a + 1, a ≤ k)."""
-        n, e = self.head.block_rows(k), self.engine
-        fused = e is not None and e.static is not None and e.k1_schedule and self.fused_round
-        return k + 1 + n if fused else max(k + 1, n)
+        n = self.head.block_rows(k)
+        return k + 1 + n if self.fuses else max(k + 1, n)
 
     @property
     def fused_round(self) -> bool:

@@ -189,10 +189,8 @@ class PagedHeadProposer(ChainProposer):
 
     def lookahead(self, k: int) -> int:
         """Positions a round writes past m: the verification's k + 1, and with the fused round the next round's draft
-        steps too (up to m + 2k − 1)."""
-        e = self.engine
-        fused = e is not None and e.static is not None and e.k1_schedule and self.fused_round and k > 1
-        return 2 * k if fused else k + 1
+        steps too (up to m + 2k − 1; at k = 1 the same k + 1)."""
+        return 2 * k if self.fuses else k + 1
 
     @property
     def fused_round(self) -> bool:
