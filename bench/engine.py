@@ -34,6 +34,13 @@
   compiled (`spec_compiled_vs_eager_b1=…`), and a compiled round's cost in compiled plain steps
   (`round_cost_compiled=…`, beside the eager `round_cost=…`).
 
+- `--weights-bf16`: one more engine side, the float32 target with its linear weights stored in bf16
+  (`LlamaForCausalLM.store_weights`: W16A32, every product and sum in fp32, half the bytes a decode step streams):
+  in the plain-decoding pairs (`w16_vs_w32_b1=…` the fp32-weight engine's seconds / its own, `w16_vs_hf_b1=…`
+  against HF's best dtype, `w16_vs_vllm_b1=…`) and its speculative rounds over its own plain decoding
+  (`spec_speedup_b1_w16=…`, `round_cost_w16=…`, `tau_w16=…`: greedy tokens of a bf16-weight target differ a
+  little from the fp32 one's).
+
 Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
 `--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
 whole machine, then one thread per side — the per-core figure, the one that stays put on a shared
@@ -180,10 +187,14 @@ def main() -> None:
                     help="thread budgets, every path alike, measured in turn (default all,1: whole machine, per core)")
     ap.add_argument("--compile", action="store_true",
                     help="the engine's compiled static decode step as a side of the plain-decoding pairs")
+    ap.add_argument("--weights-bf16", action="store_true",
+                    help="the engine with its target's linear weights stored in bf16 (W16A32) as one more side")
     ap.add_argument("--vllm", default="auto", choices=["auto", "on", "off"],
                     help="vLLM's build in .venv-vllm as a side (auto: when installed and not --quick)")
     args = ap.parse_args()
     budgets = thread_settings(args.threads)
+    if args.weights_bf16 and args.dtype != "float32":
+        ap.error("--weights-bf16 stores a float32 target's weights in bf16: it needs --dtype float32")
     if args.vllm == "on" and not VLLM_PYTHON.exists():
         ap.error(f"--vllm on: {VLLM_PYTHON} is missing (`make vllm-env`)")
     with_vllm = args.vllm == "on" or (args.vllm == "auto" and VLLM_PYTHON.exists() and not args.quick)
@@ -204,6 +215,8 @@ def main() -> None:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     device = resolve_device(args.device)
     target = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    target16 = (LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device).store_weights(torch.bfloat16)
+                if args.weights_bf16 else None)
     hf = {name: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, name)).to(device).eval()
           for name in ("float32", "bfloat16")}
     prompts = [p["ids"] for p in mtbench_prompts(tok, 8)]
@@ -211,6 +224,8 @@ def main() -> None:
     print(f"SmolLM2-135M, engine {args.dtype} on {device}, HF generate in float32 and bfloat16, "
           f"{torch.get_num_threads()} threads, {new} new tokens, prompts {[len(p) for p in prompts]}")
     ours(target, prompts[:2], 4)  # warm-up
+    if target16 is not None:
+        ours(target16, prompts[:2], 4)
     if args.compile:  # every bucket the timed runs meet, compiled before them
         t0 = time.perf_counter()
         compile_s = sum(ours(target, batch, new, compile="on")[2].compile_s for batch in (prompts[:1], prompts))
@@ -252,19 +267,22 @@ def main() -> None:
         print(f"no trained head at {head_dir}: speculative figures skipped (train one: "
               f"python -m scripts.ablation experiment=ablation, or pass --head)")
 
-    def measure(k: int, draft_vocab, sides: VllmSides | None = None, **engine_kw) -> tuple[Paired, float, Paired | None]:
-        """Speculative vs the engine's plain decoding, prompt by prompt in pairs; the pooled τ; with `sides`, vLLM's
-        speculative decoding of the same prompts in the same pairs (vLLM's seconds / the engine's)."""
+    def measure(k: int, draft_vocab, sides: VllmSides | None = None, tgt=None,
+                **engine_kw) -> tuple[Paired, float, Paired | None]:
+        """Speculative vs the engine's plain decoding (of `tgt`, default the target), prompt by prompt in pairs; the
+        pooled τ; with `sides`, vLLM's speculative decoding of the same prompts in the same pairs (vLLM's seconds / the
+        engine's)."""
         plain_s, spec_s, vllm_s, counts = [], [], [], {"emitted": 0, "steps": 0}
+        tgt = target if tgt is None else tgt
 
         def spec(p):
-            t, st, _ = ours(target, [p], new, proposer(draft_vocab), k, **engine_kw)
+            t, st, _ = ours(tgt, [p], new, proposer(draft_vocab), k, **engine_kw)
             counts["emitted"] += st.emitted
             counts["steps"] += st.steps
             return t
 
         for p in prompts[:nprompts]:
-            runs = {"plain": lambda p=p: ours(target, [p], new)[0], "spec": lambda p=p: spec(p)}
+            runs = {"plain": lambda p=p: ours(tgt, [p], new)[0], "spec": lambda p=p: spec(p)}
             if sides is not None:
                 runs["vllm_spec"] = lambda p=p: sides.spec_s([p], new)
             got = measure_pairs(runs, args.rounds, warmup=0, load=load)
@@ -302,6 +320,8 @@ def main() -> None:
                         **{f"hf_{d}": (lambda m=m, batch=batch: hf_generate(m, tok, batch, new)) for d, m in hf.items()}}
                 if args.compile:
                     runs["engine_compiled"] = lambda batch=batch: ours(target, batch, new, compile="on")[0]
+                if target16 is not None:
+                    runs["engine_w16"] = lambda batch=batch: ours(target16, batch, new)[0]
                 if sides is not None:
                     runs["vllm"] = lambda batch=batch: sides.plain_s(batch, new)
                 t = measure_pairs(runs, args.rounds, warmup=0, load=load).seconds
@@ -318,6 +338,14 @@ def main() -> None:
                     keep(f"plain_vs_vllm_{name}{tag}", Paired.of(t["vllm"], t["engine"]), n)
                     text += (f"; vLLM {tok_s['vllm']:.1f} tok/s, vLLM's seconds / the engine's per pair "
                              f"{figures[f'plain_vs_vllm_{name}{tag}'].text()}")
+                if target16 is not None:
+                    keep(f"w16_vs_w32_{name}{tag}", Paired.of(t["engine"], t["engine_w16"]), n)
+                    keep(f"w16_vs_hf_{name}{tag}", Paired.of(best, t["engine_w16"]), n)
+                    text += (f"; bf16 weights {tok_s['engine_w16']:.1f} tok/s, the fp32 weights' seconds / its per pair "
+                             f"{figures[f'w16_vs_w32_{name}{tag}'].text()}, HF's best's / its "
+                             f"{figures[f'w16_vs_hf_{name}{tag}'].text()}")
+                    if sides is not None:
+                        keep(f"w16_vs_vllm_{name}{tag}", Paired.of(t["vllm"], t["engine_w16"]), n)
                 print(f"{n} thread(s) {name}: engine {tok_s['engine']:.1f} tok/s, HF float32 {tok_s['hf_float32']:.1f}, "
                       f"HF bfloat16 {tok_s['hf_bfloat16']:.1f}; vs HF's best dtype per pair "
                       f"{figures[f'plain_vs_hf_{name}{tag}'].text()}, same dtype ({args.dtype}) {same.text()}{text}",
@@ -373,6 +401,15 @@ def main() -> None:
                       f"compiled plain decoding", flush=True)
                 if n == budgets[0]:
                     compiled_cost = ccost
+            if target16 is not None:  # the same proposer over the bf16-weight target, against its own plain decoding
+                sp16, tau16, _ = measure(args.k, vocab, tgt=target16)
+                keep(f"spec_speedup_b1_w16{tag}", sp16, n)
+                cost16 = round_cost(target16, proposer(vocab), args.k, prompts[:nprompts], new)
+                print(f"{n} thread(s) bf16 weights: speculative b1 k={args.k}: measured speedup {sp16.text()} over its "
+                      f"plain decoding, tau {tau16:.3f}; a round costs {cost16['cost']:.3f} plain steps "
+                      f"({cost16['round_s'] * 1e3:.1f} vs {cost16['plain_step_s'] * 1e3:.1f} ms)", flush=True)
+                if n == budgets[0]:
+                    w16 = (tau16, cost16)
             if n == budgets[0]:
                 spec_tau, spec_cost = tau, cost
                 spec_tau_vllm = sides.tau() if vs_vllm is not None else None
@@ -387,6 +424,8 @@ def main() -> None:
             line += f" round_cost_compiled={compiled_cost['cost']:.3f}"
         if spec_tau_vllm is not None:
             line += f" tau_vllm={spec_tau_vllm:.3f}"
+        if target16 is not None:
+            line += f" round_cost_w16={w16[1]['cost']:.3f} tau_w16={w16[0]:.3f}"
     print(f"engine {line} k={args.k} draft_vocab={args.draft_vocab} other_runnable={load.median:g}")
 
 if __name__ == "__main__":

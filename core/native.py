@@ -41,14 +41,64 @@ log = logging.getLogger(__name__)
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+/* Weights are fp32 (bf = 0) or bf16 (bf = 1: the top half of an fp32, widened exactly by a 16-bit shift).
+   Either way the products and sums are fp32, in the same order: a bf16 weight gives the values of the
+   fp32 kernel on that weight widened to fp32, bit for bit. `bf` is a constant in each exported function,
+   so the compiler keeps one loop per weight type. */
+/* Every multiply-add is one explicit fused multiply-add (the build turns off the compiler's own contraction,
+   -ffp-contract=off): whether a product is rounded before its add never depends on how the compiler scheduled
+   a loop, so the fp32 and the bf16 weight paths, and the AVX-512 and AVX2 branches, give the same bits. */
+#if defined(__FMA__)
+static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+#else
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+    v8 r; for (int i = 0; i < 8; ++i) r[i] = fmaf(a[i], b[i], c[i]); return r;
+}
+#endif
+#if defined(__AVX512F__)
+static inline v16 fma16(v16 a, v16 b, v16 c) { return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static inline v16 fma16(v16 a, v16 b, v16 c) {  /* as two 8-lane halves: the same lanes, the same bits */
+    v8 al, ah, bl, bh, cl, ch; memcpy(&al, &a, 32); memcpy(&ah, (char *)&a + 32, 32);
+    memcpy(&bl, &b, 32); memcpy(&bh, (char *)&b + 32, 32); memcpy(&cl, &c, 32); memcpy(&ch, (char *)&c + 32, 32);
+    v8 rl = fma8(al, bl, cl), rh = fma8(ah, bh, ch); v16 r; memcpy(&r, &rl, 32); memcpy((char *)&r + 32, &rh, 32);
+    return r;
+}
+#endif
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-
 static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline v16 ldw(const void *w, int64_t i, const int bf) {
+    if (!bf) return ld((const float *)w + i);
+    h16 h; memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    u16 u = __builtin_convertvector(h, u16) << 16; v16 v; memcpy(&v, &u, sizeof v); return v;
+}
+static inline v8 ldw8(const void *w, int64_t i, const int bf) {
+    if (!bf) return ld8((const float *)w + i);
+    h8 h; memcpy(&h, (const uint16_t *)w + i, sizeof h);
+    u8 u = __builtin_convertvector(h, u8) << 16; v8 v; memcpy(&v, &u, sizeof v); return v;
+}
+static inline float w1(const void *w, int64_t i, const int bf) {
+    if (!bf) return ((const float *)w)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)w)[i] << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline const void *wrow(const void *w, int64_t n, int64_t k, const int bf) {
+    return (const char *)w + n * k * (bf ? 2 : 4);
+}
+
 static inline float lanes(v16 a) {  /* fixed-order tree over the 16 lanes */
     v8 lo, hi; memcpy(&lo, &a, 32); memcpy(&hi, (const char *)&a + 32, 32);
     v8 s8 = lo + hi;
@@ -57,9 +107,10 @@ static inline float lanes(v16 a) {  /* fixed-order tree over the 16 lanes */
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline float finish(v16 a, const float *w, const float *x, int64_t from, int64_t k, const float *bias, int64_t n) {
+static inline float finish(v16 a, const void *w, const float *x, int64_t from, int64_t k, const float *bias, int64_t n,
+                           const int bf) {
     float s = lanes(a);
-    for (int64_t i = from; i < k; ++i) s += w[i] * x[i];
+    for (int64_t i = from; i < k; ++i) s = fmaf(w1(w, i, bf), x[i], s);
     return bias ? s + bias[n] : s;
 }
 
@@ -67,8 +118,8 @@ static inline float finish(v16 a, const float *w, const float *x, int64_t from, 
 
 /* Q input rows from r (Q ≤ 8) against P weight rows ws (P ≤ 4): P·Q independent accumulators. */
 static inline __attribute__((always_inline)) void rows_block(
-        const float *const ws[4], const int P, const float *x, int64_t r, const int Q, int64_t k, int64_t kv,
-        const float *pf, const float *bias, float *out, int64_t n_out, int64_t n0) {
+        const void *const ws[4], const int P, const float *x, int64_t r, const int Q, int64_t k, int64_t kv,
+        const void *pf, const float *bias, float *out, int64_t n_out, int64_t n0, const int bf) {
     const float *xs[8];
     for (int q = 0; q < Q; ++q) xs[q] = x + (r + q) * k;
 #ifdef __AVX512F__
@@ -77,12 +128,12 @@ static inline __attribute__((always_inline)) void rows_block(
         for (int q = 0; q < Q; ++q) a[p][q] = (v16){0};
     for (int64_t i = 0; i < kv; i += 16) {
         if (pf)
-            for (int p = 0; p < P; ++p) __builtin_prefetch(pf + p * k + i, 0, 2);
+            for (int p = 0; p < P; ++p) __builtin_prefetch((const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4), 0, 2);
         v16 wv[4];
-        for (int p = 0; p < P; ++p) wv[p] = ld(ws[p] + i);
+        for (int p = 0; p < P; ++p) wv[p] = ldw(ws[p], i, bf);
         for (int q = 0; q < Q; ++q) {
             v16 xv = ld(xs[q] + i);
-            for (int p = 0; p < P; ++p) a[p][q] += wv[p] * xv;
+            for (int p = 0; p < P; ++p) a[p][q] = fma16(wv[p], xv, a[p][q]);
         }
     }
 #else
@@ -95,12 +146,12 @@ static inline __attribute__((always_inline)) void rows_block(
         for (int q = 0; q < Q; ++q) { lo[p][q] = (v8){0}; hi[p][q] = (v8){0}; }
     for (int64_t i = 0; i < kv; i += 16) {
         if (pf)
-            for (int p = 0; p < P; ++p) __builtin_prefetch(pf + p * k + i, 0, 2);
+            for (int p = 0; p < P; ++p) __builtin_prefetch((const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4), 0, 2);
         v8 wl[4], wh[4];
-        for (int p = 0; p < P; ++p) { wl[p] = ld8(ws[p] + i); wh[p] = ld8(ws[p] + i + 8); }
+        for (int p = 0; p < P; ++p) { wl[p] = ldw8(ws[p], i, bf); wh[p] = ldw8(ws[p], i + 8, bf); }
         for (int q = 0; q < Q; ++q) {
             v8 xl = ld8(xs[q] + i), xh = ld8(xs[q] + i + 8);
-            for (int p = 0; p < P; ++p) { lo[p][q] += wl[p] * xl; hi[p][q] += wh[p] * xh; }
+            for (int p = 0; p < P; ++p) { lo[p][q] = fma8(wl[p], xl, lo[p][q]); hi[p][q] = fma8(wh[p], xh, hi[p][q]); }
         }
     }
     v16 a[4][8];
@@ -109,15 +160,16 @@ static inline __attribute__((always_inline)) void rows_block(
 #endif
     for (int p = 0; p < P; ++p)
         for (int q = 0; q < Q; ++q)
-            out[(r + q) * n_out + n0 + p] = finish(a[p][q], ws[p], xs[q], kv, k, bias, n0 + p);
+            out[(r + q) * n_out + n0 + p] = finish(a[p][q], ws[p], xs[q], kv, k, bias, n0 + p, bf);
 }
 
 /* out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]); x [rows, k], w [n_out, k], out [rows, n_out], all
-   contiguous fp32. Register blocks: 2 weight rows × 8 input rows from 8 rows on (then 4, 2, 1 for
-   the rest), else 4 weight rows × 4, 2, 1 input rows — measured best on both sides of 8. The
+   contiguous, x, bias and out fp32. Register blocks: 2 weight rows × 8 input rows from 8 rows on (then
+   4, 2, 1 for the rest), else 4 weight rows × 4, 2, 1 input rows — measured best on both sides of 8. The
    blocking changes which rows share a pass, never the order of a dot product. */
-void skinny_linear(const float *x, const float *w, const float *bias, float *out,
-                   int64_t rows, int64_t n_out, int64_t k, int32_t threads) {
+static inline __attribute__((always_inline)) void linear_rows(
+        const float *x, const void *w, const float *bias, float *out, int64_t rows, int64_t n_out, int64_t k,
+        int32_t threads, const int bf) {
     const int wide = rows >= 8;
     const int64_t kv = k / 16 * 16, nb = wide ? 2 : 4, blocks = (n_out + nb - 1) / nb;
     #pragma omp parallel for schedule(static) num_threads(threads)
@@ -125,36 +177,47 @@ void skinny_linear(const float *x, const float *w, const float *bias, float *out
         const int64_t n0 = blk * nb;
         if (n0 + nb > n_out) {  /* the last, partial block: one weight row at a time */
             for (int64_t n = n0; n < n_out; ++n) {
-                const float *wn = w + n * k;
+                const void *wn = wrow(w, n, k, bf);
                 for (int64_t r = 0; r < rows; ++r) {
                     const float *xr = x + r * k;
                     v16 a = {0};
-                    for (int64_t i = 0; i < kv; i += 16) a += ld(wn + i) * ld(xr + i);
-                    out[r * n_out + n] = finish(a, wn, xr, kv, k, bias, n);
+                    for (int64_t i = 0; i < kv; i += 16) a = fma16(ldw(wn, i, bf), ld(xr + i), a);
+                    out[r * n_out + n] = finish(a, wn, xr, kv, k, bias, n, bf);
                 }
             }
             continue;
         }
-        const float *ws[4] = {w + n0 * k, w + (n0 + 1) * k, 0, 0};
-        if (!wide) { ws[2] = w + (n0 + 2) * k; ws[3] = w + (n0 + 3) * k; }
+        const void *ws[4] = {wrow(w, n0, k, bf), wrow(w, n0 + 1, k, bf), 0, 0};
+        if (!wide) { ws[2] = wrow(w, n0 + 2, k, bf); ws[3] = wrow(w, n0 + 3, k, bf); }
         /* the first pass over this block prefetches the rows AHEAD rows on */
-        const float *pf = n0 + AHEAD + nb <= n_out ? w + (n0 + AHEAD) * k : 0;
+        const void *pf = n0 + AHEAD + nb <= n_out ? wrow(w, n0 + AHEAD, k, bf) : 0;
         int64_t r = 0;
         if (wide) {
-            for (; r + 8 <= rows; r += 8, pf = 0) rows_block(ws, 2, x, r, 8, k, kv, pf, bias, out, n_out, n0);
-            if (rows - r >= 4) { rows_block(ws, 2, x, r, 4, k, kv, pf, bias, out, n_out, n0); r += 4; }
-            if (rows - r >= 2) { rows_block(ws, 2, x, r, 2, k, kv, pf, bias, out, n_out, n0); r += 2; }
-            if (rows - r == 1) rows_block(ws, 2, x, r, 1, k, kv, pf, bias, out, n_out, n0);
+            for (; r + 8 <= rows; r += 8, pf = 0) rows_block(ws, 2, x, r, 8, k, kv, pf, bias, out, n_out, n0, bf);
+            if (rows - r >= 4) { rows_block(ws, 2, x, r, 4, k, kv, pf, bias, out, n_out, n0, bf); r += 4; }
+            if (rows - r >= 2) { rows_block(ws, 2, x, r, 2, k, kv, pf, bias, out, n_out, n0, bf); r += 2; }
+            if (rows - r == 1) rows_block(ws, 2, x, r, 1, k, kv, pf, bias, out, n_out, n0, bf);
         } else {
-            if (rows - r >= 4) { rows_block(ws, 4, x, r, 4, k, kv, pf, bias, out, n_out, n0); r += 4; pf = 0; }
-            if (rows - r >= 2) { rows_block(ws, 4, x, r, 2, k, kv, pf, bias, out, n_out, n0); r += 2; pf = 0; }
-            if (rows - r == 1) rows_block(ws, 4, x, r, 1, k, kv, pf, bias, out, n_out, n0);
+            if (rows - r >= 4) { rows_block(ws, 4, x, r, 4, k, kv, pf, bias, out, n_out, n0, bf); r += 4; pf = 0; }
+            if (rows - r >= 2) { rows_block(ws, 4, x, r, 2, k, kv, pf, bias, out, n_out, n0, bf); r += 2; pf = 0; }
+            if (rows - r == 1) rows_block(ws, 4, x, r, 1, k, kv, pf, bias, out, n_out, n0, bf);
         }
     }
 }
+
+void skinny_linear(const float *x, const float *w, const float *bias, float *out,
+                   int64_t rows, int64_t n_out, int64_t k, int32_t threads) {
+    linear_rows(x, w, bias, out, rows, n_out, k, threads, 0);
+}
+
+/* The same with bf16 weights (w: uint16 bit patterns): half the bytes streamed per decode step. */
+void skinny_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *out,
+                        int64_t rows, int64_t n_out, int64_t k, int32_t threads) {
+    linear_rows(x, w, bias, out, rows, n_out, k, threads, 1);
+}
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -206,9 +269,9 @@ def load() -> ctypes.CDLL | None:
             if shutil.which(cc) is None:
                 raise RuntimeError(f"no C compiler {cc!r} on PATH")
             lib = ctypes.CDLL(str(_build(cc, cache_dir() / "native")))
-            fn = lib.skinny_linear
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
-            fn.restype = None
+            for fn in (lib.skinny_linear, lib.skinny_linear_bf16):
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+                fn.restype = None
             _lib, _ready = lib, True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -231,13 +294,19 @@ def error() -> str:
 
 
 def accepts(t: torch.Tensor) -> bool:
-    """Whether the kernel can read `t` as it is: contiguous fp32 on the CPU."""
+    """Whether the kernel can read `t` as it is (an input, a bias): contiguous fp32 on the CPU."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def accepts_weight(t: torch.Tensor) -> bool:
+    """Whether the kernel can read `t` as a weight: contiguous fp32 or bf16 on the CPU."""
+    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and t.is_contiguous()
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, k] @ weight[n, k]ᵀ (+ bias) with the kernel: fp32 CPU tensors; weight and bias
-    contiguous. Raises if the kernel is unavailable (check `available()` first)."""
+    """x [rows, k] @ weight[n, k]ᵀ (+ bias) with the kernel: fp32 CPU tensors (the weight fp32 or bf16,
+    widened exactly, products and sums in fp32); weight and bias contiguous. Raises if the kernel is
+    unavailable (check `available()` first)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"native kernel unavailable: {_error}")
@@ -246,9 +315,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)} do not match")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+    for name, t in (("x", x), ("bias", bias)):
         if t is not None and not accepts(t):
             raise ValueError(f"{name}: a contiguous fp32 CPU tensor is required, got {t.dtype} on {t.device}")
+    if not accepts_weight(weight):
+        raise ValueError(f"weight: a contiguous fp32 or bf16 CPU tensor is required, got {weight.dtype} on "
+                         f"{weight.device}{'' if weight.is_contiguous() else ' (not contiguous)'}")
     return call(lib, x, weight, bias)
 
 
@@ -268,6 +340,7 @@ def call(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """`skinny_linear` without the checks, for a caller that made them (`heads.layers.linear`)."""
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    lib.skinny_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+    fn = lib.skinny_linear_bf16 if weight.dtype == torch.bfloat16 else lib.skinny_linear
+    fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                       rows, n, x.shape[1], torch.get_num_threads())
     return out

@@ -311,6 +311,12 @@ def load_evaluation_target(ec: EvalConfig, tc: TargetConfig) -> EvalTarget:
         tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
         log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
                  "embedding and lm_head", head_dtype, tc.dtype)
+    if ec.weight_dtype is not None and ec.weight_dtype != tc.dtype:  # after `tied`: the heads keep the exact lm_head
+        try:
+            target.store_weights(DTYPES[ec.weight_dtype])
+        except ValueError as e:
+            raise ValueError(f"evaluate.weight_dtype={ec.weight_dtype} with target.dtype={tc.dtype}: {e}") from e
+        log.info("evaluate: the target's linear weights stored in %s, computed in %s", ec.weight_dtype, tc.dtype)
     log.info("evaluate: target loaded in %.0fs", time.perf_counter() - t_load)
     return EvalTarget(tc, target, tied, head_dtype, device, tokenizer, stop_token_ids(tokenizer))
 
@@ -562,6 +568,7 @@ def evaluate(ec: EvalConfig, tc: TargetConfig) -> dict[str, Any]:
     rs = RunSettings(prompts, max_new, ec.batch_size, sampling, ec.warmup, ec.repeats, tree, ec.show_bar, ec.every_s,
                      ec.compile)
     report: dict[str, Any] = {"target": tc.name, "target_dtype": tc.dtype, "head_dtype": et.head_dtype,
+                              "weight_dtype": str(et.model.weight_dtype).removeprefix("torch."),
                               "dataset": ec.prompts.dataset, "turn": "+".join(map(str, ec.prompts.turns)),
                               "prompts": len(prompts), "k": "auto" if ec.auto else k, "max_new_tokens": max_new,
                               "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,

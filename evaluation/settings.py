@@ -48,6 +48,7 @@ class EvalConfig:
     tree: dict[str, int] | None = None  # proposer=tree: depth, topk, total
     stop_below: float | None = None  # a block head with a confidence head: the adaptive draft length's threshold
     head_dtype: str | None = None
+    weight_dtype: str | None = None  # the target's linear weights stored in this dtype (bfloat16: W16A32); None: its dtype
     compile: str = "off"  # the engine's static step: auto (compiled on CUDA), on, off (inference_eval/engine/static.py)
     simulated_tau: bool = True
     plain_baseline: bool = False
@@ -70,6 +71,12 @@ class EvalConfig:
         if self.batch_size < 1 or self.proposer not in PROPOSERS:
             raise ValueError(f"evaluate.batch_size={self.batch_size} (≥ 1) / evaluate.proposer={self.proposer!r} "
                              "(chain or tree)")
+        if self.weight_dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(f"evaluate.weight_dtype={self.weight_dtype!r}: expected null (the target's dtype), bfloat16 "
+                             "(a float32 target's linear weights stored in bf16, computed in fp32) or float32")
+        if self.weight_dtype is not None and self.engine != "spechead":
+            raise ValueError(f"evaluate.weight_dtype={self.weight_dtype}: it sets how spechead's engine stores the target, "
+                             f"not evaluate.engine={self.engine}; set it to null")
         if self.compile not in COMPILE:
             raise ValueError(f"evaluate.compile={self.compile!r}: expected one of {', '.join(COMPILE)}")
         if self.engine == "spechead" and self.tree is not None:

@@ -159,7 +159,7 @@ def eval_config(cfg: DictConfig) -> EvalConfig:
         auto_draft_vocab=tuple(None if n is None else int(n) for n in (_plain(ecfg.get("auto_draft_vocab")) or [None])),
         temperature=float(ecfg.get("temperature", 0.0)), top_p=float(ecfg.get("top_p", 1.0)),
         top_k=int(ecfg.get("top_k", 0)), batch_size=int(ecfg.get("batch_size", 1)), proposer=proposer, tree=tree,
-        head_dtype=ecfg.get("head_dtype") or None, compile=engine_compile(ecfg.get("compile", "off")),
+        head_dtype=ecfg.get("head_dtype") or None, weight_dtype=ecfg.get("weight_dtype") or None, compile=engine_compile(ecfg.get("compile", "off")),
         stop_below=None if ecfg.get("stop_below") is None else float(ecfg.get("stop_below")),
         simulated_tau=bool(ecfg.get("simulated_tau", True)), plain_baseline=bool(ecfg.get("plain_baseline", False)),
         speed_pairs=int(ecfg.get("speed_pairs", 4)), predict_prompts=int(ecfg.get("predict_prompts", 2)),

@@ -120,14 +120,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, computed by the native kernel (≤ NATIVE_ROWS rows) or as (W·xᵀ)ᵀ (a single row padded
     with a zero row; see above) for fp32 inference on CPU with a few rows; training (grad enabled),
     other dtypes and devices, and larger batches run F.linear itself. Same values up to fp32
-    summation order."""
+    summation order.
+
+    A bf16 weight with fp32 input (a model whose weights are stored in bf16, `store_weights`) is widened
+    to fp32 exactly: the values are F.linear's on `weight.float()`. The native kernel widens it as it
+    streams it (half the bytes read); the other paths widen a copy."""
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
+    widen = weight.dtype == torch.bfloat16 and x.dtype == torch.float32
     if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or rows > FAST_LINEAR_ROWS
-            or rows == 0 or weight.dtype != torch.float32):
-        return F.linear(x, weight, bias)
+            or rows == 0 or (weight.dtype != torch.float32 and not widen)):
+        return F.linear(x, weight.to(x.dtype) if widen else weight, bias)
     flat = x.reshape(rows, k)
-    if rows <= NATIVE_ROWS and native.accepts(weight) and (bias is None or native.accepts(bias)):
+    if rows <= NATIVE_ROWS and native.accepts_weight(weight) and (bias is None or native.accepts(bias)):
         if torch.compiler.is_compiling():  # a compiled engine step: the kernel as one operator of the graph
             if native.loaded():
                 return native.skinny_linear_op(flat.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -135,6 +140,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             lib = native.load()
             if lib is not None:
                 return native.call(lib, flat.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if widen:
+        weight = weight.to(x.dtype)
     if rows == 1:
         if weight.numel() < PAD_ONE_ROW_MIN_WEIGHT:
             return F.linear(x, weight, bias)

@@ -94,7 +94,31 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The compute dtype: activations, norms, the embedding and the KV cache (the linear weights may be
+        stored in another, `store_weights`)."""
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the linear weights are stored in (`store_weights`; else the compute dtype)."""
+        return self.lm_head.weight.dtype
+
+    def store_weights(self, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Keep every linear weight (the attention and MLP projections, the lm_head) in `dtype`; activations,
+        norms, biases, the embedding and the KV cache stay in the compute dtype. A float32 model with bfloat16
+        weights is W16A32: each weight rounded to bf16 once, every product and sum in fp32 — the model whose
+        weights are `w.bfloat16().float()`, at half the bytes a decode step streams (on the CPU the native
+        kernel widens them as it reads them; heads.layers.linear). A tied lm_head gets its own copy, so the
+        embedding's rows stay exact. The compute dtype itself: returns self unchanged."""
+        if dtype == self.dtype:
+            return self
+        if not (dtype == torch.bfloat16 and self.dtype == torch.float32):
+            raise ValueError(f"store_weights({dtype}): only bfloat16 weights under a float32 model are supported "
+                             f"(this model computes in {self.dtype}); set the target's dtype instead")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        return self
 
     @property
     def device(self) -> torch.device:

@@ -576,6 +576,7 @@ RULES: tuple[Rule, ...] = (
     Rule("evaluate.tree.topk", (EVALUATE,), whole(1, "children")),
     Rule("evaluate.tree.total", (EVALUATE,), whole(1, "nodes")),
     Rule("evaluate.head_dtype", (EVALUATE,), either(one_of("bfloat16", "float16", "float32"), "the target's dtype")),
+    Rule("evaluate.weight_dtype", (EVALUATE,), either(one_of("bfloat16", "float32"), "the target's dtype")),
     Rule("evaluate.stop_below", (EVALUATE,), number(0, 1, what="a probability", above=True, below=True,
                                                     null="every block head drafts k")),
     Rule("evaluate.speed_pairs", (EVALUATE,), whole(1, "groups")),

@@ -538,3 +538,44 @@ def test_evaluate_paired_rotates_the_sides_and_keeps_the_outputs(varied, monkeyp
     assert plain.per_prompt == [[11, 11]] * len(items) and plain.tau_se == 0.0
     assert ev.groups_of(24, 4, 8) == [list(range(i, i + 8)) for i in (0, 8, 16)]  # each group fills a batch of 8
     assert ev.groups_of(5, 2) == [[0, 1], [2, 3, 4]] and ev.groups_of(1, 4) == [[0]]
+
+
+@pytest.mark.unit
+def test_bf16_stored_weights_are_the_model_with_rounded_weights(varied):
+    """`store_weights(bfloat16)` on a float32 target (W16A32) is, bit for bit, the same model with each linear weight
+    rounded to bf16 and kept in fp32: its logits at decode-sized (the native kernel widening as it reads), middle (W·xᵀ
+    on a widened copy) and prefill-sized (F.linear) forwards, and so its greedy tokens, plain and speculative (which
+    stay equal to each other); the embedding stays exact, the lm_head is untied from it; other combinations are
+    refused."""
+    import copy
+
+    from torch import nn
+
+    from heads.layers import Linear
+
+    target, head, prompts, *_ = varied
+    w16 = copy.deepcopy(target).store_weights(torch.bfloat16)
+    rounded = copy.deepcopy(target)
+    for m in rounded.modules():
+        if isinstance(m, Linear):
+            m.weight = nn.Parameter(m.weight.bfloat16().float(), requires_grad=False)
+    assert w16.dtype == torch.float32 and w16.weight_dtype == torch.bfloat16
+    assert torch.equal(w16.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert w16.lm_head.weight.data_ptr() != w16.model.embed_tokens.weight.data_ptr()
+    assert all(m.weight.dtype == torch.bfloat16 for m in w16.modules() if isinstance(m, Linear))
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for shape in ((1, 3), (2, 50), (3, 100)):  # 3, 100 and 300 rows
+            ids = torch.randint(0, 512, shape, generator=g)
+            got, want = w16(ids).logits, rounded(ids).logits
+            assert torch.equal(got, want), shape
+            assert not torch.equal(got, target(ids).logits)  # the rounding is real: another model than the fp32 one
+    plain, _ = engine_generate(w16, prompts, 20)
+    assert plain == engine_generate(rounded, prompts, 20)[0]
+    spec, eng = engine_generate(w16, prompts, 20, proposer=head, k=3)
+    assert spec == plain and sum(eng.stats.accepted) > 0
+    with pytest.raises(ValueError, match="only bfloat16 weights under a float32 model"):
+        copy.deepcopy(target).store_weights(torch.float16)
+    with pytest.raises(ValueError, match="computes in torch.bfloat16"):
+        copy.deepcopy(target).to(torch.bfloat16).store_weights(torch.float32)
+    assert target.store_weights(torch.float32) is target and target.weight_dtype == torch.float32

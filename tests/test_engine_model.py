@@ -177,3 +177,50 @@ def test_decode_sized_forward_matches_hf(tmp_path, rows):
         got = ours(ids[:, -rows:], cache=cache, start=40 - rows).logits
         ref = hf(ids).logits[:, -rows:]
     assert_matches_hf(got, ref, ours.args, ids.shape[1])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("k,n", [(64, 96), (37, 10), (576, 1539)])
+def test_native_kernel_widens_bf16_weights_exactly(k, n):
+    """bf16 weights (W16A32): the kernel's output is, bit for bit, its output on the weight widened to fp32, for
+    1..40 rows (both register blockings, a 16-lane tail or not, a partial block or not, bias or not), each row as
+    computed alone; and F.linear's values on the widened weight."""
+    from core import native
+
+    assert native.available(), native.error()
+    g = torch.Generator().manual_seed(k * n)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    x = torch.randn(40, k, generator=g)
+    for bias in (None, b):
+        alone = [native.skinny_linear(x[i:i + 1], w, bias) for i in range(40)]
+        for rows in (1, 2, 3, 4, 5, 8, 11, 40):
+            got = native.skinny_linear(x[:rows], w, bias)
+            assert torch.equal(got, native.skinny_linear(x[:rows], w.float(), bias))
+            torch.testing.assert_close(got, torch.nn.functional.linear(x[:rows], w.float(), bias), atol=1e-4, rtol=1e-5)
+            assert all(torch.equal(got[i], alone[i][0]) for i in range(rows))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        native.skinny_linear(x, w.half())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rows", [1, 3, 100, 300])
+def test_linear_with_bf16_weights_is_linear_on_the_widened_weight(rows):
+    """heads.layers.linear with a bf16 weight and fp32 input gives exactly what it gives on the weight widened to
+    fp32, on each of its paths (1 row: F.linear below the padding's size; 3: the native kernel; 100: W·xᵀ; 300:
+    F.linear), in a compiled graph (the kernel's operator) too; with grad enabled, F.linear on the widened weight."""
+    from heads.layers import linear
+
+    g = torch.Generator().manual_seed(rows)
+    x, b = torch.randn(rows, 64, generator=g), torch.randn(96, generator=g)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        for bias in (None, b):
+            got = linear(x, w, bias)
+            assert got.dtype == torch.float32 and torch.equal(got, linear(x, w.float(), bias))
+    if rows == 3:
+        with torch.inference_mode():
+            compiled = torch.compile(lambda x: linear(x, w, b), fullgraph=True)
+            assert torch.equal(compiled(x), linear(x, w.float(), b))
+    xg = x.clone().requires_grad_(True)
+    linear(xg, w, b).sum().backward()
+    torch.testing.assert_close(xg.grad, w.float().sum(0).expand_as(x))

@@ -174,7 +174,9 @@ def test_evaluation_heads_share_the_targets_tensors(tiny_target):
 
 
 def test_evaluation_does_not_copy_the_shared_tensors(tiny_overrides, monkeypatch):
-    """With head_dtype unset (the target's dtype), evaluation never reads E / W_lm a second time."""
+    """With head_dtype unset (the target's dtype), evaluation never reads E / W_lm a second time — also with
+    `evaluate.weight_dtype=bfloat16`, which stores the target's linear weights in bf16 (reported), a setting of
+    spechead's engine that evaluate.engine=vllm refuses."""
     from experiments.stages import run_evaluation, run_precompute, run_training
 
     cfg = compose_config([*tiny_overrides, "trainer.max_epochs=1", "train.engine_validation.enabled=false",
@@ -186,6 +188,18 @@ def test_evaluation_does_not_copy_the_shared_tensors(tiny_overrides, monkeypatch
     monkeypatch.setattr(model_mod, "load_frozen_parts", lambda *a, **k: copies.append(a) or real(*a, **k))
     report = run_evaluation(cfg)
     assert copies == [] and report["head_dtype"] == "float32" and report["results"]["trained"]["tau"] >= 1.0
+    assert report["weight_dtype"] == "float32"
+    # the target's linear weights stored in bf16 (W16A32): the heads still share the target's exact E / W_lm
+    stored = []
+    real_store = model_mod.LlamaForCausalLM.store_weights
+    monkeypatch.setattr(model_mod.LlamaForCausalLM, "store_weights",
+                        lambda self, dtype: stored.append(dtype) or real_store(self, dtype))
+    w16 = run_evaluation(compose_config([*tiny_overrides, "trainer.max_epochs=1", "evaluate.heads.untrained=null",
+                                         "train.engine_validation.enabled=false", "evaluate.weight_dtype=bfloat16"]))
+    assert stored == [torch.bfloat16] and copies == [] and w16["weight_dtype"] == "bfloat16"
+    assert w16["results"]["trained"]["tau"] >= 1.0
+    with pytest.raises(ValueError, match="evaluate.weight_dtype=bfloat16: it sets how spechead's engine"):
+        run_evaluation(compose_config([*tiny_overrides, "evaluate.weight_dtype=bfloat16", "evaluate.engine=vllm"]))
 
 
 @pytest.mark.unit

@@ -141,6 +141,7 @@ BAD = {
     "evaluate.tree.topk": ["0"],
     "evaluate.tree.total": ["0"],
     "evaluate.head_dtype": ["int8"],
+    "evaluate.weight_dtype": ["float16", "int8"],
     "evaluate.speed_pairs": ["0"],
     "evaluate.predict_prompts": ["-1"],
     "evaluate.warmup": ["-1"],
