@@ -37,9 +37,10 @@
 - `--weights-bf16`: one more engine side, the float32 target with its linear weights stored in bf16
   (`LlamaForCausalLM.store_weights`: W16A32, every product and sum in fp32, half the bytes a decode step streams):
   in the plain-decoding pairs (`w16_vs_w32_b1=…` the fp32-weight engine's seconds / its own, `w16_vs_hf_b1=…`
-  against HF's best dtype, `w16_vs_vllm_b1=…`) and its speculative rounds over its own plain decoding
-  (`spec_speedup_b1_w16=…`, `round_cost_w16=…`, `tau_w16=…`: greedy tokens of a bf16-weight target differ a
-  little from the fp32 one's).
+  against HF's best dtype, `w16_vs_vllm_b1=…`) and its speculative rounds, the head's weights stored in bf16 too
+  (`DraftHead.store_weights`), over its own plain decoding (`spec_speedup_b1_w16=…`, `round_cost_w16=…`,
+  `tau_w16=…`: greedy tokens of a bf16-weight target differ a little from the fp32 one's). `--vllm-dtype bfloat16`
+  runs vLLM with bf16 weights as well.
 
 Timing follows core/timing.py: every measurement runs its sides back to back on the same prompts,
 `--rounds` pairs in alternating order, under each thread budget of `--threads` (default `all,1`: the
@@ -189,6 +190,9 @@ def main() -> None:
                     help="the engine's compiled static decode step as a side of the plain-decoding pairs")
     ap.add_argument("--weights-bf16", action="store_true",
                     help="the engine with its target's linear weights stored in bf16 (W16A32) as one more side")
+    ap.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="vLLM's dtype (default: the engine's --dtype); bfloat16 beside --weights-bf16 compares bf16 "
+                         "weights on both sides")
     ap.add_argument("--vllm", default="auto", choices=["auto", "on", "off"],
                     help="vLLM's build in .venv-vllm as a side (auto: when installed and not --quick)")
     args = ap.parse_args()
@@ -237,15 +241,19 @@ def main() -> None:
     load = Load()
     nprompts = 2 if args.quick else 4  # the speculative measurements' prompts
     head_dir = Path(args.head)
-    head = vocab = served = None
+    head = head16 = vocab = served = None
 
-    def proposer(draft_vocab):
-        """The engine's proposer of the head: a block head's, or a chain head's over `draft_vocab`."""
-        return PagedBlockProposer(head) if getattr(head, "block", False) else PagedHeadProposer(head, draft_vocab)
+    def proposer(draft_vocab, h=None):
+        """The engine's proposer of the head (`h`, default the fp32-weight one): a block head's, or a chain head's over
+        `draft_vocab`."""
+        h = head if h is None else h
+        return PagedBlockProposer(h) if getattr(h, "block", False) else PagedHeadProposer(h, draft_vocab)
 
     if (head_dir / "config.json").exists():
         tied, targs, _ = tied_target(path, dtype, device)
         head = load_any(head_dir, tied, targs).to(device, dtype).eval()
+        head16 = load_any(head_dir, tied, targs).to(device, dtype).eval().store_weights(torch.bfloat16) \
+            if target16 is not None else None
         if getattr(head, "block", False) and args.draft_vocab:
             print(f"a {head.kind} head drafts over its own vocabulary: --draft-vocab {args.draft_vocab} not applied")
             args.draft_vocab = 0
@@ -274,9 +282,10 @@ def main() -> None:
         engine's)."""
         plain_s, spec_s, vllm_s, counts = [], [], [], {"emitted": 0, "steps": 0}
         tgt = target if tgt is None else tgt
+        h = head16 if tgt is target16 else head
 
         def spec(p):
-            t, st, _ = ours(tgt, [p], new, proposer(draft_vocab), k, **engine_kw)
+            t, st, _ = ours(tgt, [p], new, proposer(draft_vocab, h), k, **engine_kw)
             counts["emitted"] += st.emitted
             counts["steps"] += st.steps
             return t
@@ -305,12 +314,14 @@ def main() -> None:
         tag = "" if n == budgets[0] else f"_{n}t"
         sides = None
         if with_vllm:
-            sides = VllmSides(Path(path), args.dtype, max(len(p) for p in prompts) + new + 8, n, served, args.k)
+            sides = VllmSides(Path(path), args.vllm_dtype or args.dtype, max(len(p) for p in prompts) + new + 8, n,
+                              served, args.k)
             sides.plain_s(prompts[:2], 4)  # warm-up, as the other sides
             if sides.spec is not None:
                 sides.spec_s(prompts[:2], 4)
                 sides.counts = dict.fromkeys(sides.counts, 0)
-            print(f"{n} thread(s): vLLM {sides.plain.info.get('vllm')} started in {sides.start_s:.1f} s "
+            print(f"{n} thread(s): vLLM {sides.plain.info.get('vllm')} ({args.vllm_dtype or args.dtype}) started in "
+                  f"{sides.start_s:.1f} s "
                   f"(plain{' and ' + served[1] + f' k={args.k} with ' + str(served[0]) if served else ''}, side by side; "
                   f"OMP bound to cores {vllm_bind(n)}), not timed below", flush=True)
         with thread_budget(n):
@@ -404,7 +415,7 @@ def main() -> None:
             if target16 is not None:  # the same proposer over the bf16-weight target, against its own plain decoding
                 sp16, tau16, _ = measure(args.k, vocab, tgt=target16)
                 keep(f"spec_speedup_b1_w16{tag}", sp16, n)
-                cost16 = round_cost(target16, proposer(vocab), args.k, prompts[:nprompts], new)
+                cost16 = round_cost(target16, proposer(vocab, head16), args.k, prompts[:nprompts], new)
                 print(f"{n} thread(s) bf16 weights: speculative b1 k={args.k}: measured speedup {sp16.text()} over its "
                       f"plain decoding, tau {tau16:.3f}; a round costs {cost16['cost']:.3f} plain steps "
                       f"({cost16['round_s'] * 1e3:.1f} vs {cost16['plain_step_s'] * 1e3:.1f} ms)", flush=True)
@@ -426,6 +437,8 @@ def main() -> None:
             line += f" tau_vllm={spec_tau_vllm:.3f}"
         if target16 is not None:
             line += f" round_cost_w16={w16[1]['cost']:.3f} tau_w16={w16[0]:.3f}"
+    if with_vllm:
+        line += f" vllm_dtype={args.vllm_dtype or args.dtype}"
     print(f"engine {line} k={args.k} draft_vocab={args.draft_vocab} other_runnable={load.median:g}")
 
 if __name__ == "__main__":

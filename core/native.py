@@ -10,8 +10,14 @@ a third less time at batch 8 and an eighth less at batch 1 (docs/engine.md). Wit
 vector spilled there and made the kernel 4-5x slower than torch at 4-48 rows on an AVX2 EPYC.
 
 Every output is one dot product in a fixed order (16-lane partial sums over k, a fixed-order tree
-over the lanes, then the tail): row i of a batch is bit-identical to row i computed alone, whatever
-the other rows are. F.linear gives no such promise (MKL picks its blocking by batch size).
+over the lanes, then the tail), each multiply-add an explicit fused one (the compiler's own contraction
+is off): row i of a batch is bit-identical to row i computed alone, whatever the other rows are, and
+the AVX-512, AVX2 and no-FMA builds give the same bits. F.linear gives no such promise (MKL picks its
+blocking by batch size).
+
+`skinny_linear_bf16` reads bf16 weights (a float32 model whose weights are stored in bf16,
+`LlamaForCausalLM.store_weights`), widening each 16-lane load exactly with a 16-bit shift: the same
+loops, half the bytes streamed, the output bit-identical to the fp32 kernel's on the widened weight.
 
 The source below is compiled once per CPU and compiler with the system C compiler (`$CC`, default
 `cc`; `-O3 -march=native -fopenmp`) into `<SPECHEAD_CACHE>/native/`, written atomically. It links

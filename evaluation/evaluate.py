@@ -311,7 +311,7 @@ def load_evaluation_target(ec: EvalConfig, tc: TargetConfig) -> EvalTarget:
         tied, _, _ = tied_target(target_dir, DTYPES[head_dtype], device=device)
         log.info("evaluate: head_dtype=%s differs from target.dtype=%s: the heads hold their own copy of the "
                  "embedding and lm_head", head_dtype, tc.dtype)
-    if ec.weight_dtype is not None and ec.weight_dtype != tc.dtype:  # after `tied`: the heads keep the exact lm_head
+    if ec.weight_dtype is not None and ec.weight_dtype != tc.dtype:  # after `tied`, which the heads store apart
         try:
             target.store_weights(DTYPES[ec.weight_dtype])
         except ValueError as e:
@@ -329,9 +329,16 @@ def load_proposers(ec: EvalConfig, et: EvalTarget) -> dict[str, Any]:
     for label, path in ec.heads.items():
         proposers[label] = load_any(path, et.tied, target.args,
                                     expected_fingerprint=et.config.fingerprint).to(et.device).eval()
+        if ec.weight_dtype is not None:  # the heads' weights stored as the target's (W16A32 streams half the bytes)
+            try:
+                proposers[label].store_weights(DTYPES[ec.weight_dtype])
+            except ValueError as e:
+                raise ValueError(f"evaluate.weight_dtype={ec.weight_dtype}, head {label} ({path}): {e}") from e
     for label, spec in ec.draft_models.items():
         if spec.get("path"):
             draft = LlamaForCausalLM.from_pretrained(spec["path"], dtype=et.config.torch_dtype, device=et.device)
+            if ec.weight_dtype is not None:
+                draft.store_weights(DTYPES[ec.weight_dtype])
             if draft.args.vocab_size != target.args.vocab_size:
                 raise ValueError(f"draft model {spec['path']}: vocabulary {draft.args.vocab_size} != the target's "
                                  f"{target.args.vocab_size} (a draft model must share the tokenizer)")

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.layers import DecoderLayer, KVCache, LlamaArgs, Rotary, TiedConventions, linear, scale_embedding
+from heads.layers import (DecoderLayer, KVCache, LlamaArgs, Rotary, TiedConventions, linear, scale_embedding,
+                          store_linear_weights)
 
 
 class TiedTarget(nn.Module):
@@ -89,7 +90,26 @@ class DraftHead(nn.Module):
     # ---- shared ------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The compute dtype (the linear weights may be stored in another, `store_weights`)."""
+        return getattr(self, "_compute_dtype", None) or next(self.parameters()).dtype
+
+    def store_weights(self, dtype: torch.dtype) -> "DraftHead":
+        """Inference: keep the head's linear weights and the lm_head it projects with in `dtype` (bf16 under a float32
+        head: W16A32, as `LlamaForCausalLM.store_weights` does for the target); the embedding it reads, its norms and
+        its states stay in its dtype. The shared tensors get a TiedTarget of their own (the target's is not touched).
+        Call it after any `.to(dtype)`, which would widen the weights back."""
+        compute = self.dtype
+        if dtype == compute:
+            return self
+        store_linear_weights(self, dtype, compute)
+        t = self.tied
+        tied = TiedTarget(t.embed, t.lm_head.to(dtype), t.norm_weight, t.eps, t.conventions)
+        self.tied = tied
+        for m in self.modules():  # a head's parts that hold the shared tensors themselves (an MTP module's)
+            if isinstance(getattr(m, "tied", None), TiedTarget):
+                m.tied = tied
+        self._compute_dtype = compute
+        return self
 
     @property
     def capture_layers(self) -> tuple[int, ...]:

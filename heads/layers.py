@@ -165,6 +165,18 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def store_linear_weights(module: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> None:
+    """Keep the weight of every `Linear` in `module` in `dtype` (frozen) while the module computes in `compute`:
+    bf16 under fp32 is W16A32 (`linear` widens the weight exactly; the native kernel as it streams it); the biases,
+    norms and everything else stay as they are. Inference only: the weights are rounded once and not trained."""
+    if not (dtype == torch.bfloat16 and compute == torch.float32):
+        raise ValueError(f"weights stored in {dtype}: only bfloat16 weights under a float32 model are supported "
+                         f"(this model computes in {compute}); set its dtype instead")
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.weight = nn.Parameter(m.weight.detach().to(dtype), requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

@@ -22,7 +22,8 @@ from torch import nn
 from core.fingerprint import fingerprint_checkpoint
 from core.safetensors_io import checkpoint_tensor_names, stream_safetensors_dir
 from heads.base import TiedTarget
-from heads.layers import DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary, TiedConventions
+from heads.layers import (DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary, TiedConventions,
+                          store_linear_weights)
 from inference_eval.families import args_from_hf_config, model_class
 
 
@@ -110,14 +111,8 @@ class LlamaForCausalLM(nn.Module):
         weights are `w.bfloat16().float()`, at half the bytes a decode step streams (on the CPU the native
         kernel widens them as it reads them; heads.layers.linear). A tied lm_head gets its own copy, so the
         embedding's rows stay exact. The compute dtype itself: returns self unchanged."""
-        if dtype == self.dtype:
-            return self
-        if not (dtype == torch.bfloat16 and self.dtype == torch.float32):
-            raise ValueError(f"store_weights({dtype}): only bfloat16 weights under a float32 model are supported "
-                             f"(this model computes in {self.dtype}); set the target's dtype instead")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.weight = nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
+        if dtype != self.dtype:
+            store_linear_weights(self, dtype, self.dtype)
         return self
 
     @property

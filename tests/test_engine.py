@@ -546,7 +546,7 @@ def test_bf16_stored_weights_are_the_model_with_rounded_weights(varied):
     rounded to bf16 and kept in fp32: its logits at decode-sized (the native kernel widening as it reads), middle (W·xᵀ
     on a widened copy) and prefill-sized (F.linear) forwards, and so its greedy tokens, plain and speculative (which
     stay equal to each other); the embedding stays exact, the lm_head is untied from it; other combinations are
-    refused."""
+    refused. A head's `store_weights` likewise equals the head with rounded weights and drafts the same."""
     import copy
 
     from torch import nn
@@ -574,6 +574,25 @@ def test_bf16_stored_weights_are_the_model_with_rounded_weights(varied):
     assert plain == engine_generate(rounded, prompts, 20)[0]
     spec, eng = engine_generate(w16, prompts, 20, proposer=head, k=3)
     assert spec == plain and sum(eng.stats.accepted) > 0
+    # the head alike: its linear weights and the lm_head it projects with in bf16, its states fp32
+    from heads.base import TiedTarget
+
+    head16 = copy.deepcopy(head).store_weights(torch.bfloat16)
+    head_rounded = copy.deepcopy(head)
+    for m in head_rounded.modules():
+        if isinstance(m, Linear):
+            m.weight = nn.Parameter(m.weight.bfloat16().float(), requires_grad=False)
+    t = head.tied
+    head_rounded.tied = TiedTarget(t.embed, t.lm_head.bfloat16().float(), t.norm_weight, t.eps, t.conventions)
+    assert head16.dtype == torch.float32 and head16.tied.lm_head.dtype == torch.bfloat16
+    assert head.tied.lm_head.dtype == torch.float32  # the shared tensors are not touched
+    h = torch.randn(5, target.args.hidden_size, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(head16.logits(h), head_rounded.logits(h))
+        assert not torch.equal(head16.logits(h), head.logits(h))
+    spec16, eng16 = engine_generate(w16, prompts, 20, proposer=head16, k=3)
+    assert spec16 == plain and sum(eng16.stats.accepted) > 0
+    assert engine_generate(rounded, prompts, 20, proposer=head_rounded, k=3)[1].stats.accepted == eng16.stats.accepted
     with pytest.raises(ValueError, match="only bfloat16 weights under a float32 model"):
         copy.deepcopy(target).store_weights(torch.float16)
     with pytest.raises(ValueError, match="computes in torch.bfloat16"):

@@ -73,3 +73,15 @@ def test_a_growing_batch_compiles_once_per_bucket_with_no_break_and_no_host_read
     with forbid_host_reads():  # the step itself, compiled: no value read back
         again = st.logits([5, 6, 7], [9, 3, 12], [[0, 1], [2], [3, 4]])
     assert first.shape == (3, target.args.vocab_size) and torch.isfinite(again).all()
+
+
+def test_compiled_decoding_of_bf16_stored_weights_equals_eager(tiny_target):
+    """A target whose linear weights are stored in bf16 (W16A32): the compiled step (the kernel's operator reading
+    bf16 weights in the graph) gives the eager engine's greedy tokens, batch 1 → 3."""
+    target = LlamaForCausalLM.from_pretrained(tiny_target).store_weights(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 11, 3)]
+    eager, _ = engine_generate(target, prompts, 12, arrivals=[0, 2, 4])
+    out, eng = engine_generate(target, prompts, 12, arrivals=[0, 2, 4], compile="on")
+    assert out == eager
+    assert eng.static is not None and eng.static.steps > 10

@@ -224,3 +224,34 @@ def test_linear_with_bf16_weights_is_linear_on_the_widened_weight(rows):
     xg = x.clone().requires_grad_(True)
     linear(xg, w, b).sum().backward()
     torch.testing.assert_close(xg.grad, w.float().sum(0).expand_as(x))
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+def test_native_kernel_branches_give_the_same_bits(tmp_path):
+    """The kernel's source built three ways — this CPU's own (AVX-512 where it has it), without AVX-512 (the branch of
+    explicit 8-lane halves an AVX2 CPU runs) and without FMA instructions (a scalar fused multiply-add) — gives the
+    same bits for fp32 and bf16 weights, 1 to 11 rows: a user's CPU computes what the test machine computed."""
+    import ctypes
+    import subprocess
+
+    from core import native
+
+    (tmp_path / "k.c").write_text(native.SOURCE)
+    libs = []
+    for extra in ([], ["-mno-avx512f"], ["-mno-avx512f", "-mno-fma"]):
+        out = tmp_path / f"k{len(libs)}.so"
+        subprocess.run(["cc", *native.FLAGS, *extra, str(tmp_path / "k.c"), "-o", str(out)], check=True, timeout=300)
+        lib = ctypes.CDLL(str(out))
+        for fn in (lib.skinny_linear, lib.skinny_linear_bf16):
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
+            fn.restype = None
+        libs.append(lib)
+    g = torch.Generator().manual_seed(0)
+    for k, n in ((37, 10), (576, 1539)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        for rows in (1, 3, 8, 11):
+            x = torch.randn(rows, k, generator=g)
+            for weight in (w, w.bfloat16()):
+                outs = [native.call(lib, x, weight, b) for lib in libs]
+                assert all(torch.equal(o, outs[0]) for o in outs[1:]), (k, n, rows, weight.dtype)
