@@ -307,3 +307,26 @@ def test_the_default_targets_dtype_follows_the_machine(monkeypatch):
     monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 1)
     assert model.auto_compute_dtype("auto") == "bfloat16"
     assert compose_config(["target.dtype=float32"]).target.dtype == "float32"
+
+
+@pytest.mark.unit
+def test_fast_bf16_means_bf16_instructions_not_onednns_emulation(monkeypatch):
+    """`cpu_has_fast_bf16` on x86: AVX-512-BF16 or AMX, whatever oneDNN says — oneDNN says yes on an AVX-512 CPU without
+    them (emulated bf16, 2x slower there: the auto dtype must be float32); on another architecture, oneDNN's check."""
+    import platform
+
+    import inference_eval.model as model
+
+    def machine(arch, avx512_bf16, amx, onednn):
+        monkeypatch.setattr(platform, "machine", lambda: arch)
+        monkeypatch.setattr(model.torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(model.torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(model.torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+        return model.cpu_has_fast_bf16()
+
+    monkeypatch.setattr(model.torch.cuda, "is_available", lambda: False)
+    assert not machine("x86_64", False, False, True)  # an AVX-512 Xeon without BF16: oneDNN emulates
+    assert model.auto_compute_dtype("cpu") == "float32"
+    assert machine("x86_64", True, False, True) and machine("x86_64", False, True, True)  # Zen 4 / Sapphire Rapids
+    assert model.auto_compute_dtype("cpu") == "bfloat16"
+    assert machine("aarch64", False, False, True) and not machine("aarch64", False, False, False)
