@@ -60,10 +60,6 @@ typedef uint32_t u16 __attribute__((vector_size(64)));
 typedef uint16_t h8 __attribute__((vector_size(16)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 
-/* Weights are fp32 (bf = 0) or bf16 (bf = 1: the top half of an fp32, widened exactly by a 16-bit shift).
-   Either way the products and sums are fp32, in the same order: a bf16 weight gives the values of the
-   fp32 kernel on that weight widened to fp32, bit for bit. `bf` is a constant in each exported function,
-   so the compiler keeps one loop per weight type. */
 /* Every multiply-add is one explicit fused multiply-add (the build turns off the compiler's own contraction,
    -ffp-contract=off): whether a product is rounded before its add never depends on how the compiler scheduled
    a loop, so the fp32 and the bf16 weight paths, and the AVX-512 and AVX2 branches, give the same bits. */
@@ -87,6 +83,10 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {  /* as two 8-lane halves: the sam
 
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+/* Weights are fp32 (bf = 0) or bf16 (bf = 1: the top half of an fp32, widened exactly by a 16-bit shift).
+   Either way the products and sums are fp32, in the same order: a bf16 weight gives the values of the
+   fp32 kernel on that weight widened to fp32, bit for bit. `bf` is a constant in each exported function,
+   so the compiler keeps one loop per weight type. */
 static inline v16 ldw(const void *w, int64_t i, const int bf) {
     if (!bf) return ld((const float *)w + i);
     h16 h; memcpy(&h, (const uint16_t *)w + i, sizeof h);

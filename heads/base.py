@@ -103,11 +103,7 @@ class DraftHead(nn.Module):
             return self
         store_linear_weights(self, dtype, compute)
         t = self.tied
-        tied = TiedTarget(t.embed, t.lm_head.to(dtype), t.norm_weight, t.eps, t.conventions)
-        self.tied = tied
-        for m in self.modules():  # a head's parts that hold the shared tensors themselves (an MTP module's)
-            if isinstance(getattr(m, "tied", None), TiedTarget):
-                m.tied = tied
+        self.tied = TiedTarget(t.embed, t.lm_head.to(dtype), t.norm_weight, t.eps, t.conventions)
         self._compute_dtype = compute
         return self
 
