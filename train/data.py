@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 from typing import Any
@@ -21,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from core.launch import local_ranks
 from data.store import FeatureStore
+
+log = logging.getLogger(__name__)
 
 
 class _Subset(Dataset):
@@ -364,3 +367,7 @@ class FeatureDataModule(L.LightningDataModule):
         if state and loader is not None:
             sampler = loader.batch_sampler
             sampler.epoch, sampler.start = int(state["epoch"]), int(state["delivered"])
+            if not getattr(self, "_resume_logged", False):
+                self._resume_logged = True
+                log.info("train: the training data resumes in epoch %d after its first %d batches", sampler.epoch,
+                         sampler.start)

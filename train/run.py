@@ -9,6 +9,7 @@ import json
 import logging
 import secrets
 import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -330,7 +331,11 @@ def fit_and_save(paths: TrainingPaths, trainer: L.Trainer, module: DraftHeadModu
         write_split(dm, paths.run_dir / "heldout.json")
     if trainer.is_global_zero and paths.untrained_dir is not None:
         save_native(head, paths.untrained_dir, fingerprint)  # the baseline the demo compares against
-    trainer.fit(module, dm, ckpt_path=paths.resume)
+    with warnings.catch_warnings():
+        # the data module restores the train loader's position itself (FeatureDataModule.state_dict, resume ==
+        # uninterrupted in tests/test_resume.py): Lightning's warning that the loader cannot resume does not apply
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        trainer.fit(module, dm, ckpt_path=paths.resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     metrics |= final_heldout_scores(trainer, module, dm, validated)
     if engine_val is not None and engine_val.results:
