@@ -335,6 +335,8 @@ def fit_and_save(paths: TrainingPaths, trainer: L.Trainer, module: DraftHeadModu
         # the data module restores the train loader's position itself (FeatureDataModule.state_dict, resume ==
         # uninterrupted in tests/test_resume.py): Lightning's warning that the loader cannot resume does not apply
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        if paths.resume is not None:  # resuming: the checkpoint directory holds the run's own checkpoints
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
         trainer.fit(module, dm, ckpt_path=paths.resume)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     metrics |= final_heldout_scores(trainer, module, dm, validated)
