@@ -312,8 +312,8 @@ def test_a_precompute_killed_with_sigkill_is_resumed_by_a_rerun(tiny_overrides, 
 def test_ctrl_c_releases_the_lock_and_is_recorded_as_interrupted(tiny_overrides, tmp_path):
     # 1,000 conversations, five times the tokens of 200: those were once all written (1.3 s) before the signal,
     # sent once the first shards exist, reached the run on a loaded machine
-    settings = [f"data.path={_many(tmp_path / 'many.jsonl', n=1000)}", "data.max_samples=null", "precompute.shard_tokens=2000",
-                "precompute.batch_tokens=1024", f"run_dir={tmp_path / 'run'}"]
+    settings = [f"data.path={_many(tmp_path / 'many.jsonl', n=1000)}", "data.max_samples=null",
+                "precompute.shard_tokens=2000", "precompute.batch_tokens=1024", f"run_dir={tmp_path / 'run'}"]
     store = tmp_path / "run" / "features"
     cmd = [sys.executable, "-m", "scripts.precompute", *tiny_overrides, *settings]
     proc, output = _start_and_stop(cmd, store / "shards" / "shard-00001.safetensors", signal.SIGINT, tmp_path / "log")

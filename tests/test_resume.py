@@ -81,7 +81,8 @@ def test_resume_matches_uninterrupted_run(k, resume_from, extra, tiny_overrides,
     resume = str(ckpt) if resume_from == "path" else "last"
     with warnings.catch_warnings(record=True) as seen, caplog.at_level(logging.INFO, logger="train.data"):
         warnings.simplefilter("always")
-        run_training(compose_config([*common, f"run_dir={part_dir}", f"trainer.max_steps={n}", f"train.resume={resume}"]))
+        run_training(compose_config([*common, f"run_dir={part_dir}", f"trainer.max_steps={n}",
+                                     f"train.resume={resume}"]))
     # the data module resumes the loader where it stopped (5 batches an epoch), so Lightning's warning that a
     # mid-epoch resume of a loader without state is unreliable must not reach the user, nor that the checkpoint
     # directory it resumes from is not empty; the log says where the data resumed
