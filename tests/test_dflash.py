@@ -402,8 +402,12 @@ def test_dspark_compiled_round_is_one_graph_and_equals_the_eager_engine(varied, 
     target, _, _, prompts, reference = varied
     head = trained["dspark"]
     k = head.max_depth
-    want, eager = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=ARRIVALS)
-    out, eng = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=ARRIVALS, compile="on")
+    # 4 prompts joining at 4 steps, in blocks of 64: every batch bucket, a block pass crossing into a second block
+    # (each bucket a graph to compile)
+    prompts, reference, arrivals = prompts[1::2], reference[1::2], [0, 1, 3, 6]
+    want, eager = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=arrivals, block_size=64)
+    out, eng = engine_generate(target, prompts, 20, proposer=head, k=k, arrivals=arrivals, block_size=64,
+                               compile="on")
     assert out == want == reference
     assert eng.stats.accepted == eager.stats.accepted and eng.stats.steps == eager.stats.steps
     assert eager.stats.accepted[1] > 0, eager.stats
