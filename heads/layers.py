@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import native
+from core import gemm_choice, native
 
 
 @dataclass(frozen=True)
@@ -105,12 +105,14 @@ class LlamaArgs:
         return LlamaArgs(**{f.name: getattr(self, f.name) for f in fields(LlamaArgs)})
 
 
-# fp32 inference on CPU: for 2..256 rows, MKL's x·Wᵀ GEMM (what F.linear runs) is 1.3-5x slower than
-# (W·xᵀ)ᵀ on the same data, and for one row its GEMV is 2-3x slower than that GEMM on two rows
-# (SmolLM2's shapes, 2 threads: lm_head at 2 rows 24 vs 5 ms, at 1 row 10 vs 3 ms) — the rows of
-# decode, verification and drafting. Up to NATIVE_ROWS rows the C kernel of core/native.py does
-# better still (it streams the weights at close to memory speed) where it could be built.
-# bf16 shows no such gap; large batches (prefill) neither.
+# fp32 inference on CPU with the few rows of decode, verification and drafting: up to NATIVE_ROWS rows
+# the C kernel of core/native.py (it streams the weights at close to memory speed, each row computed
+# alone) where it could be built. Above that, or without it, torch's GEMM in the faster of its two
+# forms on this CPU (core/gemm_choice.py measures it once): on an AVX2 EPYC MKL's x·Wᵀ (F.linear) was
+# 1.3-5x slower than (W·xᵀ)ᵀ at 2..256 rows, and its one-row GEMV 2-3x slower than that GEMM on two
+# rows (SmolLM2's lm_head, 2 threads: 24 vs 5 ms at 2 rows, 10 vs 3 ms at 1); on an AVX-512 Xeon
+# F.linear is the faster from 64 rows and at one row. bf16 shows no such gap; large batches (prefill)
+# neither.
 FAST_LINEAR_ROWS = 256
 NATIVE_ROWS = 48  # at ~64 rows the kernel and MKL's GEMM are even (compute-bound from there)
 PAD_ONE_ROW_MIN_WEIGHT = 1 << 18  # below this a padded row's copy costs what the GEMM saves
@@ -142,9 +144,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 return native.call(lib, flat.contiguous(), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if widen:
         weight = weight.to(x.dtype)
+    if rows == 1 and weight.numel() < PAD_ONE_ROW_MIN_WEIGHT:
+        return F.linear(x, weight, bias)
+    # the faster of the two GEMM forms for this many rows, measured once per CPU (a compiled graph reads the
+    # answer its eager pass measured)
+    if (gemm_choice.known(rows) if torch.compiler.is_compiling() else gemm_choice.form(rows)) == "F":
+        return F.linear(x, weight, bias)
     if rows == 1:
-        if weight.numel() < PAD_ONE_ROW_MIN_WEIGHT:
-            return F.linear(x, weight, bias)
         flat = torch.cat([flat, flat.new_zeros(1, k)])
     out = torch.mm(weight, flat.t()).t()[:rows].contiguous()
     if bias is not None:

@@ -200,15 +200,18 @@ class StaticStep:
 
     def run(self, key: tuple, fn, *args):
         """`fn(*args)` through its compiled graph for `key` (a shape bucket: one graph per key, fn's inputs of the
-        bucket's shapes). A new key is compiled by a first run, timed apart (`compile_s`: a timed pass subtracts
-        it); fn then runs again for its output, so fn must write the same values to the same slots on a rerun.
-        With CUDA graphs the outputs are copies (a replay overwrites the graph's own)."""
+        bucket's shapes). A new key is compiled by a first run (after an eager one), timed apart (`compile_s`: a
+        timed pass subtracts it); fn then runs again for its output, so fn must write the same values to the same
+        slots on a rerun. With CUDA graphs the outputs are copies (a replay overwrites the graph's own)."""
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False, fullgraph=True, mode=self.mode)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
+            # eagerly once first: the GEMM form of each linear's rows is measured there, outside the graph, so the
+            # graph computes them as the eager engine does (core/gemm_choice.py)
+            fn(*args)
             compiled(*args)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
