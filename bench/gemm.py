@@ -4,8 +4,8 @@ the 49,152-row lm_head; random weights, streamed from memory as a decode step st
 alternated — and whether core/gemm_choice.py's once-per-CPU answer for the row count picks the faster GEMM form.
 `--quick`: 8 layers and the lm_head, rows 1, 64, 128.
 
-Last line: `gemm threads=<n> rows=<r,…> mm_over_F_<r>=<paired median> … choice_<r>=<F|mm> … native_over_F_<r>=… …
-agree=<answers that name the faster form>/<row counts> other_runnable=<load>`."""
+Last line: `gemm threads=<n> rows=<r,…> mm_over_F_<r>=<paired median> … choice_<r>=<F|mm> …
+native_over_F_<r>=… … agree=<answers that name the faster form>/<row counts> <the load seen>`."""
 
 from __future__ import annotations
 

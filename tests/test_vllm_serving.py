@@ -346,8 +346,8 @@ DSPARK_LOAD = ROOT / "tests" / "vllm_dspark_load.py"  # run with vLLM's interpre
 VLLM_DSPARK_NAMES = {"markov_w1.weight": "markov_head.markov_w1.weight",
                      "markov_w2.weight": "markov_head.markov_w2.weight"}
 # float32 on both sides: |Δ| ≤ 1e-5 × max(1, max |ours|) per value. vLLM's CPU GEMMs (oneDNN) sum in another order:
-# measured max |Δ| 3e-5 on draft logits of magnitude ≤ 32, 1e-5 on fc outputs of magnitude ≤ 12, ≤ 2e-7 on the Markov
-# bias and the confidence, 0 on the Markov embedding and the final norm
+# measured max |Δ| 3e-5 on draft logits of magnitude ≤ 32, 1e-5 on fc outputs of magnitude ≤ 12, ≤ 2e-7 on the
+# Markov bias and the confidence, 0 on the Markov embedding and the final norm
 VALUE_TOL = 1e-5
 
 
