@@ -5,7 +5,8 @@ alternated — and whether core/gemm_choice.py's once-per-CPU answer for the row
 `--quick`: 8 layers and the lm_head, rows 1, 64, 128.
 
 Last line: `gemm threads=<n> rows=<r,…> mm_over_F_<r>=<paired median> … choice_<r>=<F|mm> …
-native_over_F_<r>=… … agree=<answers that name the faster form>/<row counts> <the load seen>`."""
+native_over_F_<r>=… … agree=<answers that name the faster form>/<row counts> other_runnable=<the largest
+median of other runnable threads seen>`."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def main() -> None:
     last = ""
     for threads in thread_settings(args.threads):
         with thread_budget(threads):
-            figures, agree, load_text = [], 0, ""
+            figures, agree, others = [], 0, 0.0
             for rows in rows_list:
                 t0 = time.perf_counter()
                 choice = gemm_choice.form(rows)
@@ -91,9 +92,10 @@ def main() -> None:
                 warning = warn_if_unstable(f"mm_over_F_{rows}", mm_f, t.load, threads)
                 if warning:
                     print(warning, flush=True)
-                load_text = t.load.text()
+                others = max(others, t.load.median)
+                print(f"  load: {t.load.text()}", flush=True)
             last = (f"gemm threads={threads} rows={','.join(map(str, rows_list))} {' '.join(figures)} "
-                    f"agree={agree}/{len(rows_list)} {load_text}")
+                    f"agree={agree}/{len(rows_list)} other_runnable={others:g}")
             print(last, flush=True)
     print(last)
 
