@@ -39,6 +39,7 @@ REPEATS = 5
 
 _lock = threading.Lock()
 _known: dict[tuple[int, int], str] = {}  # (threads, bucket) -> form
+_last: dict[int, str] = {}  # bucket -> the form `form` last answered (what a traced graph reads: plain ints and strs)
 
 
 def bucket(rows: int) -> int:
@@ -125,6 +126,7 @@ def form(rows: int) -> str:
     threads, b = torch.get_num_threads(), bucket(rows)
     got = _known.get((threads, b))
     if got is not None:
+        _last[b] = got
         return got
     with _lock:
         file = path(b, threads)
@@ -140,16 +142,18 @@ def form(rows: int) -> str:
             except OSError as e:
                 log.warning("gemm choice: cannot write %s (%s); this process keeps its own answer", file, e)
                 choice = mine
-        _known[(threads, b)] = choice
+        _known[(threads, b)] = _last[b] = choice
         return choice
 
 
 def known(rows: int) -> str:
-    """The form already chosen for `rows` at torch's thread count, "mm" when none was (what a compiled graph
-    reads while tracing: it measures nothing)."""
-    return _known.get((torch.get_num_threads(), bucket(rows)), "mm")
+    """The form `form` last answered for `rows`' bucket, "mm" when it answered none: what a compiled graph reads
+    while tracing (it measures nothing, and dynamo cannot trace torch's thread count; the compiled step runs each
+    bucket eagerly first, at the same thread count)."""
+    return _last.get(bucket(rows), "mm")
 
 
 def reset() -> None:
     """Forget the answers held in memory (the file stays): as a new process starts."""
     _known.clear()
+    _last.clear()

@@ -92,3 +92,26 @@ def test_measure_times_both_forms(monkeypatch):
     for rows in (1, 64):
         seconds = gemm_choice.measure(rows)
         assert set(seconds) == {"F", "mm"} and all(0 < s < 5 for s in seconds.values()), seconds
+
+
+@pytest.mark.parametrize("chosen", ["F", "mm"])
+def test_a_traced_linear_takes_the_eager_answer_in_one_graph(fresh, monkeypatch, chosen):
+    """heads.layers.linear above the native kernel's rows inside a fullgraph compile (the compiled engine step at
+    ≥ 13 sequences of k = 3): the graph traces without a break and computes the form the eager pass measured."""
+    from heads.layers import linear
+
+    monkeypatch.setattr(gemm_choice, "measure", lambda rows: {"F": 1.0, "mm": 2.0} if chosen == "F" else
+                        {"F": 2.0, "mm": 1.0})
+    w, x = torch.randn(96, 64), torch.randn(64, 64)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    with torch.inference_mode():
+        eager = linear(x, w)  # measures the 64-row bucket
+        torch._dynamo.reset()
+        out = torch.compile(lambda t: linear(t, w), backend=backend, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(out, eager) and len(graphs) == 1
+    assert ("torch.mm" in graphs[0]) == (chosen == "mm") and ("linear" in graphs[0]) == (chosen == "F"), graphs[0]
