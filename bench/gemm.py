@@ -44,11 +44,8 @@ def side(form: str, ws: list[torch.Tensor], rows: int):
                 x = xs[w.shape[1]]
                 if form == "native":
                     native.call(lib, x, w, None)
-                elif form == "F":
-                    torch.nn.functional.linear(x, w)
-                else:  # as heads.layers.linear computes it: one row padded with a zero row
-                    xp = torch.cat([x, x.new_zeros(1, x.shape[1])]) if rows == 1 else x
-                    torch.mm(w, xp.t()).t()[:rows].contiguous()
+                else:
+                    gemm_choice.apply(form, x, w)
     return run
 
 

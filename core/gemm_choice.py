@@ -74,15 +74,18 @@ def _read(file: Path) -> str | None:
     return data["form"]
 
 
+def apply(form: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] @ wᵀ in `form`, as heads.layers.linear computes it (one row padded with a zero row for "mm")."""
+    if form == "F":
+        return torch.nn.functional.linear(x, w)
+    xp = torch.cat([x, x.new_zeros(1, x.shape[1])]) if x.shape[0] == 1 else x
+    return torch.mm(w, xp.t()).t()[: x.shape[0]].contiguous()
+
+
 def _time(form: str, weights: list[torch.Tensor], xs: dict[int, torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for w in weights:
-        x = xs[w.shape[1]]
-        if form == "F":
-            torch.nn.functional.linear(x, w)
-        else:  # as heads.layers.linear computes it: one row padded with a zero row
-            xp = torch.cat([x, x.new_zeros(1, x.shape[1])]) if x.shape[0] == 1 else x
-            torch.mm(w, xp.t()).t()[: x.shape[0]].contiguous()
+        apply(form, xs[w.shape[1]], w)
     return time.perf_counter() - t0
 
 

@@ -87,11 +87,17 @@ def test_an_unwritable_cache_keeps_this_processes_answer(fresh, tmp_path, monkey
 
 
 def test_measure_times_both_forms(monkeypatch):
-    """The real measurement (on 2 MB of weights here): both forms timed, positive; `form` keeps the faster."""
+    """The real measurement (on 2 MB of weights here): both forms timed, positive; and each form gives F.linear's
+    values (the one-row form padded)."""
     monkeypatch.setattr(gemm_choice, "WEIGHT_BYTES", 2 << 20)
     for rows in (1, 64):
         seconds = gemm_choice.measure(rows)
         assert set(seconds) == {"F", "mm"} and all(0 < s < 5 for s in seconds.values()), seconds
+        x, w = torch.randn(rows, 64), torch.randn(96, 64)
+        for f in gemm_choice.FORMS:
+            got = gemm_choice.apply(f, x, w)
+            assert got.shape == (rows, 96) and got.is_contiguous()
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("chosen", ["F", "mm"])
