@@ -1,10 +1,11 @@
-"""Where a batch-1 decode step of the eager engine goes (SmolLM2-135M, float32, one MT-Bench prompt): the step's
-time as the difference of two generations ((long − short new tokens) / their difference), the model's linears alone
-(`heads.layers.linear` over every linear weight in sequence, one row: what a step streams), and every other aten
+"""Where a decode step of the eager engine goes (SmolLM2-135M, float32, `--batch` MT-Bench prompts, 1 by default):
+the step's time as the difference of two generations ((long − short new tokens) / their difference), the model's
+linears alone (`heads.layers.linear` over every linear weight in sequence, one row per sequence: what a step
+streams), and every other aten
 operator by torch.profiler's self time per step, measured the same way (the two generations' difference). The rest
 is the step's Python. `--quick`: 8 and 24 new tokens.
 
-Last line: `step_profile threads=<n> step_ms=<a> linears_ms=<b> other_ops_ms=<c> rest_ms=<a-b-c> ops_per_step=<n>`
+Last line: `step_profile batch=<b> threads=<n> step_ms=<a> linears_ms=<b> other_ops_ms=<c> rest_ms=<a-b-c> ops_per_step=<n>`
 for each thread count."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from core.timing import thread_budget, thread_settings  # noqa: E402
 
 
-def load():
+def load(batch: int):
     import transformers
 
     from data.assets import ensure_smollm2_checkpoint
@@ -32,22 +33,22 @@ def load():
     path = ensure_smollm2_checkpoint()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     target = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device=torch.device("cpu"))
-    return target, [mtbench_prompts(tok, 1)[0]["ids"]]
+    return target, [p["ids"] for p in mtbench_prompts(tok, batch)]
 
 
 def generate(target, prompts, n: int) -> float:
     from inference_eval.engine import engine_generate
 
     t0 = time.perf_counter()
-    engine_generate(target, prompts, n, max_batch=1, max_seq_len=len(prompts[0]) + n + 8)
+    engine_generate(target, prompts, n, max_batch=len(prompts), max_seq_len=max(map(len, prompts)) + n + 8)
     return time.perf_counter() - t0
 
 
-def linears_ms(target, repeats: int = 7) -> float:
+def linears_ms(target, rows: int, repeats: int = 7) -> float:
     from heads.layers import linear
 
     ws = list({id(m.weight): m.weight for m in target.modules() if isinstance(m, torch.nn.Linear)}.values())
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in ws}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in ws}
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
@@ -77,20 +78,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", default="all,1")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together (MT-Bench prompts)")
     args = ap.parse_args()
     short, long = (8, 24) if args.quick else (8, 40)
-    target, prompts = load()
+    target, prompts = load(args.batch)
     last = ""
     for threads in thread_settings(args.threads):
         with thread_budget(threads):
             generate(target, prompts, 4)  # warm
             step = (generate(target, prompts, long) - generate(target, prompts, short)) / (long - short) * 1e3
-            lin = linears_ms(target)
+            lin = linears_ms(target, len(prompts))
             other, calls, top = ops_per_step(target, prompts, short, long)
             print(f"{threads} thread(s): step {step:.1f} ms = linears {lin:.1f} + other aten operators {other:.1f} "
                   f"({calls:.0f} calls; largest: " + ", ".join(f"{k} {t:.2f}" for t, k in top[:4]) +
                   f") + the rest {step - lin - other:.1f}", flush=True)
-            last = (f"step_profile threads={threads} step_ms={step:.1f} linears_ms={lin:.1f} other_ops_ms={other:.1f} "
+            last = (f"step_profile batch={len(prompts)} threads={threads} step_ms={step:.1f} linears_ms={lin:.1f} other_ops_ms={other:.1f} "
                     f"rest_ms={step - lin - other:.1f} ops_per_step={calls:.0f}")
             print(last, flush=True)
     print(last)

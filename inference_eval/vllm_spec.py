@@ -19,8 +19,10 @@ import torch
 
 from inference_eval.vllm_backend import (
     VllmSettings,
+    bound_cores,
     check_vllm_version,
     replica_env,
+    spawn_on,
     usable_cores,
     vllm_python,
     vllm_version,
@@ -81,10 +83,11 @@ class VLLMRunner:
                 job_path, out_path = self.work / f"job-{self.runs}-{r}.json", self.work / f"result-{self.runs}-{r}.json"
                 job_path.write_text(json.dumps(job))
                 log_file = open(self.work / f"log-{self.runs}-{r}.txt", "w+")
-                procs.append((subprocess.Popen([str(self.python), "-m", "inference_eval.vllm_serve_worker", str(job_path),
-                                                str(out_path)], env=self.envs[r], stdout=log_file, stderr=subprocess.STDOUT,
-                                               text=True, cwd=str(Path(__file__).resolve().parents[1])),
-                              log_file, out_path, order))
+                with spawn_on(bound_cores(self.envs[r])):
+                    proc = subprocess.Popen([str(self.python), "-m", "inference_eval.vllm_serve_worker", str(job_path),
+                                             str(out_path)], env=self.envs[r], stdout=log_file, stderr=subprocess.STDOUT,
+                                            text=True, cwd=str(Path(__file__).resolve().parents[1]))
+                procs.append((proc, log_file, out_path, order))
             results = [self._wait(proc, log_file, out_path, label, len(prompts)) for proc, log_file, out_path, _ in procs]
         finally:
             for proc, log_file, _, _ in procs:

@@ -218,7 +218,7 @@ def _end_group() -> None:
 def serve(start, ready: dict, handle) -> None:
     """A worker's life (both workers' protocol, module docstring): signals and parent death handled, the
     replies on the original stdout, `start(init)` → state (an error replies `ready: false`), the ready line
-    (`ready(state)` and vLLM's version), then one reply per request line: `{"ok": true, **handle(state,
+    (`ready(state)`, vLLM's version and the cores the process may run on), then one reply per request line: `{"ok": true, **handle(state,
     request)}` or `{"ok": false, "error": ...}`. EOF on stdin ends it."""
     import atexit
     import signal
@@ -238,7 +238,8 @@ def serve(start, ready: dict, handle) -> None:
         raise
     import vllm
 
-    reply.write(json.dumps({"ready": True, "vllm": vllm.__version__, **ready(state)}) + "\n")
+    reply.write(json.dumps({"ready": True, "vllm": vllm.__version__, "cpus": sorted(os.sched_getaffinity(0)),
+                            **ready(state)}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue

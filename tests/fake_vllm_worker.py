@@ -1,13 +1,15 @@
 """A stand-in for inference_eval/vllm_worker.py's process, speaking its protocol without vLLM
-(tests/test_vllm_protocol.py): the ready line, then one reply per request line, in order. A request
+(tests/test_vllm_protocol.py): the ready line (with the cores it may run on, as the real worker's), then one reply per request line, in order. A request
 `{"n": i, "sleep": s}` is answered `{"ok": true, "n": i}` after s seconds; `{"fail": "why"}` with
 `{"ok": false, "error": "why"}`; `{"exit": code}` ends the process without a reply."""
 
 import json
+import os
 import sys
 import time
 
-print(json.dumps({"ready": True, "vllm": "0.32.0", "layer_ids": []}), flush=True)
+print(json.dumps({"ready": True, "vllm": "0.32.0", "layer_ids": [], "cpus": sorted(os.sched_getaffinity(0))}),
+      flush=True)
 for line in sys.stdin:
     req = json.loads(line)
     if "exit" in req:

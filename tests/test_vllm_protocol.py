@@ -3,6 +3,7 @@ worker process (tests/fake_vllm_worker.py), without vLLM: requests are pipelined
 worker at once, each reply resolving its own request in order —, a failed request fails alone, and a worker
 that dies fails every pending request with its exit code instead of hanging."""
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,39 @@ def test_replicas_get_their_own_devices_or_cores():
         replica_env(0, 3, 4, 8, 64, "evaluate.vllm.data_parallel_size")
     with pytest.raises(ValueError, match="need 4 CPU cores, 2 are usable"):
         replica_env(0, 2, 2, 0, 2, "evaluate.vllm.data_parallel_size")
+
+
+def test_a_worker_bound_to_cores_starts_on_those_cores_alone(monkeypatch):
+    """VLLM_CPU_OMP_THREADS_BIND's cores become the worker process's affinity (vLLM binds only its OpenMP threads;
+    a worker bound to one core ran threads on another), the spawning thread's own affinity is put back, a worker
+    without the variable keeps every core, and cores this process may not use, or text that names no cores, are
+    refused naming the variable."""
+    import os
+
+    from inference_eval.vllm_backend import bound_cores, spawn_on
+
+    assert bound_cores({"VLLM_CPU_OMP_THREADS_BIND": "0-1|4-5"}) == {0, 1, 4, 5}
+    assert bound_cores({"VLLM_CPU_OMP_THREADS_BIND": "0,2"}) == {0, 2}
+    assert bound_cores({"VLLM_CPU_OMP_THREADS_BIND": "3"}) == {3}
+    for none in ({}, {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}):
+        assert bound_cores(none) is None
+    for bad in ("0-", "2-1", "a", "0|x"):
+        with pytest.raises(ValueError, match=rf"VLLM_CPU_OMP_THREADS_BIND='{re.escape(bad)}': expected core numbers"):
+            bound_cores({"VLLM_CPU_OMP_THREADS_BIND": bad})
+    monkeypatch.setattr(vllm_backend, "vllm_version", lambda python: "0.32.0")
+    mine = os.sched_getaffinity(0)
+    first = min(mine)
+    for env, want in (({"VLLM_CPU_OMP_THREADS_BIND": str(first)}, [first]), ({}, sorted(mine))):
+        b = FakeBackend(Path(sys.executable), {}, env, startup_timeout_s=60)
+        try:
+            assert b.info["cpus"] == want
+        finally:
+            b.close(force=True)
+        assert os.sched_getaffinity(0) == mine  # the spawning thread's cores, put back
+    with pytest.raises(ValueError, match=r"names cores \[4096\] this process may not run on"):
+        with spawn_on({first, 4096}):
+            pass
+    assert os.sched_getaffinity(0) == mine
 
 
 def test_replica_results_merge_into_one_workers():
