@@ -48,6 +48,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -216,6 +217,54 @@ void skinny_linear(const float *x, const float *w, const float *bias, float *out
     linear_rows(x, w, bias, out, rows, n_out, k, threads, 0);
 }
 
+/* Attention of a few query rows over a paged KV pool, without gathering the keys: row r (of sequence seq[r])
+   sees the key positions [lo[r], hi[r]) of its sequence, whose slots are table[seq[r] * tk + j]; q [nh, n, d]
+   (row-major), the key and value of a pool slot at k + slot * ks + kvh * khs and v + slot * vs + kvh * vhs (kvh:
+   the query head's key head, nh / nkv query heads per key head; d and dv floats), out [n, nh, dv]. Each (row, head) is computed
+   alone in a fixed order — the scores (16-lane partial sums, the fixed lane tree, the tail), their maximum,
+   exp(s − max) and its sum in key order, the values' weighted sum in key order, one division — so a row's
+   output does not depend on the other rows, the thread count or the batch. `buf`: nthreads × tk floats. */
+void paged_attention(const float *q, const float *k, const float *v, const int64_t *table, int64_t tk,
+                     const int64_t *seq, const int64_t *lo, const int64_t *hi, float *out, float *buf,
+                     int64_t n, int64_t nh, int64_t nkv, int64_t d, int64_t dv, int64_t ks, int64_t khs,
+                     int64_t vs, int64_t vhs, float scale, int32_t threads) {
+    const int64_t g = nh / nkv, dq = d / 16 * 16, dv16 = dv / 16 * 16;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < n * nh; ++u) {
+        const int64_t r = u / nh, h = u % nh, kvh = h / g;
+        const float *qr = q + (h * n + r) * d;
+        const int64_t *slots = table + seq[r] * tk;
+        float *s = buf + (int64_t)omp_get_thread_num() * tk;
+        float m = -INFINITY;
+        for (int64_t j = lo[r]; j < hi[r]; ++j) {
+            const float *kr = k + slots[j] * ks + kvh * khs;
+            v16 a = {0};
+            for (int64_t i = 0; i < dq; i += 16) a = fma16(ld(qr + i), ld(kr + i), a);
+            float x = lanes(a);
+            for (int64_t i = dq; i < d; ++i) x = fmaf(qr[i], kr[i], x);
+            x *= scale;
+            s[j] = x;
+            if (x > m) m = x;
+        }
+        float sum = 0.f;
+        for (int64_t j = lo[r]; j < hi[r]; ++j) { s[j] = expf(s[j] - m); sum += s[j]; }
+        float *o = out + (r * nh + h) * dv;
+        for (int64_t i = 0; i < dv; ++i) o[i] = 0.f;
+        for (int64_t j = lo[r]; j < hi[r]; ++j) {
+            const float *vr = v + slots[j] * vs + kvh * vhs;
+            const v16 p = (v16){0} + s[j];
+            int64_t i = 0;
+            for (; i < dv16; i += 16) {
+                v16 acc = fma16(p, ld(vr + i), ld(o + i));
+                memcpy(o + i, &acc, sizeof acc);
+            }
+            for (; i < dv; ++i) o[i] = fmaf(s[j], vr[i], o[i]);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < dv; ++i) o[i] *= inv;
+    }
+}
+
 /* The same with bf16 weights (w: uint16 bit patterns): half the bytes streamed per decode step. */
 void skinny_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *out,
                         int64_t rows, int64_t n_out, int64_t k, int32_t threads) {
@@ -278,6 +327,9 @@ def load() -> ctypes.CDLL | None:
             for fn in (lib.skinny_linear, lib.skinny_linear_bf16):
                 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int32]
                 fn.restype = None
+            lib.paged_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 5
+                                            + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int32])
+            lib.paged_attention.restype = None
             _lib, _ready = lib, True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -340,6 +392,29 @@ def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 @skinny_linear_op.register_fake
 def _skinny_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor | None, value_dim: int,
+                    table: torch.Tensor, seq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Attention of n query rows over a paged pool, the keys read where they lie (the kernel above): q [nH, n, d]
+    contiguous, k_pool [S, nKV, d] and v_pool [S, nKV, dv] (None: the values are the keys' first `value_dim`
+    channels) fp32 CPU with contiguous rows; `table` [B, K] int64 the slots of each sequence's positions, and per
+    row its sequence `seq`, and the positions it sees, [lo, hi) (int64, [n] each; hi > lo). Returns [n, nH, dv].
+    Every row is computed alone in a fixed order: the same bits whatever the other rows and the thread count. The
+    caller checks the shapes (inference_eval/paged.py); the kernel must be loaded (`available()`)."""
+    lib = load()
+    nh, n, d = q.shape
+    nkv = k_pool.shape[1]
+    v = k_pool if v_pool is None else v_pool
+    dv = value_dim if v_pool is None else v_pool.shape[2]
+    out = torch.empty(n, nh, dv, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    buf = torch.empty(threads, table.shape[1], dtype=torch.float32)
+    lib.paged_attention(q.data_ptr(), k_pool.data_ptr(), v.data_ptr(), table.data_ptr(), table.shape[1],
+                        seq.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), buf.data_ptr(), n, nh, nkv, d,
+                        dv, k_pool.stride(0), k_pool.stride(1), v.stride(0), v.stride(1), float(scale), threads)
+    return out
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -21,11 +21,14 @@ masked). A query's position is `base` plus the number of new-region keys it sees
 slot position for a chain, its depth for a draft tree whose root is the first new row; keys are at
 their slot positions, exact for every key of the committed context.
 
-Attention is pure torch. When padding the query rows of all sequences to the longest would more
-than double them (prefills of different lengths), or there is one sequence with several rows, each
-sequence is one SDPA call over exactly its own keys (causal fast path for a fresh prefill);
-otherwise (decode, verification) the queries and each sequence's keys are gathered into one padded
-`[B, ...]` SDPA call.
+On a float32 CPU pool, the rows of a sequence with at most `NATIVE_ATTN_ROWS` new rows and no mask (decode,
+a chain's verification) are attended by the native kernel (core/native.py `paged_attention`): each row reads
+its visible keys where they lie in the pool — no gather, no padding — and is computed alone in a fixed order,
+so its output does not depend on the batch it is in (a plain step's row equals the same row verified among k
+others, bit for bit). Every other row is attended in torch: when padding the query rows of all sequences to the
+longest would more than double them (prefills of different lengths), or there is one sequence with several rows,
+each sequence is one SDPA call over exactly its own keys (causal fast path for a fresh prefill); otherwise the
+queries and each sequence's keys are gathered into one padded `[B, ...]` SDPA call.
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core import native
 from heads.layers import causal_mask
+
+# a sequence's rows in a forward up to this many (decode, verification) are attended by the native kernel on a
+# float32 CPU pool, when they see a causal prefix of their sequence (module docstring)
+NATIVE_ATTN_ROWS = 16
 
 
 class OutOfBlocks(RuntimeError):
@@ -180,6 +188,11 @@ class PagedBatch:
                 raise ValueError(f"mask shape {tuple(s.mask.shape)}, expected {(s.n, s.offset + s.n)}")
         self.num_rows = sum(s.n for s in seqs)
         self.write_slots = torch.cat([s.table.slots[s.base + s.offset: s.end] for s in seqs])
+        # the sequences whose rows the native kernel attends (decided per sequence: a row's path never depends on
+        # the other sequences of its batch)
+        self.native = [s.mask is None and s.n <= NATIVE_ATTN_ROWS and s.table.slots.device.type == "cpu"
+                       for s in seqs]
+        self._native_plans: dict[int | None, tuple[torch.Tensor, ...]] = {}
         b, t_max, k_max = len(seqs), max(s.n for s in seqs), max(s.end for s in seqs)
         if per_sequence is None:
             per_sequence = (b == 1 and t_max > 1) or b * t_max > self.PAD_LIMIT * self.num_rows
@@ -245,6 +258,30 @@ class PagedBatch:
             self._window_masks[window] = out
         return self._window_masks[window]
 
+    def native_plan(self, window: int | None) -> tuple[torch.Tensor, ...]:
+        """The native kernel's metadata for the rows it attends (`native`), built once per batch and window:
+        (their indices among the packed rows, every sequence's slots [B, K], per row its sequence and the key
+        positions it sees, [lo, hi) — a sliding `window` hides the keys `window` or more behind the row)."""
+        if window not in self._native_plans:
+            rows, seq, lo, hi = [], [], [], []
+            row = 0
+            for i, s in enumerate(self.seqs):
+                if self.native[i]:
+                    first = s.base + s.offset
+                    rows.extend(range(row, row + s.n))
+                    seq.extend([i] * s.n)
+                    hi.extend(range(first + 1, first + s.n + 1))
+                    lo.extend(0 if window is None else max(0, p - window) for p in range(first + 1, first + s.n + 1))
+                row += s.n
+            k_max = max(s.end for s in self.seqs)
+            table = torch.zeros(len(self.seqs), k_max, dtype=torch.long)
+            for i, s in enumerate(self.seqs):
+                if self.native[i]:
+                    table[i, : s.end] = s.table.slots[: s.end]
+            self._native_plans[window] = tuple(torch.tensor(x, dtype=torch.long) for x in (rows, seq, lo, hi)) + (
+                table,)
+        return self._native_plans[window]
+
     @staticmethod
     def _query_positions(s: SeqSlice, device) -> torch.Tensor:
         """[n] positions of a sequence's new rows, as the sliding window counts them (module docstring)."""
@@ -277,16 +314,51 @@ class PagedLayer:
         self.k_pool.index_copy_(0, meta.write_slots, k[0].transpose(0, 1))
         if v is not None:
             self.v_pool.index_copy_(0, meta.write_slots, v[0].transpose(0, 1))
+        own = self._native(q, v is None, window, scale, value_dim) if any(meta.native) else None  # [rows, nH, dv]
+        if own is not None and all(meta.native):
+            return own.permute(1, 0, 2)[None]
+        if own is not None:
+            if meta.per_sequence:  # the kernel's sequences taken from its output, the others attended below
+                starts = [0]
+                for i, s in enumerate(meta.seqs):
+                    starts.append(starts[-1] + (s.n if meta.native[i] else 0))
+            else:  # the padded call attends every row; the kernel's rows then take the kernel's values
+                rows = meta.native_plan(window)[0]
+                return self._padded(q, v is None, window, scale, value_dim).index_copy(2, rows,
+                                                                                      own.permute(1, 0, 2)[None])
         if meta.per_sequence:
             outs = []
             masks = meta.window_masks(window)
             for i, s in enumerate(meta.seqs):
+                if own is not None and meta.native[i]:
+                    outs.append(own[starts[i]: starts[i + 1]].permute(1, 0, 2)[None])
+                    continue
                 qs = q[:, :, meta.row_start[i]: meta.row_start[i + 1]]
                 ks = self._gather(self.k_pool, meta.key_slots[i][None])
                 vs = ks[..., :value_dim] if v is None else self._gather(self.v_pool, meta.key_slots[i][None])
                 outs.append(F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=masks[i], is_causal=masks[i] is None, scale=scale, enable_gqa=gqa))
             return torch.cat(outs, dim=2)
+        return self._padded(q, v is None, window, scale, value_dim)
+
+    def _native(self, q: torch.Tensor, v_none: bool, window: int | None, scale: float | None,
+                value_dim: int | None) -> torch.Tensor | None:
+        """The kernel's rows attended by it ([rows, nH, dv]), or None where it does not apply: a pool or query
+        that is not float32 on the CPU, a traced graph, autograd, the kernel not built."""
+        if (q.dtype != torch.float32 or self.k_pool.dtype != torch.float32 or q.device.type != "cpu"
+                or torch.compiler.is_compiling() or torch.is_grad_enabled() or not native.available()
+                or self.k_pool.stride(2) != 1 or self.v_pool.stride(2) != 1):
+            return None
+        rows, seq, lo, hi, table = self.batch.native_plan(window)
+        qn = q[0] if len(rows) == q.shape[2] else q[0].index_select(1, rows)
+        return native.paged_attention(qn.contiguous(), self.k_pool, None if v_none else self.v_pool,
+                                      value_dim or 0, table, seq, lo, hi,
+                                      q.shape[-1] ** -0.5 if scale is None else scale)
+
+    def _padded(self, q: torch.Tensor, v_none: bool, window: int | None, scale: float | None,
+                value_dim: int | None) -> torch.Tensor:
+        """Every row through one padded SDPA call over each sequence's gathered keys."""
+        meta = self.batch
         n_heads, d = q.shape[1], q.shape[3]
         b = len(meta.seqs)
         if meta.uniform:
@@ -295,7 +367,7 @@ class PagedLayer:
             rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
             qb = rows[meta.q_idx].transpose(1, 2)
         kb = self._gather(self.k_pool, meta.kv_idx)  # [B, nKV, K, d]
-        vb = kb[..., :value_dim] if v is None else self._gather(self.v_pool, meta.kv_idx)
+        vb = kb[..., :value_dim] if v_none else self._gather(self.v_pool, meta.kv_idx)
         out = grouped_attention(qb, kb, vb, meta.grouped_mask(n_heads // kb.shape[1], window), scale)  # [B, nH, T, dv]
         dv = out.shape[-1]
         if meta.uniform:
