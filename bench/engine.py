@@ -21,8 +21,8 @@
   same head exported in the format vLLM serves it (our plugin for an `mtp` head) at the configured k, beside the
   engine's configured proposer. vLLM runs in its best CPU configuration: its engine core in the worker process
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), eager (the CPU build), its OpenMP threads bound to the budget's cores
-  (`VLLM_CPU_OMP_THREADS_BIND`) and the whole process on them (its affinity: the variable alone left a thread of
-  its GEMMs on another core, a one-thread side then decoding on two), one kept worker per configuration and thread budget
+  (`VLLM_CPU_OMP_THREADS_BIND`) and the whole process on them (its affinity: the variable alone left a thread of its
+  GEMMs on another core, a one-thread side then decoding on two), one kept worker per configuration and thread budget
   (inference_eval/vllm_generate_worker.py), greedy, every reply `--new-tokens` long, no prefix caching; a side's
   seconds are vLLM's `generate` call (the request's JSON round trip excluded, as the engine's side excludes its
   loading). Its start (the process, the target, the draft) is timed apart and printed, not in any ratio. τ of both
@@ -327,7 +327,8 @@ def main() -> None:
                   f"its processes on cores {sides.plain.info.get('cpus')}), not timed below", flush=True)
             for gen in (sides.plain, sides.spec):  # a worker on more cores than the budget is not this budget's side
                 if gen is not None and gen.info.get("cpus") != [int(c) for c in vllm_bind(n).split(",")]:
-                    raise SystemExit(f"vLLM's worker runs on cores {gen.info.get('cpus')}, the budget is {vllm_bind(n)}")
+                    raise SystemExit(f"vLLM's worker runs on cores {gen.info.get('cpus')}, "
+                                     f"the budget is {vllm_bind(n)}")
         with thread_budget(n):
             # plain decoding: the engine vs HF generate in each dtype (and vLLM), back to back in alternation
             for name, batch in (("b1", prompts[:1]), ("b8", prompts)):

@@ -5,7 +5,8 @@ streams), and every other aten
 operator by torch.profiler's self time per step, measured the same way (the two generations' difference). The rest
 is the step's Python. `--quick`: 8 and 24 new tokens.
 
-Last line: `step_profile batch=<b> threads=<n> step_ms=<a> linears_ms=<b> other_ops_ms=<c> rest_ms=<a-b-c> ops_per_step=<n>`
+Last line:
+`step_profile batch=<b> threads=<n> step_ms=<a> linears_ms=<b> other_ops_ms=<c> rest_ms=<a-b-c> ops_per_step=<n>`
 for each thread count."""
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def main() -> None:
             print(f"{threads} thread(s): step {step:.1f} ms = linears {lin:.1f} + other aten operators {other:.1f} "
                   f"({calls:.0f} calls; largest: " + ", ".join(f"{k} {t:.2f}" for t, k in top[:4]) +
                   f") + the rest {step - lin - other:.1f}", flush=True)
-            last = (f"step_profile batch={len(prompts)} threads={threads} step_ms={step:.1f} linears_ms={lin:.1f} other_ops_ms={other:.1f} "
+            last = (f"step_profile batch={len(prompts)} threads={threads} step_ms={step:.1f} linears_ms={lin:.1f} "
+                    f"other_ops_ms={other:.1f} "
                     f"rest_ms={step - lin - other:.1f} ops_per_step={calls:.0f}")
             print(last, flush=True)
     print(last)

@@ -3,9 +3,9 @@
 Decode, verification and drafting multiply a handful of rows by every weight matrix of the model.
 That is memory-bound work, and MKL's GEMM does it poorly: at SmolLM2's shapes it reads the weights at
 10-15 GB/s where this machine streams 27-40. `skinny_linear` reads each weight row once, keeps it
-in L1 while it meets every input row (register blocks of 2 weight rows × 8 input rows from 8 rows
-on, 4 × 4/2/1 below) and prefetches the rows ahead into L2. SmolLM2 decode steps (2 threads) take
-a third less time at batch 8 and an eighth less at batch 1 (docs/engine.md). Without AVX-512 the
+in L1 while it meets every input row (register blocks of 2 weight rows × 8 input rows from 8 rows on, 4 × 4/2/1
+below) and prefetches the rows ahead (into L1 below 8 input rows, into L2 from 8). SmolLM2 decode steps (2 threads)
+take a third less time at batch 8 and an eighth less at batch 1 (docs/engine.md). Without AVX-512 the
 16-lane sums run as two 8-lane halves (same values, bit for bit): GCC's own lowering of the 64-byte
 vector spilled there and made the kernel 4-5x slower than torch at 4-48 rows on an AVX2 EPYC.
 
@@ -121,12 +121,16 @@ static inline float finish(v16 a, const void *w, const float *x, int64_t from, i
     return bias ? s + bias[n] : s;
 }
 
-#define AHEAD 32  /* weight rows prefetched ahead (into L2) */
+/* Weight rows prefetched ahead, and where to: below 8 input rows a weight row meets few FMAs, so it is fetched
+   into L1 8 rows ahead (1.12-1.16x faster at 1-4 rows than 32 rows ahead into L2, measured on an AVX-512 Xeon,
+   one thread: faster than F.linear at one row); from 8 input rows into L2, 16 rows ahead. */
+#define AHEAD_NARROW 8
+#define AHEAD_WIDE 16
 
 /* Q input rows from r (Q ≤ 8) against P weight rows ws (P ≤ 4): P·Q independent accumulators. */
 static inline __attribute__((always_inline)) void rows_block(
         const void *const ws[4], const int P, const float *x, int64_t r, const int Q, int64_t k, int64_t kv,
-        const void *pf, const float *bias, float *out, int64_t n_out, int64_t n0, const int bf) {
+        const void *pf, const int l1, const float *bias, float *out, int64_t n_out, int64_t n0, const int bf) {
     const float *xs[8];
     for (int q = 0; q < Q; ++q) xs[q] = x + (r + q) * k;
 #ifdef __AVX512F__
@@ -135,7 +139,10 @@ static inline __attribute__((always_inline)) void rows_block(
         for (int q = 0; q < Q; ++q) a[p][q] = (v16){0};
     for (int64_t i = 0; i < kv; i += 16) {
         if (pf)
-            for (int p = 0; p < P; ++p) __builtin_prefetch((const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4), 0, 2);
+            for (int p = 0; p < P; ++p) {
+                const char *a = (const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4);
+                if (l1) __builtin_prefetch(a, 0, 3); else __builtin_prefetch(a, 0, 2);
+            }
         v16 wv[4];
         for (int p = 0; p < P; ++p) wv[p] = ldw(ws[p], i, bf);
         for (int q = 0; q < Q; ++q) {
@@ -153,7 +160,10 @@ static inline __attribute__((always_inline)) void rows_block(
         for (int q = 0; q < Q; ++q) { lo[p][q] = (v8){0}; hi[p][q] = (v8){0}; }
     for (int64_t i = 0; i < kv; i += 16) {
         if (pf)
-            for (int p = 0; p < P; ++p) __builtin_prefetch((const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4), 0, 2);
+            for (int p = 0; p < P; ++p) {
+                const char *a = (const char *)wrow(pf, p, k, bf) + i * (bf ? 2 : 4);
+                if (l1) __builtin_prefetch(a, 0, 3); else __builtin_prefetch(a, 0, 2);
+            }
         v8 wl[4], wh[4];
         for (int p = 0; p < P; ++p) { wl[p] = ldw8(ws[p], i, bf); wh[p] = ldw8(ws[p], i + 8, bf); }
         for (int q = 0; q < Q; ++q) {
@@ -196,18 +206,26 @@ static inline __attribute__((always_inline)) void linear_rows(
         }
         const void *ws[4] = {wrow(w, n0, k, bf), wrow(w, n0 + 1, k, bf), 0, 0};
         if (!wide) { ws[2] = wrow(w, n0 + 2, k, bf); ws[3] = wrow(w, n0 + 3, k, bf); }
-        /* the first pass over this block prefetches the rows AHEAD rows on */
-        const void *pf = n0 + AHEAD + nb <= n_out ? wrow(w, n0 + AHEAD, k, bf) : 0;
+        /* the first pass over this block prefetches the rows `ahead` rows on */
+        const int64_t ahead = wide ? AHEAD_WIDE : AHEAD_NARROW;
+        const void *pf = n0 + ahead + nb <= n_out ? wrow(w, n0 + ahead, k, bf) : 0;
         int64_t r = 0;
         if (wide) {
-            for (; r + 8 <= rows; r += 8, pf = 0) rows_block(ws, 2, x, r, 8, k, kv, pf, bias, out, n_out, n0, bf);
-            if (rows - r >= 4) { rows_block(ws, 2, x, r, 4, k, kv, pf, bias, out, n_out, n0, bf); r += 4; }
-            if (rows - r >= 2) { rows_block(ws, 2, x, r, 2, k, kv, pf, bias, out, n_out, n0, bf); r += 2; }
-            if (rows - r == 1) rows_block(ws, 2, x, r, 1, k, kv, pf, bias, out, n_out, n0, bf);
+            for (; r + 8 <= rows; r += 8, pf = 0) rows_block(ws, 2, x, r, 8, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf);
+            if (rows - r >= 4) { rows_block(ws, 2, x, r, 4, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf); r += 4; }
+            if (rows - r >= 2) { rows_block(ws, 2, x, r, 2, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf); r += 2; }
+            if (rows - r == 1) rows_block(ws, 2, x, r, 1, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf);
         } else {
-            if (rows - r >= 4) { rows_block(ws, 4, x, r, 4, k, kv, pf, bias, out, n_out, n0, bf); r += 4; pf = 0; }
-            if (rows - r >= 2) { rows_block(ws, 4, x, r, 2, k, kv, pf, bias, out, n_out, n0, bf); r += 2; pf = 0; }
-            if (rows - r == 1) rows_block(ws, 4, x, r, 1, k, kv, pf, bias, out, n_out, n0, bf);
+            if (rows - r >= 4) { rows_block(ws, 4, x, r, 4, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf); r += 4; pf = 0; }
+            if (rows - r >= 2) { rows_block(ws, 4, x, r, 2, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf); r += 2; pf = 0; }
+            if (rows - r == 1) rows_block(ws, 4, x, r, 1, k, kv, pf, !wide, bias, out, n_out, n0,
+                                     bf);
         }
     }
 }
@@ -220,9 +238,9 @@ void skinny_linear(const float *x, const float *w, const float *bias, float *out
 /* Attention of a few query rows over a paged KV pool, without gathering the keys: row r (of sequence seq[r])
    sees the key positions [lo[r], hi[r]) of its sequence, whose slots are table[seq[r] * tk + j]; q [nh, n, d]
    (row-major), the key and value of a pool slot at k + slot * ks + kvh * khs and v + slot * vs + kvh * vhs (kvh:
-   the query head's key head, nh / nkv query heads per key head; d and dv floats), out [n, nh, dv]. Each (row, head) is computed
-   alone in a fixed order — the scores (16-lane partial sums, the fixed lane tree, the tail), their maximum,
-   exp(s − max) and its sum in key order, the values' weighted sum in key order, one division — so a row's
+   the query head's key head, nh / nkv query heads per key head; d and dv floats), out [n, nh, dv]. Each (row,
+   head) is computed alone in a fixed order — the scores (16-lane partial sums, the fixed lane tree, the tail),
+   their maximum, exp(s − max) and its sum in key order, the values' weighted sum in key order, one division — so a row's
    output does not depend on the other rows, the thread count or the batch. `buf`: nthreads × tk floats. */
 void paged_attention(const float *q, const float *k, const float *v, const int64_t *table, int64_t tk,
                      const int64_t *seq, const int64_t *lo, const int64_t *hi, float *out, float *buf,

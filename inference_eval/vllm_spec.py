@@ -84,9 +84,10 @@ class VLLMRunner:
                 job_path.write_text(json.dumps(job))
                 log_file = open(self.work / f"log-{self.runs}-{r}.txt", "w+")
                 with spawn_on(bound_cores(self.envs[r])):
-                    proc = subprocess.Popen([str(self.python), "-m", "inference_eval.vllm_serve_worker", str(job_path),
-                                             str(out_path)], env=self.envs[r], stdout=log_file, stderr=subprocess.STDOUT,
-                                            text=True, cwd=str(Path(__file__).resolve().parents[1]))
+                    proc = subprocess.Popen([str(self.python), "-m", "inference_eval.vllm_serve_worker",
+                                             str(job_path), str(out_path)], env=self.envs[r], stdout=log_file,
+                                            stderr=subprocess.STDOUT, text=True,
+                                            cwd=str(Path(__file__).resolve().parents[1]))
                 procs.append((proc, log_file, out_path, order))
             results = [self._wait(proc, log_file, out_path, label, len(prompts)) for proc, log_file, out_path, _ in procs]
         finally:

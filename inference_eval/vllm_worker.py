@@ -218,8 +218,8 @@ def _end_group() -> None:
 def serve(start, ready: dict, handle) -> None:
     """A worker's life (both workers' protocol, module docstring): signals and parent death handled, the
     replies on the original stdout, `start(init)` → state (an error replies `ready: false`), the ready line
-    (`ready(state)`, vLLM's version and the cores the process may run on), then one reply per request line: `{"ok": true, **handle(state,
-    request)}` or `{"ok": false, "error": ...}`. EOF on stdin ends it."""
+    (`ready(state)`, vLLM's version and the cores the process may run on), then one reply per request line:
+    `{"ok": true, **handle(state, request)}` or `{"ok": false, "error": ...}`. EOF on stdin ends it."""
     import atexit
     import signal
 

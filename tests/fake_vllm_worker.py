@@ -1,7 +1,7 @@
 """A stand-in for inference_eval/vllm_worker.py's process, speaking its protocol without vLLM
-(tests/test_vllm_protocol.py): the ready line (with the cores it may run on, as the real worker's), then one reply per request line, in order. A request
-`{"n": i, "sleep": s}` is answered `{"ok": true, "n": i}` after s seconds; `{"fail": "why"}` with
-`{"ok": false, "error": "why"}`; `{"exit": code}` ends the process without a reply."""
+(tests/test_vllm_protocol.py): the ready line (with the cores it may run on, as the real worker's), then one reply
+per request line, in order. A request `{"n": i, "sleep": s}` is answered `{"ok": true, "n": i}` after s seconds;
+`{"fail": "why"}` with `{"ok": false, "error": "why"}`; `{"exit": code}` ends the process without a reply."""
 
 import json
 import os
