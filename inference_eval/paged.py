@@ -193,6 +193,7 @@ class PagedBatch:
         self.native = [s.mask is None and s.n <= NATIVE_ATTN_ROWS and s.table.slots.device.type == "cpu"
                        for s in seqs]
         self._native_plans: dict[int | None, tuple[torch.Tensor, ...]] = {}
+        self._native_table: torch.Tensor | None = None
         b, t_max, k_max = len(seqs), max(s.n for s in seqs), max(s.end for s in seqs)
         if per_sequence is None:
             per_sequence = (b == 1 and t_max > 1) or b * t_max > self.PAD_LIMIT * self.num_rows
@@ -273,13 +274,13 @@ class PagedBatch:
                     hi.extend(range(first + 1, first + s.n + 1))
                     lo.extend(0 if window is None else max(0, p - window) for p in range(first + 1, first + s.n + 1))
                 row += s.n
-            k_max = max(s.end for s in self.seqs)
-            table = torch.zeros(len(self.seqs), k_max, dtype=torch.long)
-            for i, s in enumerate(self.seqs):
-                if self.native[i]:
-                    table[i, : s.end] = s.table.slots[: s.end]
+            if self._native_table is None:  # the slots do not depend on the window: one table per batch
+                self._native_table = torch.zeros(len(self.seqs), max(s.end for s in self.seqs), dtype=torch.long)
+                for i, s in enumerate(self.seqs):
+                    if self.native[i]:
+                        self._native_table[i, : s.end] = s.table.slots[: s.end]
             self._native_plans[window] = tuple(torch.tensor(x, dtype=torch.long) for x in (rows, seq, lo, hi)) + (
-                table,)
+                self._native_table,)
         return self._native_plans[window]
 
     @staticmethod
