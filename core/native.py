@@ -242,15 +242,15 @@ void skinny_linear(const float *x, const float *w, const float *bias, float *out
    head) is computed alone in a fixed order — the scores (16-lane partial sums, the fixed lane tree, the tail),
    their maximum, exp(s − max) and its sum in key order, the values' weighted sum in key order, one division — so a row's
    output does not depend on the other rows, the thread count or the batch. `buf`: nthreads × tk floats. */
-void paged_attention(const float *q, const float *k, const float *v, const int64_t *table, int64_t tk,
-                     const int64_t *seq, const int64_t *lo, const int64_t *hi, float *out, float *buf,
-                     int64_t n, int64_t nh, int64_t nkv, int64_t d, int64_t dv, int64_t ks, int64_t khs,
-                     int64_t vs, int64_t vhs, float scale, int32_t threads) {
+static void attend_rows(const float *q, int64_t q_rs, int64_t q_hs, const float *k, const float *v,
+                        const int64_t *table, int64_t tk, const int64_t *seq, const int64_t *lo, const int64_t *hi,
+                        float *out, float *buf, int64_t n, int64_t nh, int64_t nkv, int64_t d, int64_t dv, int64_t ks,
+                        int64_t khs, int64_t vs, int64_t vhs, float scale, int32_t threads) {
     const int64_t g = nh / nkv, dq = d / 16 * 16, dv16 = dv / 16 * 16;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < n * nh; ++u) {
         const int64_t r = u / nh, h = u % nh, kvh = h / g;
-        const float *qr = q + (h * n + r) * d;
+        const float *qr = q + r * q_rs + h * q_hs;
         const int64_t *slots = table + seq[r] * tk;
         float *s = buf + (int64_t)omp_get_thread_num() * tk;
         float m = -INFINITY;
@@ -280,6 +280,131 @@ void paged_attention(const float *q, const float *k, const float *v, const int64
         }
         const float inv = 1.f / sum;
         for (int64_t i = 0; i < dv; ++i) o[i] *= inv;
+    }
+}
+
+/* q [nh, n, d] (one head's rows together: what the torch path holds) */
+void paged_attention(const float *q, const float *k, const float *v, const int64_t *table, int64_t tk,
+                     const int64_t *seq, const int64_t *lo, const int64_t *hi, float *out, float *buf,
+                     int64_t n, int64_t nh, int64_t nkv, int64_t d, int64_t dv, int64_t ks, int64_t khs,
+                     int64_t vs, int64_t vhs, float scale, int32_t threads) {
+    attend_rows(q, d, n * d, k, v, table, tk, seq, lo, hi, out, buf, n, nh, nkv, d, dv, ks, khs, vs, vhs, scale,
+                threads);
+}
+
+/* RMSNorm of `rows` rows of `dim`: out = w · (x · 1/sqrt(mean(x²) + eps)), the sum of squares in the fixed order
+   of the dot products above; each row alone (in place allowed: a row is read whole before it is written). */
+static void rms_rows(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps,
+                     int32_t threads) {
+    const int64_t dq = dim / 16 * 16;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 64)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        v16 a = {0};
+        for (int64_t i = 0; i < dq; i += 16) { v16 t = ld(xr + i); a = fma16(t, t, a); }
+        float s = lanes(a);
+        for (int64_t i = dq; i < dim; ++i) s = fmaf(xr[i], xr[i], s);
+        const float inv = 1.f / sqrtf(s / (float)dim + eps);
+        for (int64_t i = 0; i < dim; ++i) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+void rms_norm(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps, int32_t threads) {
+    rms_rows(x, w, out, rows, dim, eps, threads);
+}
+
+/* out = silu(g) · u = g / (1 + exp(-g)) · u, element by element (in place allowed) */
+void silu_mul(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+}
+
+/* RoPE in place on rows × heads vectors of d (x [rows, heads, d]): with c, s the row's cos and sin (their two
+   halves equal), (x1, x2) → (x1·c − x2·s, x2·c + x1·s), each product rounded before its sum (no contraction):
+   torch's apply_rope, bit for bit. */
+static void rope_rows(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h) {
+            float *x1 = x + (r * heads + h) * d, *x2 = x1 + half;
+            const float *c = cos + r * d, *s = sin + r * d;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+}
+
+/* One Llama decoder layer's weights (heads/layers.py DecoderLayer): linear weights fp32 (bf = 0) or bf16 (bf = 1),
+   the q/k/v biases and the per-head q/k norms optional (NULL). Every field 8 bytes: the ctypes mirror has no
+   padding to get wrong. */
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm;
+    const void *wq, *wk, *wv, *wo, *wg, *wu, *wd;
+    const float *bq, *bk, *bv;
+    int64_t bf, h, nh, nkv, d, inter;
+    double eps;
+} layer_t;
+
+/* One forward's rows: x [n, h] (updated in place), their cos/sin [n, d], the pool slots they write, the paged
+   attention plan (as paged_attention takes it), every layer's key and value pool ([S, nkv, d], strides ks, khs and
+   vs, vhs), scratch of n·(h + 2·nh·d + 2·nkv·d + 2·inter) floats and the attention's threads × tk. */
+typedef struct {
+    float *x; int64_t n;
+    const float *cos, *sin;
+    const int64_t *slots, *table; int64_t tk; const int64_t *seq, *lo, *hi;
+    float *const *kpool; float *const *vpool;
+    int64_t ks, khs, vs, vhs;
+    float *scratch, *buf;
+    double scale; int64_t threads;
+} step_t;
+
+static void lin(const float *x, const void *w, const float *bias, float *out, int64_t rows, int64_t n_out,
+                int64_t k, int32_t threads, int64_t bf) {
+    if (bf) linear_rows(x, w, bias, out, rows, n_out, k, threads, 1);
+    else linear_rows(x, w, bias, out, rows, n_out, k, threads, 0);
+}
+
+/* Layers [first, last) of the model on the step's rows: the same kernels, in the same order, as the layer's torch
+   path with them (heads/layers.py: the native linear, rms_norm and silu_mul, the paged kernel's attention), so the
+   output is bit-identical to it; one call instead of ~160 torch operators per layer. */
+void decode_layers(const layer_t *layers, int64_t first, int64_t last, const step_t *S) {
+    const int64_t n = S->n;
+    const int32_t th = (int32_t)S->threads;
+    float *x = S->x;
+    for (int64_t li = first; li < last; ++li) {
+        const layer_t *L = layers + li;
+        const int64_t h = L->h, nh = L->nh, nkv = L->nkv, d = L->d, in = L->inter, qd = nh * d, kd = nkv * d;
+        const float eps = (float)L->eps;
+        float *hn = S->scratch, *q = hn + n * h, *k = q + n * qd, *v = k + n * kd, *att = v + n * kd;
+        float *g = att + n * qd, *u = g + n * in;
+        float *kp = S->kpool[li], *vp = S->vpool[li];
+        rms_rows(x, L->in_norm, hn, n, h, eps, th);
+        lin(hn, L->wq, L->bq, q, n, qd, h, th, L->bf);
+        lin(hn, L->wk, L->bk, k, n, kd, h, th, L->bf);
+        lin(hn, L->wv, L->bv, v, n, kd, h, th, L->bf);
+        if (L->q_norm) {
+            rms_rows(q, L->q_norm, q, n * nh, d, eps, th);
+            rms_rows(k, L->k_norm, k, n * nkv, d, eps, th);
+        }
+        rope_rows(q, S->cos, S->sin, n, nh, d);
+        rope_rows(k, S->cos, S->sin, n, nkv, d);
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t j = 0; j < nkv; ++j) {
+                memcpy(kp + S->slots[r] * S->ks + j * S->khs, k + (r * nkv + j) * d, d * sizeof(float));
+                memcpy(vp + S->slots[r] * S->vs + j * S->vhs, v + (r * nkv + j) * d, d * sizeof(float));
+            }
+        attend_rows(q, qd, d, kp, vp, S->table, S->tk, S->seq, S->lo, S->hi, att, S->buf, n, nh, nkv, d, d, S->ks,
+                    S->khs, S->vs, S->vhs, (float)S->scale, th);
+        lin(att, L->wo, 0, hn, n, h, qd, th, L->bf);
+        for (int64_t i = 0; i < n * h; ++i) x[i] = x[i] + hn[i];
+        rms_rows(x, L->post_norm, hn, n, h, eps, th);
+        lin(hn, L->wg, 0, g, n, in, h, th, L->bf);
+        lin(hn, L->wu, 0, u, n, in, h, th, L->bf);
+        silu_mul(g, u, g, n * in);
+        lin(g, L->wd, 0, hn, n, h, in, th, L->bf);
+        for (int64_t i = 0; i < n * h; ++i) x[i] = x[i] + hn[i];
     }
 }
 
@@ -348,6 +473,11 @@ def load() -> ctypes.CDLL | None:
             lib.paged_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 5
                                             + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int32])
             lib.paged_attention.restype = None
+            lib.rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int32]
+            lib.silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+            lib.decode_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+            for fn in (lib.rms_norm, lib.silu_mul, lib.decode_layers):
+                fn.restype = None
             _lib, _ready = lib, True
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -433,6 +563,43 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor 
                         seq.data_ptr(), lo.data_ptr(), hi.data_ptr(), out.data_ptr(), buf.data_ptr(), n, nh, nkv, d,
                         dv, k_pool.stride(0), k_pool.stride(1), v.stride(0), v.stride(1), float(scale), threads)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dimension, each row alone in a fixed order (the kernel above):
+    x and weight contiguous fp32 CPU tensors; the kernel must be loaded (`available()`)."""
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    load().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                    torch.get_num_threads())
+    return out
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) · u element by element, g / (1 + exp(−g)) · u: contiguous fp32 CPU tensors of one shape."""
+    out = torch.empty_like(g)
+    load().silu_mul(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.numel())
+    return out
+
+
+class Layer(ctypes.Structure):
+    """The C `layer_t`: one decoder layer's tensors (data pointers: the caller keeps the tensors alive)."""
+
+    _fields_ = ([(f, ctypes.c_void_p) for f in ("in_norm", "post_norm", "q_norm", "k_norm", "wq", "wk", "wv", "wo",
+                                                "wg", "wu", "wd", "bq", "bk", "bv")]
+                + [(f, ctypes.c_int64) for f in ("bf", "h", "nh", "nkv", "d", "inter")] + [("eps", ctypes.c_double)])
+
+
+class Step(ctypes.Structure):
+    """The C `step_t`: one forward's rows, their attention plan and pools, and scratch."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("n", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("slots", ctypes.c_void_p), ("table", ctypes.c_void_p), ("tk", ctypes.c_int64),
+                ("seq", ctypes.c_void_p), ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+                ("kpool", ctypes.c_void_p), ("vpool", ctypes.c_void_p), ("ks", ctypes.c_int64),
+                ("khs", ctypes.c_int64), ("vs", ctypes.c_int64), ("vhs", ctypes.c_int64),
+                ("scratch", ctypes.c_void_p), ("buf", ctypes.c_void_p), ("scale", ctypes.c_double),
+                ("threads", ctypes.c_int64)]
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

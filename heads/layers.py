@@ -158,6 +158,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _native_inference(x: torch.Tensor) -> bool:
+    """Whether `x` is what the native elementwise kernels take: fp32 on the CPU, no autograd, not traced."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
+
+
 def scale_embedding(e: torch.Tensor, scale: float) -> torch.Tensor:
     """e·scale, the scale rounded to e's dtype first (through fp32), as HF's Gemma embedding does
     (bf16: √1152 = 33.94 becomes 34.0)."""
@@ -190,6 +196,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _native_inference(x) and native.accepts(self.weight) and native.load() is not None:
+            # fp32 inference on the CPU: the native kernel (one call where torch's composite takes ~10 operators),
+            # each row alone in a fixed order; inference_eval/fused.py's layers compute the same
+            return native.rms_norm(x.contiguous(), self.weight, self.eps)
         # Normalise in fp32 (float64 input stays float64: the tests' same-function checks), as HF does, then
         # cast back before the weight multiply. F.rms_norm's fused kernel gives HF's x·rsqrt(mean(x²) + eps)
         # bit for bit, at a fraction of the passes over memory.
@@ -400,7 +410,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if _native_inference(g) and g.numel() <= NATIVE_ROWS * g.shape[-1] and native.load() is not None:
+            # the few rows the native linear computes: silu(g)·u in C too (inference_eval/fused.py's layers
+            # compute the same); torch's vectorised SiLU for more rows
+            return self.down_proj(native.silu_mul(g.contiguous(), u.contiguous()))
+        return self.down_proj(F.silu(g) * u)
 
 
 def dropped(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from core.safetensors_io import checkpoint_tensor_names, stream_safetensors_dir
 from heads.base import TiedTarget
 from heads.layers import (DecoderLayer, KVCache, Linear, LlamaArgs, RMSNorm, Rotary, TiedConventions,
                           store_linear_weights)
+from inference_eval import fused
 from inference_eval.families import args_from_hf_config, model_class
 
 
@@ -150,12 +151,16 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         rope = self.layer_rope(positions, x.dtype)
-        aux = []
-        for i, layer in enumerate(self.model.layers):
-            if i in capture_layers:
-                aux.append(x)
-            cos, sin = rope[i]
-            x = layer(x, cos, sin, cache.layer(i) if cache is not None else None, start)
+        got = fused.run(self, x, rope, cache, capture_layers) if cache is not None else None
+        if got is not None:  # decode / verification rows: every layer in one native call (inference_eval/fused.py)
+            x, aux = got
+        else:
+            aux = []
+            for i, layer in enumerate(self.model.layers):
+                if i in capture_layers:
+                    aux.append(x)
+                cos, sin = rope[i]
+                x = layer(x, cos, sin, cache.layer(i) if cache is not None else None, start)
         out = None
         if logits != "none":
             last = x[:, -1:] if logits == "last" else x

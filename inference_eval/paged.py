@@ -194,13 +194,12 @@ class PagedBatch:
                        for s in seqs]
         self._native_plans: dict[int | None, tuple[torch.Tensor, ...]] = {}
         self._native_table: torch.Tensor | None = None
-        b, t_max, k_max = len(seqs), max(s.n for s in seqs), max(s.end for s in seqs)
+        b, t_max = len(seqs), max(s.n for s in seqs)
         if per_sequence is None:
             per_sequence = (b == 1 and t_max > 1) or b * t_max > self.PAD_LIMIT * self.num_rows
         self.per_sequence = per_sequence
-        # None: a fresh causal prefill (SDPA's is_causal, no mask built)
-        self.masks = [None if per_sequence and s.base == 0 and s.offset == 0 and s.mask is None
-                      else self._mask(s, s.end, device) for s in seqs]
+        self._device = device
+        self._masks: list[torch.Tensor | None] | None = None
         if self.per_sequence:
             self.row_start = [0]
             for s in seqs:
@@ -209,6 +208,30 @@ class PagedBatch:
             return
         # every sequence with the same number of rows (decode, verification): queries reshape in place
         self.uniform = all(s.n == t_max for s in seqs)
+        self.t_max = t_max
+        self._padded_meta: tuple[torch.Tensor, ...] | None = None
+        self._grouped: dict[tuple[int, int | None], torch.Tensor] = {}
+
+    @property
+    def masks(self) -> list[torch.Tensor | None]:
+        """Per sequence, the [n, end] mask of the keys its rows see; None for a fresh causal prefill on the
+        per-sequence path (SDPA's is_causal, no mask built). Built on first use: a forward whose rows all go to the
+        native kernel needs none."""
+        if self._masks is None:
+            self._masks = [None if self.per_sequence and s.base == 0 and s.offset == 0 and s.mask is None
+                           else self._mask(s, s.end, self._device) for s in self.seqs]
+        return self._masks
+
+    def padded_meta(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The padded path's (kv_idx [B, K], q_idx [B, T], mask [B, 1, T, K], unpad [N]), built on first use."""
+        if self._padded_meta is None:
+            self._padded_meta = self._build_padded()
+            self._grouped[(1, None)] = self._padded_meta[2]
+        return self._padded_meta
+
+    def _build_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        seqs, device, t_max = self.seqs, self._device, self.t_max
+        b, k_max = len(seqs), max(s.end for s in seqs)
         kv_idx = torch.zeros(b, k_max, dtype=torch.long, device=device)
         q_idx = torch.full((b, t_max), self.num_rows, dtype=torch.long, device=device)  # row N: a zero row
         mask = torch.zeros(b, 1, t_max, k_max, dtype=torch.bool, device=device)
@@ -221,25 +244,24 @@ class PagedBatch:
             mask[i, 0, : s.n, : s.end] = self.masks[i]
             unpad.append(torch.arange(i * t_max, i * t_max + s.n, device=device))
             row += s.n
-        self.kv_idx, self.q_idx, self.mask, self.unpad = kv_idx, q_idx, mask, torch.cat(unpad)
-        self.t_max = t_max
-        self._grouped: dict[tuple[int, int | None], torch.Tensor] = {(1, None): mask}
+        return kv_idx, q_idx, mask, torch.cat(unpad)
 
     def grouped_mask(self, g: int, window: int | None = None) -> torch.Tensor:
         """The padded path's mask for `grouped_attention` with g query heads per key head (and a sliding
         `window`), built once per batch (every such layer of the target and the drafter shares it)."""
         if window is not None and max(s.end for s in self.seqs) <= window:
             window = None  # no key can be out of the window
+        mask = self.padded_meta()[2]
         if (g, window) not in self._grouped:
             if window is None:
-                self._grouped[(g, None)] = self.mask.repeat(1, 1, g, 1)
+                self._grouped[(g, None)] = mask.repeat(1, 1, g, 1)
             else:
-                q_pos = torch.zeros(len(self.seqs), self.t_max, dtype=torch.long, device=self.mask.device)
+                q_pos = torch.zeros(len(self.seqs), self.t_max, dtype=torch.long, device=mask.device)
                 for i, s in enumerate(self.seqs):  # padded rows stay at 0: they keep seeing key 0
-                    q_pos[i, : s.n] = self._query_positions(s, self.mask.device)
-                keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+                    q_pos[i, : s.n] = self._query_positions(s, mask.device)
+                keys = torch.arange(mask.shape[-1], device=mask.device)
                 near = (q_pos[:, None, :, None] - keys) < window  # [B, 1, T, K]
-                self._grouped[(g, window)] = (self.mask & near).repeat(1, 1, g, 1)
+                self._grouped[(g, window)] = (mask & near).repeat(1, 1, g, 1)
         return self._grouped[(g, window)]
 
     def window_masks(self, window: int | None) -> list[torch.Tensor | None]:
@@ -360,20 +382,21 @@ class PagedLayer:
                 value_dim: int | None) -> torch.Tensor:
         """Every row through one padded SDPA call over each sequence's gathered keys."""
         meta = self.batch
+        kv_idx, q_idx, _, unpad = meta.padded_meta()
         n_heads, d = q.shape[1], q.shape[3]
         b = len(meta.seqs)
         if meta.uniform:
             qb = q[0].view(n_heads, b, meta.t_max, d).transpose(0, 1)  # [B, nH, T, d]
         else:
             rows = torch.cat([q[0].transpose(0, 1), q.new_zeros(1, n_heads, d)])  # [N+1, nH, d]
-            qb = rows[meta.q_idx].transpose(1, 2)
-        kb = self._gather(self.k_pool, meta.kv_idx)  # [B, nKV, K, d]
-        vb = kb[..., :value_dim] if v_none else self._gather(self.v_pool, meta.kv_idx)
+            qb = rows[q_idx].transpose(1, 2)
+        kb = self._gather(self.k_pool, kv_idx)  # [B, nKV, K, d]
+        vb = kb[..., :value_dim] if v_none else self._gather(self.v_pool, kv_idx)
         out = grouped_attention(qb, kb, vb, meta.grouped_mask(n_heads // kb.shape[1], window), scale)  # [B, nH, T, dv]
         dv = out.shape[-1]
         if meta.uniform:
             return out.transpose(0, 1).reshape(n_heads, b * meta.t_max, dv)[None]
-        out = out.transpose(1, 2).reshape(-1, n_heads, dv)[meta.unpad]  # [N, nH, dv]
+        out = out.transpose(1, 2).reshape(-1, n_heads, dv)[unpad]  # [N, nH, dv]
         return out.transpose(0, 1)[None]
 
     @staticmethod
