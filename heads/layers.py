@@ -451,6 +451,10 @@ class DecoderLayer(nn.Module):
             return _own(*self.self_attn.project(h, cos, sin)[1:])
         if unrolled is not None:
             return self.forward_unrolled(x, cos, sin, *unrolled)
+        if attn_mask is None and hasattr(kv, "run_layer"):  # a paged cache layer: one native call where it applies
+            out = kv.run_layer(self, x, cos, sin)
+            if out is not None:
+                return out
         h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
         x = x + self.self_attn(h, cos, sin, kv, start, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))

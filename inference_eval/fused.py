@@ -34,13 +34,14 @@ def enabled() -> bool:
 
 
 class FusedLayers:
-    """The C mirror of a model's layers (`native.Layer` each), with the tensors it points to, and what it is valid
-    for: every tensor still the module's own, at the same address."""
+    """The C mirror of decoder layers (`native.Layer` each), with the tensors it points to, and what it is valid
+    for: every parameter slot of the layers still holding the same tensor at the same address."""
 
-    def __init__(self, model) -> None:
-        self.checks: list[tuple[dict, str, torch.Tensor, int]] = []
-        layers = []
-        for layer in model.model.layers:
+    def __init__(self, layers: list[DecoderLayer]) -> None:
+        self.checks: list[tuple[dict, str, torch.Tensor | None, int | None]] = []
+        mirrors = []
+        self.per_row = 0
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             mods = {"in_norm": (layer.input_layernorm, "weight"),
                     "post_norm": (layer.post_attention_layernorm, "weight"),
@@ -55,50 +56,54 @@ class FusedLayers:
             for mod in layer.modules():  # every parameter slot, the empty ones (a bias of None) too
                 for name, t in mod._parameters.items():
                     self.checks.append((mod._parameters, name, t, None if t is None else t.data_ptr()))
-            layers.append(native.Layer(
+            h, inter = attn.o_proj.weight.shape[0], mlp.gate_proj.weight.shape[0]
+            qd, kd = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
+            mirrors.append(native.Layer(
                 **{f: ptrs.get(f) for f in _FIELDS}, bf=int(attn.q_proj.weight.dtype == torch.bfloat16),
-                h=model.args.hidden_size, nh=attn.n_heads, nkv=attn.n_kv, d=attn.head_dim,
-                inter=mlp.gate_proj.weight.shape[0], eps=layer.input_layernorm.eps))
-        self.array = (native.Layer * len(layers))(*layers)
-        a = model.args
-        self.per_row = a.hidden_size + 2 * a.num_attention_heads * a.head_dim + 2 * a.num_key_value_heads * a.head_dim \
-            + 2 * a.intermediate_size
+                h=h, nh=attn.n_heads, nkv=attn.n_kv, d=attn.head_dim, inter=inter, eps=layer.input_layernorm.eps))
+            self.per_row = max(self.per_row, h + 2 * qd + 2 * kd + 2 * inter)
+        self.array = (native.Layer * len(mirrors))(*mirrors)
+        self.head_dim = layers[0].self_attn.head_dim
 
     def current(self) -> bool:
         return all(params.get(name) is t and (t is None or t.data_ptr() == ptr) for params, name, t, ptr in self.checks)
 
 
-def _supported(model) -> bool:
-    """Whether the model's layers are the ones `decode_layers` computes (module docstring)."""
-    a = model.args
-    if a.head_dim % 2 or not len(model.model.layers):
-        return False
-    dtypes = set()
-    for layer in model.model.layers:
-        if (type(layer) is not DecoderLayer or not hasattr(layer, "input_layernorm")
-                or hasattr(layer, "residual_dropout") or type(layer.self_attn) is not Attention
-                or type(layer.mlp) is not MLP):
-            return False
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if hasattr(attn, "q_norm"):
-            norms += [attn.q_norm, attn.k_norm]
-        if any(type(m) is not RMSNorm or m.eps != norms[0].eps or not native.accepts(m.weight) for m in norms):
-            return False
-        if (attn.n_heads % attn.n_kv or attn.head_dim != a.head_dim or attn.n_heads != a.num_attention_heads
-                or attn.n_kv != a.num_key_value_heads or mlp.gate_proj.weight.shape[0] != a.intermediate_size):
-            return False
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(m.weight.dtype not in (torch.float32, torch.bfloat16) or not native.accepts_weight(m.weight)
-               for m in linears):
-            return False
-        dtypes |= {m.weight.dtype for m in linears}
-        biases = [m.bias for m in linears]
-        if any(b is not None for b in biases[3:]):
-            return False
-        if any(b is not None for b in biases[:3]) and not all(b is not None and native.accepts(b) for b in biases[:3]):
-            return False
-    return len(dtypes) == 1
+def _supported_layer(layer) -> torch.dtype | None:
+    """The linear weights' dtype of a layer `decode_layers` computes (module docstring), else None."""
+    if (type(layer) is not DecoderLayer or not hasattr(layer, "input_layernorm")
+            or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP):
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if hasattr(attn, "q_norm"):
+        norms += [attn.q_norm, attn.k_norm]
+    if any(type(m) is not RMSNorm or m.eps != norms[0].eps or not native.accepts(m.weight) for m in norms):
+        return None
+    h = norms[0].weight.shape[0]
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    shapes = [(attn.n_heads * attn.head_dim, h), (attn.n_kv * attn.head_dim, h), (attn.n_kv * attn.head_dim, h),
+              (h, attn.n_heads * attn.head_dim), (mlp.gate_proj.weight.shape[0], h),
+              (mlp.gate_proj.weight.shape[0], h), (h, mlp.gate_proj.weight.shape[0])]
+    if (attn.head_dim % 2 or attn.n_heads % attn.n_kv
+            or any(tuple(m.weight.shape) != sh for m, sh in zip(linears, shapes))
+            or layer.post_attention_layernorm.weight.shape[0] != h):
+        return None
+    dtypes = {m.weight.dtype for m in linears}
+    if len(dtypes) != 1 or not all(native.accepts_weight(m.weight) for m in linears):
+        return None
+    biases = [m.bias for m in linears]
+    if any(b is not None for b in biases[3:]):
+        return None
+    if any(b is not None for b in biases[:3]) and not all(b is not None and native.accepts(b) for b in biases[:3]):
+        return None
+    return dtypes.pop()
+
+
+def _supported(layers) -> bool:
+    """Whether every layer is one `decode_layers` computes, all with one weight dtype."""
+    dtypes = {_supported_layer(layer) for layer in layers}
+    return len(layers) > 0 and len(dtypes) == 1 and None not in dtypes
 
 
 # the mirrors, kept beside the models and pools (not on them: a model is deep-copied and pickled, a ctypes array is not)
@@ -107,27 +112,29 @@ _UNSUPPORTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def layers_for(model) -> FusedLayers | None:
-    """The model's fused layers, built on first use and again when a tensor changed; None for a model whose layers
-    the kernel does not compute."""
-    got = _MIRRORS.get(model)
+def layers_for(owner, layers=None) -> FusedLayers | None:
+    """The fused mirror of `owner`'s layers (a target: `owner.model.layers`; a single DecoderLayer: itself), built
+    on first use and again when a parameter changed; None when the kernel does not compute them."""
+    got = _MIRRORS.get(owner)
     if got is not None and got.current():
         return got
-    if got is None and _UNSUPPORTED.get(model) == _structure_key(model):
+    if layers is None:
+        layers = list(owner.model.layers) if hasattr(owner, "model") else [owner]
+    if got is None and _UNSUPPORTED.get(owner) == _structure_key(layers):
         return None
-    _MIRRORS.pop(model, None)
-    _UNSUPPORTED.pop(model, None)
-    if not _supported(model):
-        _UNSUPPORTED[model] = _structure_key(model)
+    _MIRRORS.pop(owner, None)
+    _UNSUPPORTED.pop(owner, None)
+    if not _supported(layers):
+        _UNSUPPORTED[owner] = _structure_key(layers)
         return None
-    _MIRRORS[model] = got = FusedLayers(model)
+    _MIRRORS[owner] = got = FusedLayers(layers)
     return got
 
 
-def _structure_key(model) -> tuple:
+def _structure_key(layers) -> tuple:
     """What an unsupported model is remembered by (so that its forwards do not check it again): every parameter's
     identity, address and dtype; any change is checked afresh."""
-    return tuple((id(p), p.data_ptr(), p.dtype) for p in model.model.layers.parameters())
+    return tuple((id(p), p.data_ptr(), p.dtype) for layer in layers for p in layer.parameters())
 
 
 def _pool_pointers(pool) -> tuple:
@@ -140,39 +147,55 @@ def _pool_pointers(pool) -> tuple:
     return got
 
 
-def run(model, x: torch.Tensor, rope: list, cache, capture_layers: tuple[int, ...]
-        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """The decoder layers on `x` [1, N, h] (the embeddings; updated in place) through `decode_layers`, with the
-    inputs of `capture_layers`; None when the forward is not one the kernel computes (module docstring)."""
-    batch = getattr(cache, "batch", None)
-    pool = getattr(cache, "pool", None)
-    if (batch is None or pool is None or not enabled() or torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] != 1
-            or batch.num_rows > NATIVE_ROWS or not all(batch.native) or not native.available()):
-        return None
-    k0, v0 = pool.k[0], pool.v[0]
-    if (k0.dtype != torch.float32 or v0.shape != k0.shape or not k0.is_contiguous() or not v0.is_contiguous()
-            or rope[0][0].dtype != torch.float32):
-        return None
-    fused = layers_for(model)
-    if fused is None or len(pool.k) != len(fused.array):
-        return None
-    cos, sin = rope[0]
-    if any(r is not rope[0] for r in rope):  # one table shared by every layer (what layer_rope gives)
-        return None
-    cos, sin = cos.contiguous(), sin.contiguous()
+def _applies(x: torch.Tensor, batch) -> bool:
+    """Whether a forward's rows are ones the fused layers compute (module docstring)."""
+    return (enabled() and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.shape[0] == 1
+            and batch.num_rows == x.shape[1] and batch.num_rows <= NATIVE_ROWS and all(batch.native)
+            and native.available())
+
+
+def _pools_fit(k0: torch.Tensor, v0: torch.Tensor, mirror: FusedLayers) -> bool:
+    return (k0.dtype == torch.float32 and v0.shape == k0.shape and k0.is_contiguous() and v0.is_contiguous()
+            and k0.shape[2] == mirror.head_dim and k0.device.type == "cpu")
+
+
+def _step(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, k0: torch.Tensor, v0: torch.Tensor,
+          kp, vp, mirror: FusedLayers) -> tuple:
+    """The C `step_t` of a forward, with the tensors it points to (kept alive by the caller)."""
     n = x.shape[1]
     _, seq, lo, hi, table = batch.native_plan(None)
     threads = torch.get_num_threads()
-    scratch = torch.empty(n * fused.per_row, dtype=torch.float32)
+    scratch = torch.empty(n * mirror.per_row, dtype=torch.float32)
     buf = torch.empty(threads, table.shape[1], dtype=torch.float32)
-    x = x.contiguous()
-    kp, vp = _pool_pointers(pool)
     step = native.Step(x=x.data_ptr(), n=n, cos=cos.data_ptr(), sin=sin.data_ptr(), slots=batch.write_slots.data_ptr(),
                        table=table.data_ptr(), tk=table.shape[1], seq=seq.data_ptr(), lo=lo.data_ptr(),
                        hi=hi.data_ptr(), kpool=ctypes.addressof(kp), vpool=ctypes.addressof(vp), ks=k0.stride(0),
                        khs=k0.stride(1), vs=v0.stride(0), vhs=v0.stride(1), scratch=scratch.data_ptr(),
-                       buf=buf.data_ptr(), scale=model.args.head_dim ** -0.5, threads=threads)
+                       buf=buf.data_ptr(), scale=mirror.head_dim ** -0.5, threads=threads)
+    return step, (scratch, buf)
+
+
+def _rope_fits(cos: torch.Tensor, x: torch.Tensor, head_dim: int) -> bool:
+    return cos.dtype == torch.float32 and tuple(cos.shape) == (1, x.shape[1], head_dim)
+
+
+def run(model, x: torch.Tensor, rope: list, cache, capture_layers: tuple[int, ...]
+        ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """A target's decoder layers on `x` [1, N, h] (the embeddings; updated in place) through `decode_layers`, with
+    the inputs of `capture_layers`; None when the forward is not one the kernel computes (module docstring)."""
+    batch, pool = getattr(cache, "batch", None), getattr(cache, "pool", None)
+    if batch is None or pool is None or not _applies(x, batch):
+        return None
+    fused = layers_for(model)
+    if fused is None or len(pool.k) != len(fused.array) or not _pools_fit(pool.k[0], pool.v[0], fused):
+        return None
+    cos, sin = rope[0]
+    if any(r is not rope[0] for r in rope) or not _rope_fits(cos, x, fused.head_dim):  # one table for every layer
+        return None
+    cos, sin, x = cos.contiguous(), sin.contiguous(), x.contiguous()
+    kp, vp = _pool_pointers(pool)
+    step, keep = _step(x, cos, sin, batch, pool.k[0], pool.v[0], kp, vp, fused)
     lib = native.load()
     aux, first = [], 0
     for i in sorted(c for c in set(capture_layers) if 0 <= c < len(fused.array)):
@@ -182,3 +205,20 @@ def run(model, x: torch.Tensor, rope: list, cache, capture_layers: tuple[int, ..
         first = i
     lib.decode_layers(ctypes.addressof(fused.array), first, len(fused.array), ctypes.byref(step))
     return x, aux
+
+
+def run_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, paged) -> torch.Tensor | None:
+    """One decoder layer (a draft head's) on `x` [1, N, h] over a paged layer's pool, through `decode_layers`: the
+    layer's output (x is not changed), or None when the kernel does not compute it."""
+    batch = paged.batch
+    if not _applies(x, batch):
+        return None
+    fused = layers_for(layer)
+    if fused is None or not _pools_fit(paged.k_pool, paged.v_pool, fused) or not _rope_fits(cos, x, fused.head_dim):
+        return None
+    out = x.clone(memory_format=torch.contiguous_format)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kp, vp = (ctypes.c_void_p * 1)(paged.k_pool.data_ptr()), (ctypes.c_void_p * 1)(paged.v_pool.data_ptr())
+    step, keep = _step(out, cos, sin, batch, paged.k_pool, paged.v_pool, kp, vp, fused)
+    native.load().decode_layers(ctypes.addressof(fused.array), 0, 1, ctypes.byref(step))
+    return out

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from core import native
 from heads.layers import causal_mask
+from inference_eval import fused
 
 # a sequence's rows in a forward up to this many (decode, verification) are attended by the native kernel on a
 # float32 CPU pool, when they see a causal prefix of their sequence (module docstring)
@@ -326,6 +327,11 @@ class PagedBatch:
 class PagedLayer:
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch) -> None:
         self.k_pool, self.v_pool, self.batch = k_pool, v_pool, batch
+
+    def run_layer(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """A whole decoder layer on this batch's rows in one native call (inference_eval/fused.py `run_layer`), or
+        None where that does not apply (the layer then runs its torch path, which gives the same bits)."""
+        return fused.run_layer(layer, x, cos, sin, self)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, gqa: bool, window: int | None = None,
                scale: float | None = None, value_dim: int | None = None) -> torch.Tensor:

@@ -199,3 +199,53 @@ def test_native_elementwise_kernels_against_torch():
             assert torch.equal(native.rms_norm(x[r:r + 1].contiguous(), w, 1e-5)[0], got[r])
     g, u = torch.randn(1000, generator=gen) * 6, torch.randn(1000, generator=gen)
     torch.testing.assert_close(native.silu_mul(g, u), F.silu(g) * u, rtol=1e-6, atol=1e-6)
+
+
+def test_a_draft_heads_layer_runs_fused_with_the_torch_paths_bits(monkeypatch):
+    """A head's decoder layer over its paged pool (an mtp module: the engine's k = 1 refresh and draft rows) goes
+    through `run_layer`, bit-identical to its torch path; the engine's speculative tokens and acceptance are the
+    same with the fused layers on and off."""
+    from heads.mtp import MTPConfig, MTPHead
+    from inference_eval.engine import engine_generate
+    from inference_eval.model import tied_from_model
+    from inference_eval.paged import KVPool
+
+    target = tiny(4)
+    head = MTPHead(target.args, MTPConfig(), tied_from_model(target)).eval()
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if not name.startswith("tied"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+    gen = torch.Generator().manual_seed(0)
+    _, tables = pool_and_tables(target, [24, 24])
+    ran = []
+    real = fused.run_layer
+    monkeypatch.setattr(fused, "run_layer", lambda *a: (lambda r: ran.append(r is not None) or r)(real(*a)))
+
+    def head_rows(on: bool):
+        monkeypatch.setenv("SPECHEAD_FUSED", "1" if on else "0")
+        pool = KVPool.for_args(target.args, 1, 64, 4, torch.float32)
+        outs = []
+        g = torch.Generator().manual_seed(1)
+        with torch.inference_mode():
+            for slices in ([SeqSlice(tables[0], 0, 6), SeqSlice(tables[1], 0, 3)],  # short prefills
+                           [SeqSlice(tables[0], 6, 2), SeqSlice(tables[1], 3, 2)],  # a k = 1 refresh
+                           [SeqSlice(tables[0], 8, 1), SeqSlice(tables[1], 5, 1)]):  # a draft step
+                n = sum(s.n for s in slices)
+                states = torch.randn(1, n, 80, generator=g)
+                tokens = torch.randint(0, 97, (1, n), generator=g)
+                pos = torch.cat([torch.arange(s.base, s.end) for s in slices])[None]
+                outs.append(head(states, tokens, pos, PagedCache(pool, PagedBatch(slices)), 0))
+        return outs
+
+    torch_path, fused_path = head_rows(False), head_rows(True)
+    assert ran == [False] * 3 + [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(torch_path, fused_path))
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (5, 9, 3)]
+    got = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("SPECHEAD_FUSED", on)
+        outs, eng = engine_generate(target, prompts, 12, proposer=head, k=1)
+        got[on] = (outs, eng.stats.accepted, eng.stats.steps)
+    assert got["0"] == got["1"]
+    assert ran.count(True) > 3  # the engine's rounds took the fused head layer
