@@ -337,7 +337,7 @@ static void rope_rows(float *x, const float *cos, const float *sin, int64_t rows
 }
 
 /* One Llama decoder layer's weights (heads/layers.py DecoderLayer): linear weights fp32 (bf = 0) or bf16 (bf = 1),
-   the q/k/v biases and the per-head q/k norms optional (NULL). Every field 8 bytes: the ctypes mirror has no
+   the input norm, the q/k/v biases and the per-head q/k norms optional (NULL). Every field 8 bytes: the ctypes mirror has no
    padding to get wrong. */
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm;
@@ -380,7 +380,8 @@ void decode_layers(const layer_t *layers, int64_t first, int64_t last, const ste
         float *hn = S->scratch, *q = hn + n * h, *k = q + n * qd, *v = k + n * kd, *att = v + n * kd;
         float *g = att + n * qd, *u = g + n * in;
         float *kp = S->kpool[li], *vp = S->vpool[li];
-        rms_rows(x, L->in_norm, hn, n, h, eps, th);
+        if (L->in_norm) rms_rows(x, L->in_norm, hn, n, h, eps, th);
+        else memcpy(hn, x, n * h * sizeof(float));  /* EAGLE-1's layer: no input norm */
         lin(hn, L->wq, L->bq, q, n, qd, h, th, L->bf);
         lin(hn, L->wk, L->bk, k, n, kd, h, th, L->bf);
         lin(hn, L->wv, L->bv, v, n, kd, h, th, L->bf);

@@ -1,18 +1,19 @@
-"""A Llama-layout target's decoder layers as one native call per forward (core/native.py `decode_layers`).
+"""Decoder layers as one native call per forward (core/native.py `decode_layers`): a Llama-layout target's whole
+stack (`run`), or one draft head's layer over its paged pool (`run_layer`, through `PagedLayer.run_layer`).
 
-A decode step of the eager engine runs ~160 torch operators per layer (views, casts, the norm's composite, the
-module calls around them): at SmolLM2-135M's sizes on one CPU core they cost a fifth of the step, as much again as
-what the step's linears stream in a few milliseconds (bench/step_profile.py). When every row of a forward is one
-the native kernels compute anyway — float32 on the CPU, no autograd, not traced, at most `NATIVE_ROWS` rows, every
-sequence attended by the paged kernel (decode, a chain's verification) — the layers run in C instead: the same
-kernels (the few-row linear, `rms_norm`, `silu_mul`, the paged attention) in the same order as the torch path
-takes with them, so the hidden states are bit-identical to it (tests/test_fused_layers.py), and a row still does
-not depend on its batch.
+A decode step of the eager engine ran ~160 torch operators per layer (views, casts, the norm's composite, the module
+calls around them): on one CPU core at SmolLM2-135M's sizes a quarter of the step beside what its linears stream
+(bench/step_profile.py: 4,933 operator calls per batch-1 step). When every row of a forward is one the native
+kernels compute anyway — float32 on the CPU, no autograd, not traced, at most `NATIVE_ROWS` rows, every sequence
+attended by the paged kernel (decode, a chain's verification, a prefill of ≤ 16 rows per sequence) — the layers run
+in C instead: the same kernels (the few-row linear, `rms_norm`, `silu_mul`, the paged attention) in the same order as
+the torch path takes with them, so the outputs are bit-identical to it (tests/test_fused_layers.py), and a row still
+does not depend on its batch.
 
-Which models: `LlamaForCausalLM` whose layers are heads/layers.py's `DecoderLayer` (input norm, `Attention` with or
-without q/k/v biases and per-head q/k norms, the SiLU `MLP`), linear weights all float32 or all bfloat16
-(`store_weights`), and a pool of per-head keys and values. Other families (Gemma 3, DeepSeek-V2), prefills, tree or
-block rows and anything on a GPU take the torch path. `SPECHEAD_FUSED=0` turns the fused path off.
+Which layers: heads/layers.py's `DecoderLayer` (input norm, `Attention` with or without q/k/v biases and per-head
+q/k norms, the SiLU `MLP`), linear weights all float32 or all bfloat16 (`store_weights`), over a pool of per-head
+keys and values; EAGLE-1's layer without the input norm too. Other families (Gemma 3, DeepSeek-V2), EAGLE-3's own
+layer, prefills past 16 rows, tree or block rows and anything on a GPU take the torch path. `SPECHEAD_FUSED=0` turns the fused path off.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ class FusedLayers:
         self.per_row = 0
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            mods = {"in_norm": (layer.input_layernorm, "weight"),
-                    "post_norm": (layer.post_attention_layernorm, "weight"),
+            mods = {"post_norm": (layer.post_attention_layernorm, "weight"),
                     "wq": (attn.q_proj, "weight"), "wk": (attn.k_proj, "weight"), "wv": (attn.v_proj, "weight"),
                     "wo": (attn.o_proj, "weight"), "wg": (mlp.gate_proj, "weight"), "wu": (mlp.up_proj, "weight"),
                     "wd": (mlp.down_proj, "weight")}
+            if hasattr(layer, "input_layernorm"):
+                mods["in_norm"] = (layer.input_layernorm, "weight")
             if attn.q_proj.bias is not None:
                 mods.update(bq=(attn.q_proj, "bias"), bk=(attn.k_proj, "bias"), bv=(attn.v_proj, "bias"))
             if hasattr(attn, "q_norm"):
@@ -60,7 +62,7 @@ class FusedLayers:
             qd, kd = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
             mirrors.append(native.Layer(
                 **{f: ptrs.get(f) for f in _FIELDS}, bf=int(attn.q_proj.weight.dtype == torch.bfloat16),
-                h=h, nh=attn.n_heads, nkv=attn.n_kv, d=attn.head_dim, inter=inter, eps=layer.input_layernorm.eps))
+                h=h, nh=attn.n_heads, nkv=attn.n_kv, d=attn.head_dim, inter=inter, eps=layer.post_attention_layernorm.eps))
             self.per_row = max(self.per_row, h + 2 * qd + 2 * kd + 2 * inter)
         self.array = (native.Layer * len(mirrors))(*mirrors)
         self.head_dim = layers[0].self_attn.head_dim
@@ -71,11 +73,10 @@ class FusedLayers:
 
 def _supported_layer(layer) -> torch.dtype | None:
     """The linear weights' dtype of a layer `decode_layers` computes (module docstring), else None."""
-    if (type(layer) is not DecoderLayer or not hasattr(layer, "input_layernorm")
-            or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP):
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms = [layer.post_attention_layernorm] + ([layer.input_layernorm] if hasattr(layer, "input_layernorm") else [])
     if hasattr(attn, "q_norm"):
         norms += [attn.q_norm, attn.k_norm]
     if any(type(m) is not RMSNorm or m.eps != norms[0].eps or not native.accepts(m.weight) for m in norms):
@@ -86,8 +87,9 @@ def _supported_layer(layer) -> torch.dtype | None:
               (h, attn.n_heads * attn.head_dim), (mlp.gate_proj.weight.shape[0], h),
               (mlp.gate_proj.weight.shape[0], h), (h, mlp.gate_proj.weight.shape[0])]
     if (attn.head_dim % 2 or attn.n_heads % attn.n_kv
+            or (hasattr(attn, "q_norm") and {attn.q_norm.weight.shape[0], attn.k_norm.weight.shape[0]} != {attn.head_dim})
             or any(tuple(m.weight.shape) != sh for m, sh in zip(linears, shapes))
-            or layer.post_attention_layernorm.weight.shape[0] != h):
+            or (hasattr(layer, "input_layernorm") and layer.input_layernorm.weight.shape[0] != h)):
         return None
     dtypes = {m.weight.dtype for m in linears}
     if len(dtypes) != 1 or not all(native.accepts_weight(m.weight) for m in linears):

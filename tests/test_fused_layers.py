@@ -249,3 +249,39 @@ def test_a_draft_heads_layer_runs_fused_with_the_torch_paths_bits(monkeypatch):
         got[on] = (outs, eng.stats.accepted, eng.stats.steps)
     assert got["0"] == got["1"]
     assert ran.count(True) > 3  # the engine's rounds took the fused head layer
+
+
+@pytest.mark.parametrize("input_norm", [False, True], ids=["eagle1_layer", "llama_layer"])
+def test_one_layer_over_a_paged_pool(input_norm, monkeypatch):
+    """`run_layer` on a lone DecoderLayer (EAGLE-1's has no input norm) over decode and verification rows of two
+    sequences: the torch path's bits, the pool's written keys and values too; the input is left as it was."""
+    from heads.layers import DecoderLayer, Rotary
+    from inference_eval.paged import KVPool, PagedLayer
+
+    args = tiny().args
+    torch.manual_seed(6)
+    layer = DecoderLayer(args, input_norm=input_norm).eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in name else 0.0))
+    _, tables = pool_and_tables(tiny(), [24, 24])
+    ran = []
+    real = fused.run_layer
+    monkeypatch.setattr(fused, "run_layer", lambda *a: (lambda r: ran.append(r is not None) or r)(real(*a)))
+    results = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("SPECHEAD_FUSED", on)
+        pool = KVPool.for_args(args, 1, 64, 4, torch.float32)
+        g = torch.Generator().manual_seed(2)
+        pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+        pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+        slices = [SeqSlice(tables[0], 10, 1), SeqSlice(tables[1], 7, 3)]
+        x = torch.randn(1, 4, 80, generator=g)
+        cos, sin = Rotary(args)(torch.tensor([[10, 7, 8, 9]]), torch.float32)
+        before = x.clone()
+        with torch.inference_mode():
+            out = layer(x, cos, sin, PagedLayer(pool.k[0], pool.v[0], PagedBatch(slices)))
+        assert torch.equal(x, before)
+        results[on] = (out, pool.k[0].clone(), pool.v[0].clone())
+    assert ran == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(results["0"], results["1"]))
