@@ -337,8 +337,8 @@ static void rope_rows(float *x, const float *cos, const float *sin, int64_t rows
 }
 
 /* One Llama decoder layer's weights (heads/layers.py DecoderLayer): linear weights fp32 (bf = 0) or bf16 (bf = 1),
-   the input norm, the q/k/v biases and the per-head q/k norms optional (NULL). Every field 8 bytes: the ctypes mirror has no
-   padding to get wrong. */
+   the input norm, the q/k/v biases and the per-head q/k norms optional (NULL). Every field 8 bytes: the ctypes
+   mirror has no padding to get wrong. */
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm;
     const void *wq, *wk, *wv, *wo, *wg, *wu, *wd;

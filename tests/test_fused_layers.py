@@ -179,6 +179,10 @@ def test_the_fused_path_is_taken_only_where_it_applies(monkeypatch):
     mlp.up_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.up_proj.weight))
     after = fused.layers_for(model)
     assert after is not before and after.array[0].wu == mlp.up_proj.weight.data_ptr()
+    from heads.layers import DecoderLayer  # a layer module replaced: its weights are read, not the old layer's
+    model.model.layers[2] = DecoderLayer(model.args).eval()
+    again = fused.layers_for(model)
+    assert again is not after and again.array[2].wq == model.model.layers[2].self_attn.q_proj.weight.data_ptr()
     # a layout the kernel does not compute: a model with one layer of another kind
     model.model.layers[1].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(80))
     assert fused.layers_for(model) is None
